@@ -1,0 +1,95 @@
+"""Validation and initialisation helpers shared by every batched layer."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+__all__ = [
+    "check_num_models",
+    "check_input",
+    "init_per_model_",
+    "is_shared",
+    "layer_name",
+]
+
+
+def layer_name(module: nn.Module) -> str:
+    """The name used in error messages: the module path when the layer knows it, else its class."""
+    path = getattr(module, "_batchlayers_path", None)
+    cls = type(module).__name__
+    return f"{cls} at '{path}'" if path else cls
+
+
+def check_num_models(num_models: int, cls: type) -> int:
+    if isinstance(num_models, bool) or not isinstance(num_models, int):
+        raise TypeError(f"{cls.__name__}: num_models must be an int, got {type(num_models).__name__}")
+    if num_models < 1:
+        raise ValueError(f"{cls.__name__}: num_models must be at least 1, got {num_models}")
+    return num_models
+
+
+def _fmt(shape: Sequence[object]) -> str:
+    return "(" + ", ".join(str(s) for s in shape) + ")"
+
+
+def check_input(
+    module: nn.Module,
+    x: Tensor,
+    *,
+    trailing: Sequence[tuple[str, int]] = (),
+    ndims: Sequence[int] | None = None,
+    min_ndim: int = 2,
+    what: str = "input",
+    layout: str = "(M, B, *)",
+) -> None:
+    """Check that ``x`` is ``(M, ...)`` with the given trailing sizes; raise naming the layer otherwise.
+
+    ``trailing`` lists ``(name, size)`` pairs for the last dimensions (e.g. ``[("in_features", 20)]``),
+    ``ndims`` the allowed total numbers of dimensions (``None``: any number >= ``min_ndim``).
+    """
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{layer_name(module)}: expected the {what} to be a Tensor, got {type(x).__name__}")
+    num_models = module.num_models
+    expected = f"{layout} with M={num_models}" + "".join(f", {n}={s}" for n, s in trailing)
+    if ndims is not None and x.dim() not in ndims:
+        allowed = " or ".join(str(n) for n in ndims)
+        raise ValueError(
+            f"{layer_name(module)}: expected a {allowed}-D {what} {expected}, "
+            f"got {x.dim()}-D shape {_fmt(x.shape)}"
+        )
+    if x.dim() < max(min_ndim, 1 + len(trailing)):
+        raise ValueError(
+            f"{layer_name(module)}: expected {what} {expected}, got too few dimensions: shape {_fmt(x.shape)}"
+        )
+    if x.shape[0] != num_models:
+        raise ValueError(
+            f"{layer_name(module)}: expected {what} {expected}, but dimension 0 (models) is "
+            f"{x.shape[0]}, not {num_models}: shape {_fmt(x.shape)}"
+        )
+    for k, (name, size) in enumerate(reversed(trailing)):
+        dim = x.dim() - 1 - k
+        if x.shape[dim] != size:
+            raise ValueError(
+                f"{layer_name(module)}: expected {what} {expected}, but dimension {dim} ({name}) is "
+                f"{x.shape[dim]}: shape {_fmt(x.shape)}"
+            )
+
+
+def is_shared(x: Tensor) -> bool:
+    """True when ``x`` is one batch shared by every model, passed as ``batch.expand(M, *batch.shape)``."""
+    return x.dim() > 0 and x.shape[0] > 1 and x.stride(0) == 0
+
+
+@torch.no_grad()
+def init_per_model_(tensor: Tensor, init_fn: Callable[[Tensor], object]) -> Tensor:
+    """Apply a ``torch.nn.init``-style function to each model's slice on its own.
+
+    Calling ``torch.nn.init`` on the stacked ``(M, *shape)`` tensor would compute the fan from the wrong
+    dimensions; a slice per model has exactly the shape the torch.nn layer initialises.
+    """
+    for model_slice in tensor.unbind(0):
+        init_fn(model_slice)
+    return tensor
