@@ -57,8 +57,7 @@ def check_input(
     if ndims is not None and x.dim() not in ndims:
         allowed = " or ".join(str(n) for n in ndims)
         raise ValueError(
-            f"{layer_name(module)}: expected a {allowed}-D {what} {expected}, "
-            f"got {x.dim()}-D shape {_fmt(x.shape)}"
+            f"{layer_name(module)}: expected a {allowed}-D {what} {expected}, got {x.dim()}-D shape {_fmt(x.shape)}"
         )
     if x.dim() < max(min_ndim, 1 + len(trailing)):
         raise ValueError(

@@ -12,10 +12,18 @@ def _case(id, in_f, out_f, bias, extra_dims=()):
         torch=lambda dt: nn.Linear(in_f, out_f, bias, dtype=dt),
         input=lambda lead, dt: torch.randn(*lead, *extra_dims, in_f, dtype=dt),
         bad_inputs=[
-            ("models", lambda m, dt: torch.randn(m + 1, 2, in_f, dtype=dt), ValueError,
-             r"BatchedLinear.*dimension 0 \(models\) is 4, not 3"),
-            ("features", lambda m, dt: torch.randn(m, 2, in_f + 1, dtype=dt), ValueError,
-             rf"BatchedLinear.*in_features={in_f}.*is {in_f + 1}"),
+            (
+                "models",
+                lambda m, dt: torch.randn(m + 1, 2, in_f, dtype=dt),
+                ValueError,
+                r"BatchedLinear.*dimension 0 \(models\) is 4, not 3",
+            ),
+            (
+                "features",
+                lambda m, dt: torch.randn(m, 2, in_f + 1, dtype=dt),
+                ValueError,
+                rf"BatchedLinear.*in_features={in_f}.*is {in_f + 1}",
+            ),
             ("ndim", lambda m, dt: torch.randn(in_f, dtype=dt), ValueError, r"BatchedLinear.*too few"),
             ("type", lambda m, dt: [[0.0] * in_f] * m, TypeError, r"BatchedLinear.*Tensor"),
         ],

@@ -7,7 +7,6 @@ in ``tests/cases_*.py`` through the same checks; the family test files add what 
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field

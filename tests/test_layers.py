@@ -21,9 +21,7 @@ from harness import (
 
 _HERE = pathlib.Path(__file__).parent
 CASES: list[LayerCase] = [
-    case
-    for path in sorted(_HERE.glob("cases_*.py"))
-    for case in importlib.import_module(path.stem).CASES
+    case for path in sorted(_HERE.glob("cases_*.py")) for case in importlib.import_module(path.stem).CASES
 ]
 BAD_INPUTS = [(case, row) for case in CASES for row in case.bad_inputs]
 
@@ -76,7 +74,11 @@ def test_to_dtype(case: LayerCase) -> None:
             assert t.dtype == torch.float64, f"{name} stayed {t.dtype}"
     modules = unbatch(batched, lambda: case.torch(torch.float64))
     compare_with_loop(
-        batched, modules, lambda lead: case.input(lead, torch.float64), shared=False, steps=1,
+        batched,
+        modules,
+        lambda lead: case.input(lead, torch.float64),
+        shared=False,
+        steps=1,
         input_requires_grad=case.input_requires_grad,
     )
 
