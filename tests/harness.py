@@ -139,7 +139,7 @@ def ks_critical(n: int, m: int, alpha: float = 1e-6) -> float:
     return math.sqrt(-math.log(alpha / 2) / 2) * math.sqrt((n + m) / (n * m))
 
 
-def check_init_matches_torch(case: LayerCase, num_models: int = 4, torch_samples: int = 8) -> None:
+def check_init_matches_torch(case: LayerCase, num_models: int = 8, torch_samples: int = 16) -> None:
     """Each model's slice is drawn like a fresh torch.nn module's parameters (KS test per slice), slices are
     independent of each other, and ``reset_parameters()`` draws them again in place."""
     torch.manual_seed(0)
@@ -148,6 +148,11 @@ def check_init_matches_torch(case: LayerCase, num_models: int = 4, torch_samples
     for name, p in batched.named_parameters():
         ref = torch.cat([dict(m.named_parameters())[name].detach().flatten() for m in reference])
         constant = bool((ref == ref[0]).all())
+        # Pooled over models the test is sharp enough to see a slightly wrong bound or gain; per slice it
+        # catches a fan computed from the stacked tensor, or one model initialised differently.
+        stat = ks_statistic(p.detach(), ref)
+        crit = ks_critical(p.numel(), ref.numel())
+        assert stat <= crit, f"{name} is not distributed like torch's init: KS {stat:.3f} > {crit:.3f}"
         for i in range(num_models):
             stat = ks_statistic(p[i].detach(), ref)
             crit = ks_critical(p[i].numel(), ref.numel())
