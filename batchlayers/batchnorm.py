@@ -1,0 +1,179 @@
+"""Batched counterparts of ``torch.nn.BatchNorm1d``, ``BatchNorm2d`` and ``BatchNorm3d``."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+from torch.nn import init
+
+from ._utils import check_input, check_num_models
+from .functional._batchnorm import batch_norm
+from .normalization import check_channels, check_values_per_statistic
+
+__all__ = ["BatchedBatchNorm1d", "BatchedBatchNorm2d", "BatchedBatchNorm3d"]
+
+
+class _BatchedBatchNorm(nn.Module):
+    """Everything of BatchNorm1d/2d/3d but the accepted input dimensions, as torch.nn's ``_BatchNorm``."""
+
+    __constants__ = ["num_models", "num_features", "eps", "momentum", "affine", "track_running_stats"]
+    _input_ndims: tuple[int, ...]
+    _layout: str
+
+    def __init__(
+        self,
+        num_models: int,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        device=None,
+        dtype=None,
+        *,
+        bias: bool = True,
+    ) -> None:
+        factory_kwargs = {"device": device, "dtype": dtype}
+        super().__init__()
+        self.num_models = check_num_models(num_models, type(self))
+        self.num_features = num_features
+        self.eps = eps
+        self.momentum = momentum
+        self.affine = affine
+        self.track_running_stats = track_running_stats
+        if affine:
+            self.weight = nn.Parameter(torch.empty((num_models, num_features), **factory_kwargs))
+            if bias:
+                self.bias = nn.Parameter(torch.empty((num_models, num_features), **factory_kwargs))
+            else:
+                self.register_parameter("bias", None)
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+        if track_running_stats:
+            self.register_buffer("running_mean", torch.zeros((num_models, num_features), **factory_kwargs))
+            self.register_buffer("running_var", torch.ones((num_models, num_features), **factory_kwargs))
+            self.register_buffer(
+                "num_batches_tracked", torch.zeros(num_models, dtype=torch.long, device=factory_kwargs["device"])
+            )
+        else:
+            self.register_buffer("running_mean", None)
+            self.register_buffer("running_var", None)
+            self.register_buffer("num_batches_tracked", None)
+        self.reset_parameters()
+
+    def reset_running_stats(self) -> None:
+        if self.track_running_stats:
+            self.running_mean.zero_()
+            self.running_var.fill_(1)
+            self.num_batches_tracked.zero_()
+
+    def reset_parameters(self) -> None:
+        self.reset_running_stats()
+        if self.weight is not None:
+            init.ones_(self.weight)
+        if self.bias is not None:
+            init.zeros_(self.bias)
+
+    def forward(self, input: Tensor) -> Tensor:
+        check_input(self, input, ndims=self._input_ndims, layout=self._layout)
+        check_channels(self, input, self.num_features, self._layout)
+        use_batch_stats = self.training or self.running_mean is None
+        if use_batch_stats:
+            check_values_per_statistic(self, input, input.shape[1] * math.prod(input.shape[3:]))
+
+        momentum: float | Tensor = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:
+                # Cumulative average, each model by its own count (checkpoints may have seen different numbers
+                # of batches); a tensor, so no data-dependent Python value and no graph break.
+                momentum = self.num_batches_tracked.to(self.running_mean.dtype).reciprocal()
+        # As torch.nn: running statistics are used in eval mode when present, updated in training mode
+        # only when tracked.
+        track = not self.training or self.track_running_stats
+        return batch_norm(
+            input,
+            self.running_mean if track else None,
+            self.running_var if track else None,
+            self.weight,
+            self.bias,
+            use_batch_stats,
+            momentum,
+            self.eps,
+        )
+
+    def extra_repr(self) -> str:
+        parts = [f"num_models={self.num_models}", str(self.num_features)]
+        if self.eps != 1e-5:
+            parts.append(f"eps={self.eps}")
+        if self.momentum != 0.1:
+            parts.append(f"momentum={self.momentum}")
+        if not self.affine:
+            parts.append("affine=False")
+        elif self.bias is None:
+            parts.append("bias=False")
+        if not self.track_running_stats:
+            parts.append("track_running_stats=False")
+        return ", ".join(parts)
+
+
+_DOC = r"""``num_models`` independent :class:`torch.nn.{name}` layers, computed together.
+
+    In training mode every model normalises each channel with the statistics of its own batch and updates
+    its own running statistics (``running_var`` with the unbiased batch variance); in eval mode it uses its
+    running statistics. All models run in one ``F.batch_norm`` over ``M*C`` packed channels.
+
+    Args:
+        num_models: number of models ``M``.
+        num_features: number of channels ``C``.
+        eps: added to the variance for numerical stability. Default: ``1e-5``.
+        momentum: weight of the new batch in the running statistics; ``None`` is the cumulative average,
+            which follows each model's own ``num_batches_tracked``. Default: ``0.1``.
+        affine: if ``True``, every model learns per-channel ``weight`` and ``bias``. Default: ``True``.
+        track_running_stats: if ``False``, no running statistics are kept and batch statistics are used
+            in eval mode too. Default: ``True``.
+        bias: keyword only; if ``False``, no ``bias`` is learned (only with ``affine``). Default: ``True``.
+
+    Shape:
+        - Input: ``{shape}``. A shared batch (``x.expand(M, *x.shape)``) is normalised once and never
+          copied M times; the transposed view of a packed ``(B, M*C, *)`` tensor (what a batched
+          convolution returns) is normalised without a copy.
+        - Output: same shape as the input; for a per-model input, the transposed view of the packed result.
+
+    Attributes:
+        weight: ``(M, C)``, initialised to 1, as in ``torch.nn.{name}``.
+        bias: ``(M, C)``, initialised to 0.
+        running_mean: ``(M, C)`` buffer, initialised to 0.
+        running_var: ``(M, C)`` buffer, initialised to 1.
+        num_batches_tracked: ``(M,)`` long buffer, initialised to 0.
+
+    Examples::
+
+        >>> layer = Batched{name}(4, 6)
+        >>> layer(torch.randn({example})).shape
+        torch.Size([{example}])
+    """
+
+
+class BatchedBatchNorm1d(_BatchedBatchNorm):
+    __doc__ = _DOC.format(name="BatchNorm1d", shape="(M, B, C)`` or ``(M, B, C, L)", example="4, 8, 6, 10")
+    torch_module = nn.BatchNorm1d
+    _input_ndims = (3, 4)
+    _layout = "(M, B, C) or (M, B, C, L)"
+
+
+class BatchedBatchNorm2d(_BatchedBatchNorm):
+    __doc__ = _DOC.format(name="BatchNorm2d", shape="(M, B, C, H, W)", example="4, 8, 6, 5, 5")
+    torch_module = nn.BatchNorm2d
+    _input_ndims = (5,)
+    _layout = "(M, B, C, H, W)"
+
+
+class BatchedBatchNorm3d(_BatchedBatchNorm):
+    __doc__ = _DOC.format(name="BatchNorm3d", shape="(M, B, C, D, H, W)", example="4, 8, 6, 3, 5, 5")
+    torch_module = nn.BatchNorm3d
+    _input_ndims = (6,)
+    _layout = "(M, B, C, D, H, W)"

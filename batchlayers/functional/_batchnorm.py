@@ -1,0 +1,117 @@
+"""Batched batch normalization: per-model batch statistics and running statistics in one kernel."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .._utils import is_shared
+from ._norm import per_model_affine
+
+__all__ = ["batch_norm"]
+
+
+def batch_norm(
+    x: Tensor,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    training: bool = False,
+    momentum: float | Tensor = 0.1,
+    eps: float = 1e-5,
+) -> Tensor:
+    """Model ``m``'s :func:`torch.nn.functional.batch_norm` on ``x[m]`` with its own parameters and stats.
+
+    Channel packing turns all models into one ``F.batch_norm`` over ``M*C`` channels: ``(M, B, C, *)`` is
+    viewed as ``(B, M*C, *)`` (free when ``x`` is a transposed view of a packed tensor, as a batched
+    convolution returns; otherwise one copy) and the ``(M, C)`` running statistics are viewed flat, so the
+    kernel updates them in place. The output is the transposed view of the packed result.
+
+    A shared stride-0 batch has the same statistics for every model: it is normalised once and only the
+    per-model affine (and, in eval mode, the per-model running statistics) fan it out to ``M`` outputs.
+
+    Args:
+        x: ``(M, B, C, *)``.
+        running_mean, running_var: ``(M, C)`` contiguous, or ``None`` to use batch statistics only.
+        weight, bias: ``(M, C)`` or ``None``.
+        training: normalise with batch statistics and update the running ones (when given).
+        momentum: factor of the running-statistics update, a float for every model or an ``(M,)`` tensor
+            with one factor per model (``torch.nn`` BatchNorm's cumulative average, ``momentum=None``, is
+            ``1 / num_batches_tracked``, which differs between models that have seen different numbers of
+            batches).
+        eps: added to the variance.
+    """
+    num_models, batch, num_channels = x.shape[:3]
+    spatial = x.shape[3:]
+    param_view = [num_models, 1, num_channels, *[1] * len(spatial)]
+    use_batch_stats = training or running_mean is None
+    update_stats = training and running_mean is not None
+    per_model_momentum = isinstance(momentum, Tensor)
+
+    if is_shared(x):
+        source = x[0]
+        if not use_batch_stats:
+            return _shared_eval(source, running_mean, running_var, weight, bias, eps, param_view)
+        if not update_stats:
+            normalized = F.batch_norm(source, None, None, training=True, eps=eps)
+            return per_model_affine(normalized, num_models, weight, bias, param_view)
+        batch_mean, batch_var = _fresh_stats(running_mean, num_channels)
+        normalized = F.batch_norm(source, batch_mean, batch_var, training=True, momentum=1.0, eps=eps)
+        _update_running_stats(running_mean, running_var, batch_mean, batch_var, momentum)
+        return per_model_affine(normalized, num_models, weight, bias, param_view)
+
+    packed = x.transpose(0, 1).reshape(batch, num_models * num_channels, *spatial)
+    flat_weight = None if weight is None else weight.view(-1)
+    flat_bias = None if bias is None else bias.view(-1)
+    if update_stats and per_model_momentum:
+        # F.batch_norm takes one momentum for all channels: let it write this batch's statistics into fresh
+        # buffers (momentum 1), then blend them into each model's running statistics with its own factor.
+        batch_mean, batch_var = _fresh_stats(running_mean, num_models * num_channels)
+        out = F.batch_norm(packed, batch_mean, batch_var, flat_weight, flat_bias, True, 1.0, eps)
+        batch_mean, batch_var = batch_mean.view(num_models, num_channels), batch_var.view(num_models, num_channels)
+        _update_running_stats(running_mean, running_var, batch_mean, batch_var, momentum)
+    else:
+        flat_mean = None if running_mean is None else running_mean.view(-1)
+        flat_var = None if running_var is None else running_var.view(-1)
+        scalar_momentum = 0.0 if per_model_momentum else momentum  # a tensor only matters when updating
+        out = F.batch_norm(packed, flat_mean, flat_var, flat_weight, flat_bias, use_batch_stats, scalar_momentum, eps)
+    return out.view(batch, num_models, num_channels, *spatial).transpose(0, 1)
+
+
+def _fresh_stats(like: Tensor, size: int) -> tuple[Tensor, Tensor]:
+    # Finite start values: with momentum 1 the kernel computes 0 * start + 1 * batch statistic.
+    return like.new_zeros(size), like.new_zeros(size)
+
+
+@torch.no_grad()
+def _update_running_stats(
+    running_mean: Tensor, running_var: Tensor, batch_mean: Tensor, batch_var: Tensor, momentum: float | Tensor
+) -> None:
+    """``running = (1 - momentum) * running + momentum * batch`` in place, the formula of torch's kernel;
+    ``batch_var`` is the unbiased variance, as torch uses for the running variance."""
+    if isinstance(momentum, Tensor):
+        momentum = momentum.to(running_mean.dtype).unsqueeze(1)
+    running_mean.mul_(1 - momentum).add_(momentum * batch_mean)
+    running_var.mul_(1 - momentum).add_(momentum * batch_var)
+
+
+def _shared_eval(
+    source: Tensor,
+    running_mean: Tensor,
+    running_var: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float,
+    param_view: list[int],
+) -> Tensor:
+    """Eval mode on one shared batch: each model's running statistics and affine folded into one per-model
+    scale and shift, ``x * scale + shift`` (the form torch's CPU kernel uses), broadcast over the models."""
+    scale = torch.rsqrt(running_var + eps)
+    if weight is not None:
+        scale = scale * weight
+    shift = -running_mean * scale
+    if bias is not None:
+        shift = shift + bias
+    return torch.addcmul(shift.view(param_view), source, scale.view(param_view))

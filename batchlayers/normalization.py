@@ -1,0 +1,284 @@
+"""Batched counterparts of ``torch.nn.LayerNorm``, ``torch.nn.RMSNorm`` and ``torch.nn.GroupNorm``."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.nn import init
+
+from ._utils import check_input, check_num_models, layer_name
+from .functional._norm import group_norm, layer_norm, rms_norm
+
+__all__ = ["BatchedGroupNorm", "BatchedLayerNorm", "BatchedRMSNorm"]
+
+
+def check_channels(module: nn.Module, x: Tensor, num_channels: int, layout: str) -> None:
+    """Dimension 2 of an ``(M, B, C, *)`` input must be ``C``; raise naming the layer otherwise."""
+    if x.shape[2] != num_channels:
+        raise ValueError(
+            f"{layer_name(module)}: expected input {layout} with M={module.num_models}, C={num_channels}, but "
+            f"dimension 2 (channels) is {x.shape[2]}: shape {tuple(x.shape)}"
+        )
+
+
+def check_values_per_statistic(module: nn.Module, x: Tensor, count: int) -> None:
+    """Like torch.nn, refuse statistics over a single value (the variance would be 0 / 0)."""
+    if count == 1:
+        raise ValueError(
+            f"{layer_name(module)}: expected more than 1 value per channel when training, got input shape "
+            f"{tuple(x.shape)}"
+        )
+
+
+class _BatchedTrailingNorm(nn.Module):
+    """Shared by LayerNorm and RMSNorm: statistics and ``(M, *normalized_shape)`` affine over trailing dims."""
+
+    __constants__ = ["num_models", "normalized_shape", "eps", "elementwise_affine"]
+    _default_eps: float | None
+    _bias_option: bool  # whether the torch.nn layer has a ``bias`` argument
+
+    def __init__(
+        self,
+        num_models: int,
+        normalized_shape: int | Sequence[int],
+        eps: float | None,
+        elementwise_affine: bool,
+        bias: bool,
+        factory_kwargs: dict,
+    ) -> None:
+        super().__init__()
+        self.num_models = check_num_models(num_models, type(self))
+        if isinstance(normalized_shape, numbers.Integral):
+            normalized_shape = (normalized_shape,)
+        self.normalized_shape = tuple(normalized_shape)
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.empty((num_models, *self.normalized_shape), **factory_kwargs))
+            if bias:
+                self.bias = nn.Parameter(torch.empty((num_models, *self.normalized_shape), **factory_kwargs))
+            else:
+                self.register_parameter("bias", None)
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.weight is not None:
+            init.ones_(self.weight)
+        if self.bias is not None:
+            init.zeros_(self.bias)
+
+    def _check_input(self, input: Tensor) -> None:
+        shape = self.normalized_shape
+        names = ["normalized_shape"] if len(shape) == 1 else [f"normalized_shape[{i}]" for i in range(len(shape))]
+        check_input(self, input, trailing=list(zip(names, shape)), layout="(M, *, *normalized_shape)")
+
+    def extra_repr(self) -> str:
+        parts = [f"num_models={self.num_models}", str(self.normalized_shape)]
+        if self.eps != self._default_eps:
+            parts.append(f"eps={self.eps}")
+        if not self.elementwise_affine:
+            parts.append("elementwise_affine=False")
+        elif self._bias_option and self.bias is None:
+            parts.append("bias=False")
+        return ", ".join(parts)
+
+
+class BatchedLayerNorm(_BatchedTrailingNorm):
+    r"""``num_models`` independent :class:`torch.nn.LayerNorm` layers, computed together.
+
+    Every model normalises its own input over the trailing ``normalized_shape`` dimensions with one
+    ``F.layer_norm`` for all models; then model ``m``'s ``weight[m]`` and ``bias[m]`` apply.
+
+    Args:
+        num_models: number of models ``M``.
+        normalized_shape: the trailing shape normalised over, an int or a sequence of ints.
+        eps: added to the variance for numerical stability. Default: ``1e-5``.
+        elementwise_affine: if ``True``, every model learns a per-element ``weight`` (and ``bias``).
+            Default: ``True``.
+        bias: if ``False``, no ``bias`` is learned (only with ``elementwise_affine``). Default: ``True``.
+
+    Shape:
+        - Input: ``(M, *, *normalized_shape)``, usually ``(M, B, *, *normalized_shape)``. A shared batch
+          (``x.expand(M, *x.shape)``) is normalised once and never copied M times.
+        - Output: same shape as the input.
+
+    Attributes:
+        weight: ``(M, *normalized_shape)``, initialised to 1, as in ``torch.nn.LayerNorm``.
+        bias: ``(M, *normalized_shape)``, initialised to 0.
+
+    Examples::
+
+        >>> layer = BatchedLayerNorm(4, 16)
+        >>> layer(torch.randn(4, 8, 10, 16)).shape
+        torch.Size([4, 8, 10, 16])
+    """
+
+    torch_module = nn.LayerNorm
+    _default_eps = 1e-5
+    _bias_option = True
+
+    def __init__(
+        self,
+        num_models: int,
+        normalized_shape: int | Sequence[int],
+        eps: float = 1e-5,
+        elementwise_affine: bool = True,
+        bias: bool = True,
+        device=None,
+        dtype=None,
+    ) -> None:
+        factory_kwargs = {"device": device, "dtype": dtype}
+        super().__init__(num_models, normalized_shape, eps, elementwise_affine, bias, factory_kwargs)
+
+    def forward(self, input: Tensor) -> Tensor:
+        self._check_input(input)
+        return layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
+
+
+class BatchedRMSNorm(_BatchedTrailingNorm):
+    r"""``num_models`` independent :class:`torch.nn.RMSNorm` layers, computed together.
+
+    Every model divides its input by the root mean square over the trailing ``normalized_shape``
+    dimensions (one ``F.rms_norm`` for all models), then scales by its own ``weight[m]``.
+
+    Args:
+        num_models: number of models ``M``.
+        normalized_shape: the trailing shape normalised over, an int or a sequence of ints.
+        eps: added to the mean square; ``None`` uses ``torch.finfo(input.dtype).eps``. Default: ``None``.
+        elementwise_affine: if ``True``, every model learns a per-element ``weight``. Default: ``True``.
+
+    Shape:
+        - Input: ``(M, *, *normalized_shape)``, usually ``(M, B, *, *normalized_shape)``. A shared batch
+          (``x.expand(M, *x.shape)``) is normalised once and never copied M times.
+        - Output: same shape as the input.
+
+    Attributes:
+        weight: ``(M, *normalized_shape)``, initialised to 1, as in ``torch.nn.RMSNorm``.
+
+    Examples::
+
+        >>> layer = BatchedRMSNorm(4, 16)
+        >>> layer(torch.randn(4, 8, 16)).shape
+        torch.Size([4, 8, 16])
+    """
+
+    torch_module = nn.RMSNorm
+    _default_eps = None
+    _bias_option = False
+
+    def __init__(
+        self,
+        num_models: int,
+        normalized_shape: int | Sequence[int],
+        eps: float | None = None,
+        elementwise_affine: bool = True,
+        device=None,
+        dtype=None,
+    ) -> None:
+        factory_kwargs = {"device": device, "dtype": dtype}
+        super().__init__(num_models, normalized_shape, eps, elementwise_affine, False, factory_kwargs)
+
+    def forward(self, input: Tensor) -> Tensor:
+        self._check_input(input)
+        return rms_norm(input, self.normalized_shape, self.weight, self.eps)
+
+
+class BatchedGroupNorm(nn.Module):
+    r"""``num_models`` independent :class:`torch.nn.GroupNorm` layers, computed together.
+
+    Every sample's channels are split into ``num_groups`` groups normalised on their own; then model
+    ``m``'s per-channel ``weight[m]`` and ``bias[m]`` apply. All models run in one ``F.group_norm``.
+
+    Args:
+        num_models: number of models ``M``.
+        num_groups: number of groups to separate the channels into.
+        num_channels: number of channels ``C``; must be divisible by ``num_groups``.
+        eps: added to the variance for numerical stability. Default: ``1e-5``.
+        affine: if ``True``, every model learns per-channel ``weight`` and ``bias``. Default: ``True``.
+        bias: keyword only; if ``False``, no ``bias`` is learned (only with ``affine``). Default: ``True``.
+
+    Shape:
+        - Input: ``(M, B, C, *)``. A shared batch (``x.expand(M, *x.shape)``) is normalised once and never
+          copied M times; the transposed view of a packed ``(B, M*C, *)`` tensor (what a batched
+          convolution returns) is normalised without a copy.
+        - Output: same shape as the input.
+
+    Attributes:
+        weight: ``(M, C)``, initialised to 1, as in ``torch.nn.GroupNorm``.
+        bias: ``(M, C)``, initialised to 0.
+
+    Examples::
+
+        >>> layer = BatchedGroupNorm(4, 2, 6)
+        >>> layer(torch.randn(4, 8, 6, 10, 10)).shape
+        torch.Size([4, 8, 6, 10, 10])
+    """
+
+    __constants__ = ["num_models", "num_groups", "num_channels", "eps", "affine"]
+    torch_module = nn.GroupNorm
+
+    def __init__(
+        self,
+        num_models: int,
+        num_groups: int,
+        num_channels: int,
+        eps: float = 1e-5,
+        affine: bool = True,
+        device=None,
+        dtype=None,
+        *,
+        bias: bool = True,
+    ) -> None:
+        factory_kwargs = {"device": device, "dtype": dtype}
+        super().__init__()
+        self.num_models = check_num_models(num_models, type(self))
+        if num_groups < 1 or num_channels % num_groups != 0:
+            raise ValueError(
+                f"{type(self).__name__}: num_channels ({num_channels}) must be divisible by num_groups ({num_groups})"
+            )
+        self.num_groups = num_groups
+        self.num_channels = num_channels
+        self.eps = eps
+        self.affine = affine
+        if affine:
+            self.weight = nn.Parameter(torch.empty((num_models, num_channels), **factory_kwargs))
+            if bias:
+                self.bias = nn.Parameter(torch.empty((num_models, num_channels), **factory_kwargs))
+            else:
+                self.register_parameter("bias", None)
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.weight is not None:
+            init.ones_(self.weight)
+        if self.bias is not None:
+            init.zeros_(self.bias)
+
+    def forward(self, input: Tensor) -> Tensor:
+        layout = "(M, B, C, *)"
+        check_input(self, input, min_ndim=3, layout=layout)
+        check_channels(self, input, self.num_channels, layout)
+        # torch.nn checks this per sample group in both modes: batch size times channels per group.
+        values = input.shape[1] * (self.num_channels // self.num_groups) * math.prod(input.shape[3:])
+        check_values_per_statistic(self, input, values)
+        return group_norm(input, self.num_groups, self.weight, self.bias, self.eps)
+
+    def extra_repr(self) -> str:
+        parts = [f"num_models={self.num_models}", str(self.num_groups), str(self.num_channels)]
+        if self.eps != 1e-5:
+            parts.append(f"eps={self.eps}")
+        if not self.affine:
+            parts.append("affine=False")
+        elif self.bias is None:
+            parts.append("bias=False")
+        return ", ".join(parts)
