@@ -1,0 +1,209 @@
+"""Batched counterpart of ``torch.nn.Embedding``."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from torch.nn import init
+
+from ._utils import _fmt, check_input, check_num_models, init_per_model_, layer_name
+from .functional._embedding import embedding
+
+__all__ = ["BatchedEmbedding"]
+
+_INDEX_DTYPES = (torch.int64, torch.int32)
+
+
+class BatchedEmbedding(nn.Module):
+    r"""``num_models`` independent :class:`torch.nn.Embedding` lookup tables, used together.
+
+    Model ``m``'s indices look up rows of model ``m``'s table only; all models are served by one lookup in
+    the tables laid end to end.
+
+    Args:
+        num_models: number of models ``M``.
+        num_embeddings: size of each model's dictionary of embeddings.
+        embedding_dim: size of each embedding vector ``H``.
+        padding_idx: if given, row ``padding_idx`` of every model's table gets no gradient and starts as
+            zeros. Negative values count from the end, as in torch.nn. Default: ``None``.
+        max_norm: if given, every looked-up row whose ``norm_type``-norm exceeds ``max_norm`` is
+            renormalised to ``max_norm`` in place in ``weight``, per model. Default: ``None``.
+        norm_type: the p of the p-norm for ``max_norm``. Default: ``2.0``.
+        scale_grad_by_freq: scale gradients by the inverse frequency of each index in the mini-batch,
+            counted per model. Default: ``False``.
+        sparse: if ``True``, ``weight.grad`` is a sparse COO tensor of shape ``(M, num_embeddings,
+            embedding_dim)`` (2 sparse dims: model and row, 1 dense dim), usable like torch.nn.Embedding's
+            by :class:`torch.optim.SGD`, :class:`torch.optim.SparseAdam` and :class:`torch.optim.Adagrad`.
+            Default: ``False``.
+        _weight: an ``(M, num_embeddings, embedding_dim)`` tensor to use as the weight, as in torch.nn
+            (not initialised, not copied). Default: ``None``.
+        _freeze: if ``True``, ``weight`` does not require grad. Default: ``False``.
+
+    Shape:
+        - Input: ``(M, B, *)``, ``torch.int64`` or ``torch.int32`` indices in ``[0, num_embeddings)``.
+          A batch of indices shared by all models may be passed as ``idx.expand(M, *idx.shape)``.
+        - Output: ``(M, B, *, H)`` with ``H = embedding_dim``.
+
+    Attributes:
+        weight: ``(M, num_embeddings, embedding_dim)``; each model's table initialised like
+            ``torch.nn.Embedding``: :math:`\mathcal{N}(0, 1)`, with the ``padding_idx`` row zeroed.
+
+    An index outside ``[0, num_embeddings)`` raises ``IndexError`` (naming the model and the index for CPU
+    tensors in eager mode; elsewhere the lookup's own bounds check fires), never reading another model's
+    rows. Constructor arguments out of range raise ``ValueError`` where torch.nn raises ``AssertionError``.
+
+    Examples::
+
+        >>> embedding = BatchedEmbedding(4, 10, 3)
+        >>> idx = torch.randint(0, 10, (4, 2, 5))   # 4 models, a batch of 2 sequences of 5 indices each
+        >>> embedding(idx).shape
+        torch.Size([4, 2, 5, 3])
+        >>> shared = torch.randint(0, 10, (2, 5))   # the same indices for every model
+        >>> embedding(shared.expand(4, 2, 5)).shape
+        torch.Size([4, 2, 5, 3])
+    """
+
+    __constants__ = [
+        "num_models",
+        "num_embeddings",
+        "embedding_dim",
+        "padding_idx",
+        "max_norm",
+        "norm_type",
+        "scale_grad_by_freq",
+        "sparse",
+    ]
+    torch_module = nn.Embedding
+
+    def __init__(
+        self,
+        num_models: int,
+        num_embeddings: int,
+        embedding_dim: int,
+        padding_idx: int | None = None,
+        max_norm: float | None = None,
+        norm_type: float = 2.0,
+        scale_grad_by_freq: bool = False,
+        sparse: bool = False,
+        _weight: Tensor | None = None,
+        _freeze: bool = False,
+        device=None,
+        dtype=None,
+    ) -> None:
+        factory_kwargs = {"device": device, "dtype": dtype}
+        super().__init__()
+        self.num_models = check_num_models(num_models, type(self))
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        if padding_idx is not None:
+            if not -num_embeddings <= padding_idx < num_embeddings:
+                raise ValueError(
+                    f"{type(self).__name__}: padding_idx must be within num_embeddings={num_embeddings} "
+                    f"(-{num_embeddings} <= padding_idx < {num_embeddings}), got {padding_idx}"
+                )
+            if padding_idx < 0:
+                padding_idx += num_embeddings
+        self.padding_idx = padding_idx
+        self.max_norm = max_norm
+        self.norm_type = norm_type
+        self.scale_grad_by_freq = scale_grad_by_freq
+        self.sparse = sparse
+        shape = (num_models, num_embeddings, embedding_dim)
+        if _weight is None:
+            self.weight = nn.Parameter(torch.empty(shape, **factory_kwargs), requires_grad=not _freeze)
+            self.reset_parameters()
+        else:
+            if not isinstance(_weight, Tensor) or _weight.shape != shape:
+                got = _fmt(_weight.shape) if isinstance(_weight, Tensor) else type(_weight).__name__
+                raise ValueError(
+                    f"{type(self).__name__}: expected _weight of shape (M, num_embeddings, embedding_dim) = "
+                    f"{_fmt(shape)}, got {got}"
+                )
+            self.weight = nn.Parameter(_weight, requires_grad=not _freeze)
+
+    def reset_parameters(self) -> None:
+        init_per_model_(self.weight, init.normal_)
+        self._fill_padding_idx_with_zero()
+
+    def _fill_padding_idx_with_zero(self) -> None:
+        if self.padding_idx is not None:
+            with torch.no_grad():
+                self.weight[:, self.padding_idx].fill_(0)
+
+    def forward(self, input: Tensor) -> Tensor:
+        check_input(self, input, what="indices")
+        if input.dtype not in _INDEX_DTYPES:
+            raise TypeError(
+                f"{layer_name(self)}: expected integer indices (torch.int64 or torch.int32), got {input.dtype}"
+            )
+        self._check_index_range(input)
+        return embedding(
+            input,
+            self.weight,
+            self.padding_idx,
+            self.max_norm,
+            self.norm_type,
+            self.scale_grad_by_freq,
+            self.sparse,
+        )
+
+    def _check_index_range(self, input: Tensor) -> None:
+        # The lookup itself can never read another model's rows; this only gives a clearer message where the
+        # check costs no device synchronisation and no graph break.
+        if input.device.type != "cpu" or torch.compiler.is_compiling():
+            return
+        out_of_range = (input < 0) | (input >= self.num_embeddings)
+        if out_of_range.any():
+            position = tuple(out_of_range.nonzero()[0].tolist())
+            raise IndexError(
+                f"{layer_name(self)}: index {input[position].item()} at position {position} (model {position[0]}) "
+                f"is out of range: expected 0 <= index < num_embeddings={self.num_embeddings}"
+            )
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        embeddings: Tensor,
+        freeze: bool = True,
+        padding_idx: int | None = None,
+        max_norm: float | None = None,
+        norm_type: float = 2.0,
+        scale_grad_by_freq: bool = False,
+        sparse: bool = False,
+    ) -> BatchedEmbedding:
+        """Create from ``(M, num_embeddings, embedding_dim)`` tables, like ``torch.nn.Embedding.from_pretrained``.
+
+        The tensor becomes the weight as is (not copied); ``freeze=True`` makes it not require grad.
+        """
+        if not isinstance(embeddings, Tensor) or embeddings.dim() != 3:
+            got = f"shape {_fmt(embeddings.shape)}" if isinstance(embeddings, Tensor) else type(embeddings).__name__
+            raise ValueError(
+                f"{cls.__name__}.from_pretrained: expected embeddings (M, num_embeddings, embedding_dim), got {got}"
+            )
+        num_models, num_embeddings, embedding_dim = embeddings.shape
+        return cls(
+            num_models,
+            num_embeddings,
+            embedding_dim,
+            padding_idx=padding_idx,
+            max_norm=max_norm,
+            norm_type=norm_type,
+            scale_grad_by_freq=scale_grad_by_freq,
+            sparse=sparse,
+            _weight=embeddings,
+            _freeze=freeze,
+        )
+
+    def extra_repr(self) -> str:
+        s = f"num_models={self.num_models}, num_embeddings={self.num_embeddings}, embedding_dim={self.embedding_dim}"
+        if self.padding_idx is not None:
+            s += f", padding_idx={self.padding_idx}"
+        if self.max_norm is not None:
+            s += f", max_norm={self.max_norm}"
+        if self.norm_type != 2:
+            s += f", norm_type={self.norm_type}"
+        if self.scale_grad_by_freq:
+            s += f", scale_grad_by_freq={self.scale_grad_by_freq}"
+        if self.sparse:
+            s += ", sparse=True"
+        return s
