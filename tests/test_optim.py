@@ -1,0 +1,312 @@
+"""batchlayers.optim against M independent torch.optim runs, one per model slice."""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+
+import pytest
+import torch
+from harness import assert_close
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from batchlayers.optim import SGD, Adam, AdamW, PerModelValue, RMSprop
+
+SHAPES = [(4, 3), (3,), ()]  # one model's parameter shapes: a weight, a bias, a per-model scalar
+M = 3
+
+
+def per_model_value(value, m: int):
+    return value[m].item() if isinstance(value, torch.Tensor) else value
+
+
+def torch_kwargs(kwargs: dict, m: int) -> dict:
+    """Model m's scalar hyperparameters for torch.optim."""
+    out = {}
+    for key, value in kwargs.items():
+        if isinstance(value, tuple):
+            out[key] = tuple(per_model_value(v, m) for v in value)
+        else:
+            out[key] = per_model_value(value, m)
+    return out
+
+
+class Pair:
+    """A batched optimizer over (M, *shape) parameters and M torch optimizers over the slices."""
+
+    def __init__(self, batched_cls, torch_cls, kwargs, *, num_models=M, dtype=torch.float64, shapes=SHAPES):
+        self.num_models = num_models
+        self.params = [torch.nn.Parameter(torch.randn(num_models, *s, dtype=dtype)) for s in shapes]
+        self.opt = batched_cls(self.params, **kwargs)
+        self.ref_params = [[torch.nn.Parameter(p[m].detach().clone()) for p in self.params] for m in range(num_models)]
+        self.ref_opts = [torch_cls(ps, **torch_kwargs(kwargs, m)) for m, ps in enumerate(self.ref_params)]
+
+    def step(self, grads=None, active=None):
+        if grads is None:
+            grads = [torch.randn_like(p) for p in self.params]
+        for p, g in zip(self.params, grads):
+            p.grad = g.clone()
+        self.opt.step(active=active)
+        for m in range(self.num_models):
+            if active is not None and not active[m]:
+                continue
+            for q, g in zip(self.ref_params[m], grads):
+                q.grad = g[m].clone()
+            self.ref_opts[m].step()
+
+    def check(self, msg=""):
+        for i, p in enumerate(self.params):
+            expected = torch.stack([self.ref_params[m][i].detach() for m in range(self.num_models)])
+            assert_close(p.detach(), expected, msg=f"{msg} parameter {i}")
+
+
+def tensor(*values):
+    return torch.tensor(values, dtype=torch.float64)
+
+
+CONFIGS = [
+    (SGD, torch.optim.SGD, {"lr": tensor(0.1, 0.02, 0.3)}),
+    (SGD, torch.optim.SGD, {"lr": 0.1, "momentum": tensor(0.9, 0.0, 0.5), "dampening": tensor(0.1, 0.3, 0.0)}),
+    (SGD, torch.optim.SGD, {"lr": tensor(0.1, 0.02, 0.3), "momentum": 0.9, "weight_decay": tensor(0.1, 0, 0.01)}),
+    (SGD, torch.optim.SGD, {"lr": 0.05, "momentum": tensor(0.9, 0.5, 0.1), "nesterov": True, "maximize": True}),
+    (SGD, torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "dampening": 0.2, "weight_decay": 0.1}),
+    (Adam, torch.optim.Adam, {"lr": tensor(1e-2, 1e-3, 3e-2)}),
+    (Adam, torch.optim.Adam, {"lr": 1e-2, "betas": (tensor(0.9, 0.5, 0.0), tensor(0.999, 0.9, 0.5))}),
+    (Adam, torch.optim.Adam, {"lr": 1e-2, "eps": tensor(1e-8, 1e-3, 1.0), "weight_decay": tensor(0, 0.1, 0.5)}),
+    (Adam, torch.optim.Adam, {"lr": tensor(1e-2, 1e-3, 3e-2), "amsgrad": True, "maximize": True}),
+    (AdamW, torch.optim.AdamW, {"lr": tensor(1e-2, 1e-3, 3e-2), "weight_decay": tensor(0.1, 0.0, 0.5)}),
+    (AdamW, torch.optim.AdamW, {"lr": 1e-2, "betas": (0.8, tensor(0.99, 0.9, 0.5)), "amsgrad": True}),
+    (RMSprop, torch.optim.RMSprop, {"lr": tensor(1e-2, 1e-3, 3e-2), "alpha": tensor(0.99, 0.5, 0.9)}),
+    (RMSprop, torch.optim.RMSprop, {"lr": 1e-2, "momentum": tensor(0.9, 0.0, 0.5), "weight_decay": 0.1}),
+    (RMSprop, torch.optim.RMSprop, {"lr": 1e-2, "centered": True, "eps": tensor(1e-8, 1e-2, 1.0), "maximize": True}),
+]
+
+
+def config_id(config) -> str:
+    cls, _, kwargs = config
+    return cls.__name__ + "-" + "-".join(k for k in kwargs)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[config_id(c) for c in CONFIGS])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_matches_torch_optim(config, dtype) -> None:
+    torch.manual_seed(0)
+    pair = Pair(*config, dtype=dtype)
+    for step in range(5):
+        pair.step()
+        pair.check(f"step {step}")
+
+
+@pytest.mark.parametrize("config", CONFIGS[1::3], ids=[config_id(c) for c in CONFIGS[1::3]])
+def test_active_mask_matches_skipping_models(config) -> None:
+    torch.manual_seed(0)
+    pair = Pair(*config)
+    masks = [[False, True, True], [True, True, False], [True, False, True], [False, False, False], [True] * 3]
+    for step, mask in enumerate(masks):
+        before = [p.detach().clone() for p in pair.params]
+        state_before = copy.deepcopy(pair.opt.state_dict()["state"])
+        active = torch.tensor(mask)
+        pair.step(active=active)
+        pair.check(f"step {step}, active {mask}")
+        for m in (~active).nonzero().flatten().tolist():
+            for p, old in zip(pair.params, before):
+                assert torch.equal(p[m], old[m]), f"inactive model {m} changed"
+            for i, state in pair.opt.state_dict()["state"].items():
+                for key, value in state.items():
+                    old = state_before.get(i, {}).get(key)
+                    if old is not None:
+                        assert torch.equal(value[m], old[m]), f"inactive model {m}: state {key} changed"
+
+
+@pytest.mark.parametrize("config", [CONFIGS[2], CONFIGS[8], CONFIGS[12]], ids=config_id)
+def test_nonfinite_gradient_stays_in_its_model(config) -> None:
+    torch.manual_seed(0)
+    pair = Pair(*config)
+    pair.step()
+    grads = [torch.randn_like(p) for p in pair.params]
+    grads[0][1, 0, 0] = float("nan")
+    grads[1][1, 2] = float("inf")
+    pair.step(grads)
+    pair.step()
+    pair.step()
+    for i, p in enumerate(pair.params):
+        expected = torch.stack([pair.ref_params[m][i].detach() for m in range(M)])
+        keep = torch.tensor([0, 2])
+        assert_close(p.detach()[keep], expected[keep], msg=f"healthy models, parameter {i}")
+    assert not pair.params[0][1].isfinite().all()
+
+
+@pytest.mark.parametrize("config", [CONFIGS[2], CONFIGS[8], CONFIGS[10], CONFIGS[13]], ids=config_id)
+def test_state_dict_resume_is_exact(config) -> None:
+    torch.manual_seed(0)
+    batched_cls, _, kwargs = config
+    params = [torch.nn.Parameter(torch.randn(M, *s, dtype=torch.float64)) for s in SHAPES]
+    grads = [[torch.randn_like(p) for p in params] for _ in range(6)]
+    twin = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = batched_cls(params, **kwargs)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+
+    def run(optimizer, sched, ps, steps):
+        for gs in steps:
+            for p, g in zip(ps, gs):
+                p.grad = g.clone()
+            optimizer.step()
+            sched.step()
+
+    run(opt, scheduler, params, grads[:3])
+    buffer = io.BytesIO()
+    checkpoint = {"params": [p.detach() for p in params], "opt": opt.state_dict(), "sched": scheduler.state_dict()}
+    torch.save(checkpoint, buffer)
+    run(opt, scheduler, params, grads[3:])
+
+    buffer.seek(0)
+    checkpoint = torch.load(buffer, weights_only=True)
+    with torch.no_grad():
+        for p, saved in zip(twin, checkpoint["params"]):
+            p.copy_(saved)
+    resumed = batched_cls(twin, **kwargs)
+    resumed_scheduler = torch.optim.lr_scheduler.StepLR(resumed, step_size=2, gamma=0.5)
+    resumed.load_state_dict(checkpoint["opt"])
+    resumed_scheduler.load_state_dict(checkpoint["sched"])
+    assert isinstance(resumed.param_groups[0]["lr"], type(opt.param_groups[0]["lr"]))
+    run(resumed, resumed_scheduler, twin, grads[3:])
+    for p, q in zip(params, twin):
+        assert torch.equal(p, q), "resumed run differs from the uninterrupted one"
+    for key in ("lr", "betas", "momentum"):
+        if key in opt.param_groups[0]:
+            assert str(opt.param_groups[0][key]) == str(resumed.param_groups[0][key])
+
+
+SCHEDULERS = {
+    "StepLR": lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.3),
+    "CosineAnnealingLR": lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=4, eta_min=1e-3),
+    "LambdaLR": lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 1 / (1 + epoch)),
+    "LinearLR": lambda opt: torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.25, total_iters=3),
+    "Sequential": lambda opt: torch.optim.lr_scheduler.SequentialLR(
+        opt,
+        [
+            torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.5, total_iters=2),
+            torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.7),
+        ],
+        milestones=[2],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(SCHEDULERS))
+@pytest.mark.parametrize("per_model_lr", [True, False], ids=["tensor_lr", "float_lr"])
+def test_lr_scheduler_matches_per_model_torch_schedulers(name, per_model_lr) -> None:
+    torch.manual_seed(0)
+    lr = tensor(0.1, 0.02, 0.3) if per_model_lr else 0.1
+    user_lr = lr.clone() if per_model_lr else lr
+    pair = Pair(Adam, torch.optim.Adam, {"lr": lr})
+    scheduler = SCHEDULERS[name](pair.opt)
+    ref_schedulers = [SCHEDULERS[name](opt) for opt in pair.ref_opts]
+    for step in range(7):
+        pair.step()
+        scheduler.step()
+        for s in ref_schedulers:
+            s.step()
+        expected = [opt.param_groups[0]["lr"] for opt in pair.ref_opts]
+        got = pair.opt.param_groups[0]["lr"]
+        if per_model_lr:
+            assert_close(got.as_subclass(torch.Tensor), tensor(*expected), msg=f"lr after step {step}")
+        else:
+            assert got == pytest.approx(expected[0], rel=1e-12)
+        pair.check(f"step {step}")
+    if per_model_lr:
+        assert torch.equal(lr, user_lr), "the user's lr tensor was changed"
+
+
+def test_per_model_value_is_plain_tensor_apart_from_fill() -> None:
+    params = [torch.nn.Parameter(torch.randn(M, 2))]
+    opt = SGD(params, lr=tensor(0.1, 0.2, 0.3))
+    lr = opt.param_groups[0]["lr"]
+    assert isinstance(lr, PerModelValue) and lr.dtype == torch.float64
+    assert type(lr * 2) is torch.Tensor
+    lr.fill_(tensor(1.0, 2.0, 3.0))
+    assert lr.tolist() == [1.0, 2.0, 3.0]
+    lr.fill_(0.5)
+    assert lr.tolist() == [0.5] * 3
+    with pytest.raises(ValueError, match="shape"):
+        lr.fill_(tensor(1.0, 2.0))
+    clone = pickle.loads(pickle.dumps(opt))
+    assert isinstance(clone.param_groups[0]["lr"], PerModelValue)
+    assert isinstance(copy.deepcopy(opt).param_groups[0]["lr"], PerModelValue)
+
+
+def test_groups_do_not_share_hyperparameter_tensors() -> None:
+    a, b = torch.nn.Parameter(torch.randn(M, 2)), torch.nn.Parameter(torch.randn(M, 3))
+    lr = tensor(0.1, 0.2, 0.3)
+    opt = Adam([{"params": [a]}, {"params": [b]}], lr=lr)
+    opt.param_groups[0]["lr"][0] = 5.0
+    assert opt.param_groups[1]["lr"][0].item() == 0.1 and lr[0].item() == 0.1
+
+
+BAD_ARGUMENTS = [
+    ("lr-shape", SGD, {"lr": tensor(0.1, 0.2)}, ValueError, r"lr must be a float or a tensor of shape \(M,\) = \(3,\)"),
+    ("lr-negative", SGD, {"lr": tensor(0.1, -0.2, 0.1)}, ValueError, r"invalid lr \[-0.2\]"),
+    ("lr-nan", Adam, {"lr": float("nan")}, ValueError, "invalid lr"),
+    ("beta-one", Adam, {"betas": (0.9, tensor(0.9, 1.0, 0.5))}, ValueError, r"invalid betas\[1\] \[1.0\]"),
+    ("betas-triple", Adam, {"betas": (0.9, 0.99, 0.9)}, ValueError, "betas must be a pair"),
+    ("nesterov", SGD, {"momentum": tensor(0.9, 0.0, 0.5), "nesterov": True}, ValueError, "Nesterov"),
+    ("bool", SGD, {"lr": torch.tensor([True, False, True])}, TypeError, "real tensor"),
+    ("fused", Adam, {"fused": True}, ValueError, "fused=True is not supported"),
+    ("differentiable", RMSprop, {"differentiable": True}, ValueError, "differentiable=True"),
+]
+
+
+@pytest.mark.parametrize("row", BAD_ARGUMENTS, ids=[r[0] for r in BAD_ARGUMENTS])
+def test_bad_arguments_raise(row) -> None:
+    _, cls, kwargs, exc, pattern = row
+    with pytest.raises(exc, match=pattern):
+        cls([torch.nn.Parameter(torch.randn(M, 2))], **kwargs)
+
+
+def test_bad_step_calls_raise() -> None:
+    params = [torch.nn.Parameter(torch.randn(M, 2))]
+    params[0].grad = torch.ones_like(params[0])
+    opt = SGD(params, lr=tensor(0.1, 0.2, 0.3))
+    with pytest.raises(ValueError, match=r"active must have shape \(M,\) = \(3,\), got \(2,\)"):
+        opt.step(active=torch.tensor([True, False]))
+    with pytest.raises(TypeError, match="active must be a bool tensor"):
+        opt.step(active=torch.tensor([1, 0, 1]))
+    with pytest.raises(ValueError, match="same number of models"):
+        SGD([torch.nn.Parameter(torch.randn(3, 2)), torch.nn.Parameter(torch.randn(4, 2))])
+    opt.param_groups[0]["lr"] = tensor(0.1, 0.2)
+    with pytest.raises(ValueError, match="keep_models_"):
+        opt.step()
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    num_models=st.integers(1, 4),
+    which=st.sampled_from(["SGD", "Adam", "AdamW", "RMSprop"]),
+    flags=st.integers(0, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_random_hyperparameters_match_torch(num_models, which, flags, seed) -> None:
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(low, high):
+        return (torch.rand(num_models, generator=gen, dtype=torch.float64) * (high - low) + low).clone()
+
+    first, second = bool(flags & 1), bool(flags & 2)
+    if which == "SGD":
+        kwargs = {"lr": rand(0, 0.3), "momentum": rand(0, 0.95), "weight_decay": rand(0, 0.1), "maximize": first}
+        kwargs |= {"nesterov": True} if second else {"dampening": rand(0, 0.5)}
+    elif which == "RMSprop":
+        kwargs = {"lr": rand(0, 0.03), "alpha": rand(0.5, 0.99), "eps": rand(1e-8, 1e-2), "momentum": rand(0, 0.9)}
+        kwargs |= {"centered": first, "weight_decay": rand(0, 0.1), "maximize": second}
+    else:
+        kwargs = {"lr": rand(0, 0.03), "betas": (rand(0, 0.95), rand(0.5, 0.999)), "eps": rand(1e-8, 1e-2)}
+        kwargs |= {"weight_decay": rand(0, 0.2), "amsgrad": first, "maximize": second}
+    batched_cls = {"SGD": SGD, "Adam": Adam, "AdamW": AdamW, "RMSprop": RMSprop}[which]
+    torch.manual_seed(seed)
+    pair = Pair(batched_cls, getattr(torch.optim, which), kwargs, num_models=num_models, shapes=[(2, 3), ()])
+    for step in range(3):
+        active = torch.rand(num_models, generator=gen) > 0.3 if step == 1 else None
+        pair.step(active=active)
+        pair.check(f"step {step}")
