@@ -1,0 +1,38 @@
+"""What the digits examples share: the data split, the per-model loss and shared-batch evaluation."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = ["load_digits_split", "per_model_cross_entropy", "predict_shared"]
+
+
+def load_digits_split(seed: int, image: bool = False) -> dict[str, tuple[Tensor, Tensor]]:
+    """scikit-learn's bundled digits (1797 8x8 images, no download) as float32 in [0, 1], split 60/20/20
+    into ``"train"``, ``"val"`` and ``"test"``; samples are ``(64,)`` vectors, or ``(1, 8, 8)`` images."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
+    if image:
+        x = x.view(-1, 1, 8, 8)
+    y = torch.tensor(digits.target, dtype=torch.int64)
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
+    n_train, n_val = int(0.6 * len(x)), int(0.2 * len(x))
+    parts = {"train": order[:n_train], "val": order[n_train : n_train + n_val], "test": order[n_train + n_val :]}
+    return {name: (x[idx], y[idx]) for name, idx in parts.items()}
+
+
+def per_model_cross_entropy(logits: Tensor, target: Tensor) -> Tensor:
+    """``(M,)``: each model's mean cross entropy over its own ``(M, B, classes)`` logits and ``(M, B)``
+    targets. Sum it, don't average it, over models: the sum gives every model exactly the gradient of its
+    own mean loss, while a mean would divide each model's gradient by M."""
+    return F.cross_entropy(logits.transpose(1, 2), target, reduction="none").mean(dim=1)
+
+
+@torch.no_grad()
+def predict_shared(model: nn.Module, x: Tensor, num_models: int) -> Tensor:
+    """``(M, N, classes)`` logits of every model on one batch given once (a stride-0 expand, not M copies)."""
+    return model(x.expand(num_models, *x.shape))

@@ -1,0 +1,39 @@
+"""Every example in examples/ runs in a shortened form (its ``--quick`` flag, in-process) and reaches its
+outcome. One test per example; an example's own helpers may get a small reference test next to it."""
+
+from __future__ import annotations
+
+import importlib
+import pathlib
+import types
+
+import pytest
+
+EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
+
+
+@pytest.fixture
+def load_example(monkeypatch: pytest.MonkeyPatch):
+    """Import ``examples/<name>.py`` the way ``python examples/<name>.py`` sees its neighbours."""
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+
+    def load(name: str) -> types.ModuleType:
+        return importlib.import_module(name)
+
+    return load
+
+
+def test_sweep_digits(load_example, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture) -> None:
+    sweep = load_example("sweep_digits")
+    result = sweep.main(["--quick", "--out", str(tmp_path)])
+    assert [len(r.model_ids) for r in result.rungs] == [16, 8, 4]
+    for before, after in zip(result.rungs, result.rungs[1:]):
+        assert set(after.model_ids) <= set(before.model_ids)
+        # The survivors are the better half of the rung before.
+        ranked = sorted(zip(before.val_accuracy, before.model_ids), reverse=True)
+        assert min(acc for acc, i in ranked if i in after.model_ids) >= ranked[len(after.model_ids) - 1][0]
+    assert result.final_val[0] > 0.9 and min(result.final_test) > 0.85  # chance is 0.1
+    best_lr = result.learning_rates[result.final_ids[0]].item()
+    assert 1e-3 <= best_lr <= 1e-1, f"AdamW's sensible learning rates are 1e-3..1e-1, the sweep chose {best_lr}"
+    assert (tmp_path / "sweep_digits.png").stat().st_size > 10_000
+    assert "weight_decay" in capsys.readouterr().out
