@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from batchlayers.data import ModelTensorLoader
 from batchlayers.linear import BatchedLinear
+from batchlayers.optim import AdamW
 
 
 def make_mlp(num_models: int, hidden: int) -> nn.Sequential:
@@ -40,31 +41,6 @@ def make_mlp(num_models: int, hidden: int) -> nn.Sequential:
 def accuracy(model: nn.Module, x: Tensor, y: Tensor, num_models: int) -> Tensor:
     """``(M,)`` accuracy of every model on one batch shared by all."""
     return (predict_shared(model, x, num_models).argmax(dim=-1) == y).double().mean(dim=1)
-
-
-class PerModelAdamW(torch.optim.Optimizer):
-    """AdamW with an ``(M,)`` learning rate and weight decay. Interim: replaced by batchlayers.optim.AdamW."""
-
-    def __init__(self, params, lr: Tensor, weight_decay: Tensor, betas=(0.9, 0.999), eps=1e-8) -> None:
-        super().__init__(params, {"lr": lr, "weight_decay": weight_decay, "betas": betas, "eps": eps})
-
-    @torch.no_grad()
-    def step(self) -> None:
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                state = self.state[p]
-                if not state:
-                    state["step"], state["exp_avg"], state["exp_avg_sq"] = 0, torch.zeros_like(p), torch.zeros_like(p)
-                state["step"] += 1
-                shape = (-1,) + (1,) * (p.dim() - 1)
-                lr, wd = group["lr"].view(shape), group["weight_decay"].view(shape)
-                p.mul_(1 - lr * wd)
-                state["exp_avg"].lerp_(p.grad, 1 - beta1)
-                state["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
-                step = state["step"]
-                denom = (state["exp_avg_sq"] / (1 - beta2**step)).sqrt_().add_(group["eps"])
-                p.sub_(lr * state["exp_avg"] / (1 - beta1**step) / denom)
 
 
 def keep_models(model: nn.Module, optimizer: torch.optim.Optimizer, index: Tensor) -> None:
@@ -122,9 +98,7 @@ def run_sweep(
     start = time.perf_counter()
 
     model = make_mlp(num_models, hidden)
-    optimizer = PerModelAdamW(
-        model.parameters(), lr=result.learning_rates.clone(), weight_decay=result.weight_decays.clone()
-    )
+    optimizer = AdamW(model.parameters(), lr=result.learning_rates.clone(), weight_decay=result.weight_decays.clone())
     loader = ModelTensorLoader(*data["train"], num_models=num_models, batch_size=batch_size, seed=seed)
     model_ids = torch.arange(num_models)  # which sweep member each slice is
     epochs = first_epochs
