@@ -1,0 +1,238 @@
+r"""Per-model losses: ``(M, B, *)`` outputs and targets in, an ``(M,)`` loss vector out.
+
+Each function here is its ``torch.nn.functional`` namesake computed for every model at once: entry ``m``
+equals ``F.<loss>(input[m], target[m], ...)``, including the exact meaning of ``'mean'`` (e.g. the
+class-weighted mean of ``cross_entropy``, which skips ``ignore_index``). No loop over models.
+
+Train with the SUM over models, not the mean::
+
+    losses = batchlayers.losses.cross_entropy(model(x), y)   # (M,): losses[m] is model m's mean loss
+    losses.sum().backward()                                  # every model gets exactly its own gradient
+    optimizer.step()
+
+Model ``m``'s parameters only influence ``losses[m]``, so the gradient of ``losses.sum()`` with respect to
+them is exactly the gradient of model ``m``'s own mean loss: training ``M`` models together is then the
+same as training each alone. ``losses.mean()`` divides every model's gradient by ``M``: for SGD that is an
+``M`` times smaller learning rate (it changes when you change how many models you train), and for Adam,
+which divides by the gradient's running RMS, it shifts the balance between the gradient and ``eps``, so
+the models no longer match their single-model runs either. Report ``losses`` (or ``losses.detach()``)
+per model instead of averaging them into one number.
+
+``reduction`` is per model: ``'mean'`` (default) and ``'sum'`` give ``(M,)``, ``'none'`` the unreduced
+``(M, B, *)`` losses.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = [
+    "binary_cross_entropy",
+    "binary_cross_entropy_with_logits",
+    "cross_entropy",
+    "huber_loss",
+    "kl_div",
+    "l1_loss",
+    "mse_loss",
+    "nll_loss",
+    "smooth_l1_loss",
+]
+
+
+def _fmt(shape) -> str:
+    return "(" + ", ".join(str(s) for s in shape) + ")"
+
+
+def _check_tensor(name: str, what: str, x: object, min_ndim: int, layout: str) -> Tensor:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"batchlayers.losses.{name}: expected {what} to be a Tensor, got {type(x).__name__}")
+    if x.dim() < min_ndim:
+        raise ValueError(
+            f"batchlayers.losses.{name}: expected {what} {layout} (models first), got shape {_fmt(x.shape)}"
+        )
+    return x
+
+
+def _check_reduction(name: str, reduction: str, allowed=("mean", "sum", "none")) -> None:
+    if reduction not in allowed:
+        raise ValueError(f"batchlayers.losses.{name}: reduction must be one of {allowed}, got {reduction!r}")
+
+
+def _elementwise(name: str, loss_fn, input: Tensor, target: Tensor, reduction: str, **kwargs) -> Tensor:
+    """Losses whose ``'mean'`` is the plain mean over one model's elements."""
+    _check_reduction(name, reduction)
+    _check_tensor(name, "input", input, 2, "(M, B, *)")
+    _check_tensor(name, "target", target, 2, "(M, B, *)")
+    if target.shape != input.shape:
+        raise ValueError(
+            f"batchlayers.losses.{name}: expected target with the input's shape {_fmt(input.shape)}, "
+            f"got {_fmt(target.shape)}"
+        )
+    # Elementwise on the whole (M, B, *) tensor: a shared target (a stride-0 expand) is never copied.
+    unreduced = loss_fn(input, target, reduction="none", **kwargs)
+    return _reduce(unreduced, reduction)
+
+
+def _reduce(unreduced: Tensor, reduction: str) -> Tensor:
+    if reduction == "none":
+        return unreduced
+    per_model = unreduced.reshape(unreduced.shape[0], -1)
+    return per_model.mean(dim=1) if reduction == "mean" else per_model.sum(dim=1)
+
+
+def mse_loss(input: Tensor, target: Tensor, reduction: str = "mean") -> Tensor:
+    """Per-model :func:`torch.nn.functional.mse_loss`. ``input``, ``target``: ``(M, B, *)``; returns ``(M,)``."""
+    return _elementwise("mse_loss", F.mse_loss, input, target, reduction)
+
+
+def l1_loss(input: Tensor, target: Tensor, reduction: str = "mean") -> Tensor:
+    """Per-model :func:`torch.nn.functional.l1_loss`. ``input``, ``target``: ``(M, B, *)``; returns ``(M,)``."""
+    return _elementwise("l1_loss", F.l1_loss, input, target, reduction)
+
+
+def smooth_l1_loss(input: Tensor, target: Tensor, reduction: str = "mean", beta: float = 1.0) -> Tensor:
+    """Per-model :func:`torch.nn.functional.smooth_l1_loss`; returns ``(M,)``."""
+    return _elementwise("smooth_l1_loss", F.smooth_l1_loss, input, target, reduction, beta=beta)
+
+
+def huber_loss(input: Tensor, target: Tensor, reduction: str = "mean", delta: float = 1.0) -> Tensor:
+    """Per-model :func:`torch.nn.functional.huber_loss`; returns ``(M,)``."""
+    return _elementwise("huber_loss", F.huber_loss, input, target, reduction, delta=delta)
+
+
+def binary_cross_entropy(
+    input: Tensor, target: Tensor, weight: Tensor | None = None, reduction: str = "mean"
+) -> Tensor:
+    """Per-model :func:`torch.nn.functional.binary_cross_entropy` on probabilities; returns ``(M,)``.
+
+    ``weight`` broadcasts against ``(M, B, *)`` (e.g. ``(*)`` shared, or ``(M, 1, *)`` per model).
+    """
+    return _elementwise("binary_cross_entropy", F.binary_cross_entropy, input, target, reduction, weight=weight)
+
+
+def binary_cross_entropy_with_logits(
+    input: Tensor,
+    target: Tensor,
+    weight: Tensor | None = None,
+    reduction: str = "mean",
+    pos_weight: Tensor | None = None,
+) -> Tensor:
+    """Per-model :func:`torch.nn.functional.binary_cross_entropy_with_logits`; returns ``(M,)``.
+
+    ``weight`` and ``pos_weight`` broadcast against ``(M, B, *)`` as in torch (``pos_weight`` along the
+    last, class, dimension).
+    """
+    return _elementwise(
+        "binary_cross_entropy_with_logits",
+        F.binary_cross_entropy_with_logits,
+        input,
+        target,
+        reduction,
+        weight=weight,
+        pos_weight=pos_weight,
+    )
+
+
+def kl_div(input: Tensor, target: Tensor, reduction: str = "mean", log_target: bool = False) -> Tensor:
+    """Per-model :func:`torch.nn.functional.kl_div`; ``'batchmean'`` divides each model's sum by ``B``."""
+    _check_reduction("kl_div", reduction, ("mean", "batchmean", "sum", "none"))
+    if reduction != "batchmean":
+        return _elementwise("kl_div", F.kl_div, input, target, reduction, log_target=log_target)
+    return _elementwise("kl_div", F.kl_div, input, target, "sum", log_target=log_target) / input.shape[1]
+
+
+def _check_classification(name: str, input: Tensor, target: Tensor) -> bool:
+    """Validate ``(M, B, C, *d)`` input against class-index ``(M, B, *d)`` or probability targets; return
+    whether the target holds class indices."""
+    _check_tensor(name, "input", input, 3, "(M, B, C, *d)")
+    _check_tensor(name, "target", target, 2, "(M, B, *d) class indices or (M, B, C, *d) probabilities")
+    class_indices = not target.is_floating_point()
+    expected = (*input.shape[:2], *input.shape[3:]) if class_indices else tuple(input.shape)
+    if tuple(target.shape) != expected:
+        kind = "class indices" if class_indices else "class probabilities"
+        raise ValueError(
+            f"batchlayers.losses.{name}: for input (M, B, C, *d) = {_fmt(input.shape)}, expected target "
+            f"{kind} of shape {_fmt(expected)}, got {_fmt(target.shape)}"
+        )
+    return class_indices
+
+
+def _classification(
+    name: str,
+    loss_fn,
+    input: Tensor,
+    target: Tensor,
+    weight: Tensor | None,
+    ignore_index: int,
+    reduction: str,
+    **kwargs,
+) -> Tensor:
+    _check_reduction(name, reduction)
+    class_indices = _check_classification(name, input, target)
+    num_models, batch = input.shape[:2]
+    # Models folded into the batch: one kernel for all models, then each model's part reduced on its own.
+    flat_input = input.reshape(num_models * batch, *input.shape[2:])
+    flat_target = target.reshape(num_models * batch, *target.shape[2:])
+    unreduced = loss_fn(flat_input, flat_target, weight=weight, ignore_index=ignore_index, reduction="none", **kwargs)
+    unreduced = unreduced.view(num_models, batch, *unreduced.shape[1:])
+    if reduction != "mean" or not class_indices:
+        return _reduce(unreduced, reduction)
+    # torch's 'mean' with class indices divides by the summed weights of the targets that are not ignored.
+    counted = target != ignore_index
+    if weight is None:
+        denominator = counted.reshape(num_models, -1).sum(dim=1).to(unreduced.dtype)
+    else:
+        target_weight = weight[torch.where(counted, target, 0)] * counted
+        denominator = target_weight.reshape(num_models, -1).sum(dim=1)
+    return unreduced.reshape(num_models, -1).sum(dim=1) / denominator
+
+
+def cross_entropy(
+    input: Tensor,
+    target: Tensor,
+    weight: Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+) -> Tensor:
+    r"""Per-model :func:`torch.nn.functional.cross_entropy`: ``(M,)`` with entry ``m`` equal to
+    ``F.cross_entropy(input[m], target[m], ...)``.
+
+    Args:
+        input: logits ``(M, B, C, *d)``.
+        target: class indices ``(M, B, *d)`` or class probabilities ``(M, B, C, *d)``; a target shared by
+            every model may be a stride-0 expand.
+        weight: ``(C,)`` class weights, shared by every model.
+        ignore_index, label_smoothing: as in torch.
+        reduction: per model, ``'mean'`` (torch's weighted mean), ``'sum'`` or ``'none'``.
+
+    Returns:
+        ``(M,)`` (or the unreduced ``(M, B, *d)`` for ``reduction='none'``). Train with ``.sum()``.
+    """
+    return _classification(
+        "cross_entropy",
+        F.cross_entropy,
+        input,
+        target,
+        weight,
+        ignore_index,
+        reduction,
+        label_smoothing=label_smoothing,
+    )
+
+
+def nll_loss(
+    input: Tensor,
+    target: Tensor,
+    weight: Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+) -> Tensor:
+    r"""Per-model :func:`torch.nn.functional.nll_loss` on log-probabilities ``(M, B, C, *d)`` and class
+    indices ``(M, B, *d)``; returns ``(M,)``. Arguments as in :func:`cross_entropy`."""
+    if not isinstance(target, Tensor) or target.is_floating_point():
+        got = target.dtype if isinstance(target, Tensor) else type(target).__name__
+        raise TypeError(f"batchlayers.losses.nll_loss: expected target class indices (an integer tensor), got {got}")
+    return _classification("nll_loss", F.nll_loss, input, target, weight, ignore_index, reduction)

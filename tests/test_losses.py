@@ -1,0 +1,211 @@
+"""Per-model losses against torch.nn.functional run on each model's slice, values and gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from harness import assert_close
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from batchlayers import losses as BL
+from batchlayers.linear import BatchedLinear
+
+M, B, C = 3, 5, 4
+
+
+def logits(*shape, dtype=torch.float64):
+    return torch.randn(*shape, dtype=dtype)
+
+
+def class_target(*shape):
+    return torch.randint(0, C, shape)
+
+
+def probabilities(*shape):
+    return torch.softmax(torch.randn(*shape, dtype=torch.float64), dim=2)
+
+
+def check_against_loop(batched_fn, torch_fn, input, target, **kwargs):
+    """``batched_fn`` on (M, B, *) equals ``torch_fn`` per model, and the SUM of the (M,) vector gives each
+    model's input exactly the gradient of its own loss."""
+    x = input.detach().clone().requires_grad_(True)
+    losses = batched_fn(x, target, **kwargs)
+    refs_x = [input[m].detach().clone().requires_grad_(True) for m in range(input.shape[0])]
+    refs = [torch_fn(refs_x[m], target[m], **kwargs) for m in range(input.shape[0])]
+    assert_close(losses, torch.stack(refs), msg="per-model losses")
+    if kwargs.get("reduction", "mean") == "none":
+        losses = losses.sum()
+        refs = [r.sum() for r in refs]
+    losses.sum().backward()
+    for m, (rx, r) in enumerate(zip(refs_x, refs)):
+        r.backward()
+        assert_close(x.grad[m], rx.grad, msg=f"gradient of model {m}")
+
+
+CLASSIFICATION = [
+    ("plain", {}),
+    ("weight", {"weight": torch.tensor([0.5, 2.0, 1.0, 3.0], dtype=torch.float64)}),
+    ("ignore", {"ignore_index": 7}),
+    ("weight-ignore", {"weight": torch.tensor([0.5, 2.0, 1.0, 3.0], dtype=torch.float64), "ignore_index": 7}),
+    ("sum", {"reduction": "sum", "ignore_index": 7}),
+    ("none", {"reduction": "none"}),
+]
+
+
+@pytest.mark.parametrize("options", CLASSIFICATION, ids=[c[0] for c in CLASSIFICATION])
+@pytest.mark.parametrize("spatial", [(), (2, 3)], ids=["flat", "spatial"])
+@pytest.mark.parametrize("loss", ["cross_entropy", "nll_loss"])
+def test_classification_matches_loop(options, spatial, loss) -> None:
+    torch.manual_seed(0)
+    _, kwargs = options
+    input = logits(M, B, C, *spatial)
+    if loss == "nll_loss":
+        input = torch.log_softmax(input, dim=2)
+    target = class_target(M, B, *spatial)
+    if "ignore_index" in kwargs:
+        target[0, :2] = 7
+        target[1, 0] = 7
+    check_against_loop(getattr(BL, loss), getattr(F, loss), input, target, **kwargs)
+
+
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.2])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("soft", [False, True], ids=["indices", "probabilities"])
+def test_cross_entropy_label_smoothing_and_soft_targets(label_smoothing, weighted, soft) -> None:
+    torch.manual_seed(0)
+    weight = torch.tensor([0.5, 2.0, 1.0, 3.0], dtype=torch.float64) if weighted else None
+    target = probabilities(M, B, C) if soft else class_target(M, B)
+    if not soft:
+        target[2, 1] = -100
+    check_against_loop(
+        BL.cross_entropy, F.cross_entropy, logits(M, B, C), target, weight=weight, label_smoothing=label_smoothing
+    )
+
+
+ELEMENTWISE = [
+    ("mse_loss", {}),
+    ("mse_loss", {"reduction": "sum"}),
+    ("l1_loss", {}),
+    ("smooth_l1_loss", {"beta": 0.5}),
+    ("huber_loss", {"delta": 0.7, "reduction": "none"}),
+    ("binary_cross_entropy_with_logits", {"pos_weight": torch.tensor([1.0, 2.0, 0.5, 3.0], dtype=torch.float64)}),
+    ("binary_cross_entropy_with_logits", {"weight": torch.rand(B, C, dtype=torch.float64)}),
+    ("binary_cross_entropy", {}),
+    ("kl_div", {"reduction": "batchmean"}),
+    ("kl_div", {"reduction": "sum", "log_target": True}),
+]
+
+
+@pytest.mark.parametrize("row", ELEMENTWISE, ids=[f"{name}-{'-'.join(kw)}" for name, kw in ELEMENTWISE])
+@pytest.mark.parametrize("shared_target", [False, True], ids=["per_model", "shared"])
+def test_elementwise_matches_loop(row, shared_target) -> None:
+    torch.manual_seed(0)
+    name, kwargs = row
+    input = torch.randn(M, B, C, dtype=torch.float64)
+    target = torch.rand(M, B, C, dtype=torch.float64)
+    if name == "binary_cross_entropy":
+        input = torch.sigmoid(input)
+    if name == "kl_div":
+        input = torch.log_softmax(input, -1)
+        target = torch.log_softmax(target, -1) if kwargs.get("log_target") else torch.softmax(target, -1)
+    if shared_target:
+        target = target[0].expand(M, B, C)
+    check_against_loop(getattr(BL, name), getattr(F, name), input, target, **kwargs)
+
+
+def test_sum_trains_like_separate_models_and_mean_does_not() -> None:
+    """Gradients of a batched model: losses.sum() gives each model its own mean-loss gradient; mean() / M."""
+    torch.manual_seed(0)
+    model = BatchedLinear(M, 6, C, dtype=torch.float64)
+    x, y = torch.randn(M, B, 6, dtype=torch.float64), class_target(M, B)
+    BL.cross_entropy(model(x), y).sum().backward()
+    summed = model.weight.grad.clone()
+    model.zero_grad()
+    BL.cross_entropy(model(x), y).mean().backward()
+    for m in range(M):
+        ref = torch.nn.Linear(6, C, dtype=torch.float64)
+        ref.load_state_dict({"weight": model.weight[m].detach(), "bias": model.bias[m].detach()})
+        F.cross_entropy(ref(x[m]), y[m]).backward()
+        assert_close(summed[m], ref.weight.grad, msg=f"model {m}, sum")
+        assert_close(model.weight.grad[m] * M, ref.weight.grad, msg=f"model {m}, mean is 1/M of it")
+
+
+def test_nonfinite_loss_does_not_reach_other_models() -> None:
+    torch.manual_seed(0)
+    model = BatchedLinear(M, 6, C, dtype=torch.float64)
+    x, y = torch.randn(M, B, 6, dtype=torch.float64), class_target(M, B)
+    x[1, 0, 0] = float("nan")
+    losses = BL.cross_entropy(model(x), y)
+    assert losses.isnan().tolist() == [False, True, False]
+    losses.sum().backward()
+    assert model.weight.grad[[0, 2]].isfinite().all() and not model.weight.grad[1].isfinite().all()
+
+
+BAD = [
+    ("ce-input-2d", BL.cross_entropy, lambda: (torch.randn(M, C), class_target(M)), ValueError, r"\(M, B, C, \*d\)"),
+    (
+        "ce-target-models",
+        BL.cross_entropy,
+        lambda: (torch.randn(M, B, C), class_target(M + 1, B)),
+        ValueError,
+        r"expected target class indices of shape \(3, 5\), got \(4, 5\)",
+    ),
+    (
+        "ce-soft-shape",
+        BL.cross_entropy,
+        lambda: (torch.randn(M, B, C), torch.rand(M, B, C + 1)),
+        ValueError,
+        r"class probabilities of shape \(3, 5, 4\), got \(3, 5, 5\)",
+    ),
+    ("nll-float-target", BL.nll_loss, lambda: (torch.randn(M, B, C), torch.rand(M, B)), TypeError, "class indices"),
+    (
+        "mse-broadcast",
+        BL.mse_loss,
+        lambda: (torch.randn(M, B, 2), torch.randn(B, 2)),
+        ValueError,
+        r"mse_loss: expected target with the input's shape \(3, 5, 2\), got \(5, 2\)",
+    ),
+    ("mse-not-tensor", BL.mse_loss, lambda: ([1.0], torch.randn(M, B)), TypeError, "input to be a Tensor"),
+    ("mse-1d", BL.mse_loss, lambda: (torch.randn(M), torch.randn(M)), ValueError, r"\(M, B, \*\)"),
+]
+
+
+@pytest.mark.parametrize("row", BAD, ids=[r[0] for r in BAD])
+def test_bad_inputs_raise(row) -> None:
+    _, fn, make, exc, pattern = row
+    with pytest.raises(exc, match=pattern):
+        fn(*make())
+
+
+def test_bad_reduction_raises() -> None:
+    with pytest.raises(ValueError, match="reduction must be one of"):
+        BL.mse_loss(torch.randn(M, B), torch.randn(M, B), reduction="batchmean")
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    num_models=st.integers(1, 4),
+    batch=st.integers(1, 4),
+    classes=st.integers(2, 5),
+    spatial=st.lists(st.integers(1, 3), max_size=2),
+    weighted=st.booleans(),
+    label_smoothing=st.sampled_from([0.0, 0.1]),
+    seed=st.integers(0, 2**16),
+)
+def test_random_cross_entropy_matches_loop(num_models, batch, classes, spatial, weighted, label_smoothing, seed):
+    gen = torch.Generator().manual_seed(seed)
+    input = torch.randn(num_models, batch, classes, *spatial, generator=gen, dtype=torch.float64)
+    target = torch.randint(0, classes, (num_models, batch, *spatial), generator=gen)
+    target[torch.rand(target.shape, generator=gen) < 0.2] = -100
+    target.view(num_models, -1)[:, 0] = 0  # every model keeps a counted target (else 0/0 in both)
+    weight = torch.rand(classes, generator=gen, dtype=torch.float64) + 0.1 if weighted else None
+    losses = BL.cross_entropy(input, target, weight=weight, label_smoothing=label_smoothing)
+    expected = torch.stack(
+        [
+            F.cross_entropy(input[m], target[m], weight=weight, label_smoothing=label_smoothing)
+            for m in range(num_models)
+        ]
+    )
+    assert_close(losses, expected, msg="cross_entropy")
