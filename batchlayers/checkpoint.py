@@ -1,0 +1,101 @@
+"""Loading N checkpoint files into one stacked model without holding N models in memory."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from .convert import _check_models, _model_tensors, _skeleton
+
+__all__ = ["load_checkpoint", "stack_checkpoints"]
+
+
+def load_checkpoint(
+    path: str | os.PathLike, *, map_location: str | torch.device = "cpu", weights_only: bool = True
+) -> Mapping[str, Tensor]:
+    """One checkpoint file: a ``.safetensors`` file, or anything ``torch.load`` reads (``weights_only=True`` by
+    default: a checkpoint file can run code when unpickled, so only plain tensors and containers are read)."""
+    if os.fspath(path).endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        return load_file(os.fspath(path), device=str(map_location))
+    return torch.load(path, map_location=map_location, weights_only=weights_only)
+
+
+def stack_checkpoints(
+    model: nn.Module,
+    paths: Sequence[str | os.PathLike],
+    *,
+    key: str | None = None,
+    map_location: str | torch.device = "cpu",
+    weights_only: bool = True,
+) -> nn.Module:
+    """A stacked model of ``model``'s architecture holding the weights saved in ``paths``, one model per file.
+
+    The files are read one at a time into the preallocated stacked tensors, so the peak memory is about the
+    stacked model plus one checkpoint (and ``model``), not N models.
+
+    Args:
+        model: one instance of the architecture; only its structure, configuration, dtype and its
+            non-persistent buffers are used, not its weights.
+        paths: checkpoint files holding ``model.state_dict()``-style dicts: ``.safetensors`` files or
+            ``torch.save`` files.
+        key: when each file holds a dict with the state dict under a key (e.g. ``"model"``), that key.
+        map_location: where tensors are loaded before being copied into the stacked model (its device is
+            ``model``'s).
+        weights_only: passed to ``torch.load``; keep ``True`` for files you did not write yourself.
+
+    Examples::
+
+        >>> paths = [f"runs/seed{s}/model.pt" for s in range(8)]
+        >>> batched = batchlayers.stack_checkpoints(MyNet(), paths)
+    """
+    _check_models([model], "stack_checkpoints")
+    paths = list(paths)
+    if not paths:
+        raise ValueError("stack_checkpoints: got an empty list of checkpoint files")
+    expected = model.state_dict()
+    defaults = _model_tensors(model)
+    aliases = _aliases(model)
+    result = _skeleton(model, len(paths))
+    for i, path in enumerate(paths):
+        state = load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        if key is not None:
+            if not isinstance(state, Mapping) or key not in state:
+                raise KeyError(f"stack_checkpoints: '{path}' holds no entry '{key}'")
+            state = state[key]
+        if not isinstance(state, Mapping):
+            raise TypeError(f"stack_checkpoints: '{path}' holds a {type(state).__name__}, not a state dict")
+        missing = [k for k in expected if k not in state and not any(a in state for a in aliases.get(k, ()))]
+        unexpected = [k for k in state if k not in expected]
+        if missing or unexpected:
+            raise ValueError(
+                f"stack_checkpoints: '{path}' does not fit {type(model).__name__}: missing keys {missing[:5]}, "
+                f"unexpected keys {unexpected[:5]}"
+                + (" (is its state dict under a key? pass key=...)" if missing else "")
+            )
+        tensors = {}
+        for name, default in defaults.items():
+            value = state.get(name)
+            if value is None:
+                value = next((state[a] for a in aliases.get(name, ()) if a in state), default)
+            if value.shape != default.shape:
+                raise ValueError(
+                    f"stack_checkpoints: '{name}' has shape {tuple(value.shape)} in '{path}' but "
+                    f"{tuple(default.shape)} in {type(model).__name__}"
+                )
+            tensors[name] = value
+        result.fill(i, tensors, f"'{path}'")
+        del state, tensors
+    return result.module
+
+
+def _aliases(model: nn.Module) -> dict[str, list[str]]:
+    """For tied tensors, every other name each name goes by (safetensors files keep only one of them)."""
+    groups: dict[int, list[str]] = {}
+    for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        groups.setdefault(id(t), []).append(name)
+    return {n: [a for a in g if a != n] for g in groups.values() for n in g}

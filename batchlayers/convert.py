@@ -1,0 +1,679 @@
+"""Converters between N ordinary models of one architecture and one stacked model holding all of them.
+
+``stack(models)`` returns a copy of the architecture (the same class, so its own ``forward`` runs unchanged and
+its ``state_dict()`` keys are the architecture's own) in which every torch.nn leaf with parameters is swapped
+for its batched counterpart holding all models' weights, shaped ``(M, *)``. The stacked model is called with
+every tensor input shaped ``(M, B, *)``; inside, the architecture's ``forward`` sees one ordinary batch of
+``M * B`` samples, model-major (see ``batchlayers._fold``), and the layers that must know the model boundaries
+(linear, conv, norms) view it back to ``(M, B, *)``.
+
+Limits, by design:
+
+- A loss computed inside ``forward`` averages over the ``M * B`` samples of all models, which is the mean of
+  the M per-model losses: each model gets ``1/M`` of its own gradient. Multiply that loss by
+  ``model.num_models`` before ``backward`` (exact for mean-reduced losses), or compute per-model losses from
+  the ``(M, B, *)`` outputs and sum them.
+- Code inside ``forward`` that mixes samples of a batch (``x.mean(0)``, a functional batch norm) mixes the
+  models' samples too; torch.nn layers that do so (BatchNorm) are swapped for batched counterparts.
+- A shared input (a stride-0 expand) is copied to ``M * B`` samples on entry: the architecture's own code
+  needs one ordinary batch. Batched layers used directly never copy it.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import importlib.util
+import inspect
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from . import _fold
+from ._copy import rebind_functions
+
+__all__ = [
+    "concat",
+    "isinstance_torch",
+    "register",
+    "replicate",
+    "select",
+    "stack",
+    "stack_state_dicts",
+    "unstack",
+    "unstack_state_dict",
+]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The registry: which batched layer stands for which torch.nn leaf type
+
+
+@dataclass(frozen=True)
+class _Counterpart:
+    torch_type: type
+    batched_type: type
+    to_batched: Callable[[nn.Module, int], nn.Module]
+    to_torch: Callable[[nn.Module], nn.Module]
+
+
+_BY_TORCH: dict[type, _Counterpart] = {}
+_BY_BATCHED: dict[type, _Counterpart] = {}
+# Modules whose exported batched layers (classes with ``torch_module``) are registered on first use.
+_BUILTIN_MODULES = ("linear", "conv", "batchnorm", "normalization", "sparse")
+_builtins_loaded = False
+
+
+def constructor_kwargs(module: nn.Module, torch_type: type) -> dict[str, object]:
+    """The arguments of ``torch_type.__init__`` read back from ``module``'s attributes of the same names.
+
+    torch.nn layers (and batchlayers' counterparts) keep their constructor arguments as attributes, except
+    ``bias``, kept as a tensor or ``None``. Arguments whose names start with ``_`` and ``device``/``dtype``
+    are left out.
+    """
+    kwargs = {}
+    for name, param in inspect.signature(torch_type.__init__).parameters.items():
+        if name in ("self", "device", "dtype") or name.startswith("_") or param.kind in (param.VAR_POSITIONAL,):
+            continue
+        if param.kind is param.VAR_KEYWORD:
+            continue
+        if not hasattr(module, name):
+            raise TypeError(
+                f"cannot read {torch_type.__name__}'s constructor argument '{name}' back from a "
+                f"{type(module).__name__}: pass to_batched= and to_torch= functions to batchlayers.register"
+            )
+        value = getattr(module, name)
+        if isinstance(param.default, bool) and (value is None or isinstance(value, Tensor)):
+            value = value is not None  # e.g. bias=True is kept as the bias parameter itself
+        kwargs[name] = value
+    return kwargs
+
+
+def _accepts_device(cls: type) -> bool:
+    return "device" in inspect.signature(cls.__init__).parameters
+
+
+def register(
+    torch_type: type,
+    batched_type: type,
+    *,
+    to_batched: Callable[[nn.Module, int], nn.Module] | None = None,
+    to_torch: Callable[[nn.Module], nn.Module] | None = None,
+) -> None:
+    """Tell the converters that ``batched_type`` stands for ``torch_type`` (the extension point).
+
+    ``stack`` then swaps every module of exactly ``torch_type`` (not its subclasses: a subclass may compute
+    something else) for a ``batched_type``, and ``unstack`` swaps back. The batched layer must follow the
+    batchlayers contract: called with ``(M, B, *)`` tensors, parameters and buffers with ``torch_type``'s
+    names shaped ``(M, *torch shape)``.
+
+    Args:
+        torch_type: the ordinary module type, e.g. your own ``MyNorm``.
+        batched_type: its batched counterpart, e.g. ``BatchedMyNorm``.
+        to_batched: ``(module, num_models) -> batched module`` with the module's configuration; its tensors'
+            values do not matter (they are replaced). Default: ``batched_type(num_models, **args)`` with
+            ``torch_type``'s constructor arguments read from the module's attributes of the same names.
+        to_torch: ``(batched module) -> torch_type module`` with that configuration. Default: the same way.
+    """
+    for t, what in ((torch_type, "torch_type"), (batched_type, "batched_type")):
+        if not (isinstance(t, type) and issubclass(t, nn.Module)):
+            raise TypeError(f"register: {what} must be an nn.Module subclass, got {t!r}")
+
+    def default_to_batched(module: nn.Module, num_models: int) -> nn.Module:
+        device = {"device": "meta"} if _accepts_device(batched_type) else {}
+        return batched_type(num_models, **constructor_kwargs(module, torch_type), **device)
+
+    def default_to_torch(module: nn.Module) -> nn.Module:
+        device = {"device": "meta"} if _accepts_device(torch_type) else {}
+        return torch_type(**constructor_kwargs(module, torch_type), **device)
+
+    entry = _Counterpart(torch_type, batched_type, to_batched or default_to_batched, to_torch or default_to_torch)
+    _BY_TORCH[torch_type] = entry
+    _BY_BATCHED[batched_type] = entry
+
+
+def _load_builtins() -> None:
+    global _builtins_loaded
+    if _builtins_loaded:
+        return
+    _builtins_loaded = True
+    for short in _BUILTIN_MODULES:
+        name = f"{__package__}.{short}"
+        if importlib.util.find_spec(name) is None:
+            continue
+        module = importlib.import_module(name)
+        for attr in getattr(module, "__all__", ()):
+            cls = getattr(module, attr)
+            torch_type = getattr(cls, "torch_module", None)
+            if isinstance(cls, type) and torch_type is not None and torch_type not in _BY_TORCH:
+                register(torch_type, cls)
+
+
+def _counterpart_of(torch_type: type) -> _Counterpart | None:
+    _load_builtins()
+    return _BY_TORCH.get(torch_type)
+
+
+def isinstance_torch(module: nn.Module, classinfo: type | tuple[type, ...]) -> bool:
+    """``isinstance`` that also counts a batched layer as an instance of the torch.nn type it stands for.
+
+    Batched layers do not subclass their torch.nn counterparts, on purpose: code that tests
+    ``isinstance(m, nn.Linear)`` and then reads ``m.weight`` as a 2-D matrix (``nn.init`` schemes, optimizer
+    group builders) would silently compute wrong things on ``(M, out, in)`` weights. In a stacked model
+    ``isinstance(m, nn.Linear)`` is therefore ``False``; code that only needs to know what a module is (e.g.
+    to put its weight in a weight-decay group) uses ``isinstance_torch(m, nn.Linear)`` instead.
+    """
+    torch_type = getattr(type(module), "torch_module", None)
+    return isinstance(module, classinfo) or (torch_type is not None and issubclass(torch_type, classinfo))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Checking that N models are instances of one architecture
+
+
+def _tensor_table(model: nn.Module) -> dict[str, tuple[Tensor, bool]]:
+    """Every parameter and buffer under every name it has (tied ones under each), in registration order."""
+    table = {n: (p, True) for n, p in model.named_parameters(remove_duplicate=False)}
+    table.update({n: (b, False) for n, b in model.named_buffers(remove_duplicate=False)})
+    return table
+
+
+def _config(module: nn.Module) -> dict[str, object]:
+    """A module's plain configuration attributes (stride, eps, n_head, ...): they must agree between models."""
+    plain = (int, float, str, bool, tuple, type(None))
+    skip = ("training", "num_models")
+    return {k: v for k, v in vars(module).items() if not k.startswith("_") and k not in skip and isinstance(v, plain)}
+
+
+def _first_difference(reference: Mapping, other: Mapping) -> str | None:
+    for key in list(reference) + [k for k in other if k not in reference]:
+        if key not in other:
+            return f"'{key}' is missing"
+        if key not in reference:
+            return f"'{key}' is unexpected"
+        if reference[key] != other[key]:
+            return f"'{key}': {other[key]} instead of {reference[key]}"
+    return None
+
+
+def _check_same_architecture(models: Sequence[nn.Module], what: str = "stack", model_dim: bool = False) -> None:
+    """Raise naming the first difference between ``models[i]`` and ``models[0]``.
+
+    ``model_dim``: the models are stacked ones; their tensors' first dimension may differ.
+    """
+    reference = models[0]
+    ref_table = _tensor_table(reference)
+    ref_modules = dict(reference.named_modules(remove_duplicate=False))
+    ref_ties = _tie_groups(reference)
+    for i, model in enumerate(models[1:], start=1):
+        if type(model) is not type(reference):
+            raise TypeError(
+                f"{what}: model {i} is a {type(model).__qualname__}, model 0 a {type(reference).__qualname__}; "
+                "all models must be instances of one architecture"
+            )
+        modules = dict(model.named_modules(remove_duplicate=False))
+        types_ = {k: type(m).__qualname__ for k, m in modules.items()}
+        diff = _first_difference({k: type(m).__qualname__ for k, m in ref_modules.items()}, types_)
+        if diff:
+            raise TypeError(f"{what}: model {i} has a different module structure than model 0: {diff}")
+        table = _tensor_table(model)
+        for key in list(ref_table) + [k for k in table if k not in ref_table]:
+            if key not in table or key not in ref_table:
+                raise ValueError(
+                    f"{what}: model {i} and model 0 have different parameters/buffers: '{key}' is "
+                    f"{'missing in model ' + str(i) if key not in table else 'missing in model 0'}"
+                )
+            (t, is_param), (r, ref_is_param) = table[key], ref_table[key]
+            shape, ref_shape = tuple(t.shape), tuple(r.shape)
+            if model_dim:
+                shape, ref_shape = shape[1:], ref_shape[1:]
+            if shape != ref_shape or is_param != ref_is_param:
+                raise ValueError(
+                    f"{what}: '{key}' has shape {tuple(t.shape)} in model {i} but {tuple(r.shape)} in model 0"
+                )
+            if t.dtype != r.dtype or t.device != r.device:
+                raise ValueError(
+                    f"{what}: '{key}' is {t.dtype} on {t.device} in model {i} but {r.dtype} on {r.device} in "
+                    "model 0; move all models to one device and dtype first (model.to(...))"
+                )
+            if is_param and t.requires_grad != r.requires_grad:
+                raise ValueError(
+                    f"{what}: '{key}' has requires_grad={t.requires_grad} in model {i} but {r.requires_grad} in "
+                    "model 0; a stacked parameter is trained or frozen for all models at once"
+                )
+        if _tie_groups(model) != ref_ties:
+            raise ValueError(f"{what}: model {i} ties its weights differently than model 0")
+        for path, ref_module in ref_modules.items():
+            module = modules[path]
+            where = f"'{path}'" if path else "the model itself"
+            if module.training != ref_module.training:
+                raise ValueError(
+                    f"{what}: {where} is in {'train' if module.training else 'eval'} mode in model {i} but in "
+                    f"{'train' if ref_module.training else 'eval'} mode in model 0; call .train() or .eval() "
+                    "on all models first"
+                )
+            diff = _first_difference(_config(ref_module), _config(module))
+            if diff:
+                raise ValueError(f"{what}: {where} is configured differently in model {i} than in model 0: {diff}")
+
+
+def _tie_groups(model: nn.Module) -> list[list[str]]:
+    groups: dict[int, list[str]] = {}
+    for name, (t, _) in _tensor_table(model).items():
+        groups.setdefault(id(t), []).append(name)
+    return [g for g in groups.values() if len(g) > 1]
+
+
+def _check_models(models: object, what: str) -> list[nn.Module]:
+    if isinstance(models, nn.Module) or not isinstance(models, Iterable):
+        raise TypeError(f"{what}: expected a list of models, got {type(models).__name__}")
+    models = list(models)
+    if not models:
+        raise ValueError(f"{what}: got an empty list of models")
+    for i, m in enumerate(models):
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"{what}: item {i} is a {type(m).__name__}, not an nn.Module")
+    return models
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Building a stacked model: the plan, the skeleton, then one model's values at a time
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+def _plan(template: nn.Module) -> tuple[list[tuple[str, nn.Module, _Counterpart]], list[str]]:
+    """Which modules to swap for batched layers, and which buffers stay one copy shared by all models."""
+    swaps: list[tuple[str, nn.Module, _Counterpart]] = []
+    shared: list[str] = []
+    seen: set[int] = set()
+
+    def visit(path: str, module: nn.Module) -> None:
+        if id(module) in seen:
+            return
+        seen.add(id(module))
+        where = f"'{path}'" if path else "the model itself"
+        counterpart = _counterpart_of(type(module))
+        if counterpart is not None:
+            if module._forward_hooks or module._forward_pre_hooks or module._backward_hooks:
+                raise ValueError(
+                    f"stack: {where} ({type(module).__name__}) has hooks registered on it; they cannot be carried "
+                    "over to its batched counterpart. Remove them before stacking"
+                )
+            swaps.append((path, module, counterpart))
+            return
+        own_params = [n for n, _ in module.named_parameters(recurse=False)]
+        if own_params and not module._modules:
+            base = next((c.__name__ for c in type(module).__mro__[1:] if c in _BY_TORCH), None)
+            hint = (
+                f" It subclasses {base}: if it computes exactly like it, register it with that layer." if base else ""
+            )
+            raise TypeError(
+                f"stack: {where} is a {type(module).__qualname__} with parameters, and no batched counterpart is "
+                f"registered for {type(module).__qualname__}. Register one with "
+                f"batchlayers.register({type(module).__name__}, BatchedVersion).{hint}"
+            )
+        if own_params:
+            raise TypeError(
+                f"stack: {where} ({type(module).__qualname__}) holds the parameter '{own_params[0]}' directly and "
+                "uses it in its own forward, where batchlayers cannot tell how to batch it. Move it into a small "
+                "leaf module (e.g. one that adds or multiplies it) and register a batched counterpart for that "
+                "module with batchlayers.register(...), or register one for "
+                f"{type(module).__qualname__} as a whole"
+            )
+        shared.extend(_join(path, n) for n, _ in module.named_buffers(recurse=False))
+        for name, child in module.named_children():
+            visit(_join(path, name), child)
+
+    visit("", template)
+    return swaps, shared
+
+
+def _set_tensor(module: nn.Module, name: str, value: Tensor) -> None:
+    *parents, leaf = name.split(".")
+    for p in parents:
+        module = getattr(module, p)
+    if leaf in module._parameters:
+        module._parameters[leaf] = value
+    else:
+        module._buffers[leaf] = value
+
+
+def _new_stacked(t: Tensor, num_models: int, is_param: bool, device: torch.device | None = None) -> Tensor:
+    stacked = torch.empty((num_models, *t.shape), dtype=t.dtype, device=device or t.device)
+    return nn.Parameter(stacked, requires_grad=t.requires_grad) if is_param else stacked
+
+
+def _adopt(
+    target: nn.Module, source: nn.Module, made: dict[int, Tensor], what: str, expected: Callable[[Tensor], Tensor]
+) -> None:
+    """Give ``target`` (freshly built, any device) ``expected(t)`` for every tensor ``t`` of ``source`` with
+    the same name; the same source tensor maps to one target tensor (ties)."""
+    target_table, source_table = _tensor_table(target), _tensor_table(source)
+    if set(target_table) != set(source_table):
+        raise TypeError(
+            f"{what}: {type(target).__name__} has parameters/buffers {sorted(target_table)} but "
+            f"{type(source).__name__} has {sorted(source_table)}; they must carry the same names"
+        )
+    for name, (t, _) in source_table.items():
+        if id(t) not in made:
+            made[id(t)] = expected(t)
+        value = made[id(t)]
+        built = target_table[name][0]
+        if built.shape != value.shape:
+            raise TypeError(
+                f"{what}: {type(target).__name__} builds '{name}' with shape {tuple(built.shape)}, expected "
+                f"{tuple(value.shape)}"
+            )
+        _set_tensor(target, name, value)
+
+
+def _swap_in(root: nn.Module, replaced: dict[int, object]) -> nn.Module:
+    for module in list(root.modules()):
+        for key, child in module._modules.items():
+            if child is not None and id(child) in replaced:
+                module._modules[key] = replaced[id(child)]
+    return replaced.get(id(root), root)
+
+
+def _translator(memo: dict[int, object], replaced: dict[int, object]) -> Callable[[object], object]:
+    def translate(obj: object) -> object:
+        obj = memo.get(id(obj), obj)
+        return replaced.get(id(obj), obj)
+
+    return translate
+
+
+@dataclass
+class _Stacked:
+    """A stacked model under construction: where each of one model's tensors goes."""
+
+    module: nn.Module
+    stacked: dict[str, Tensor]  # canonical name -> (M, *) tensor
+    shared: dict[str, Tensor]  # canonical name -> one buffer for all models
+    num_models: int
+
+    @torch.no_grad()
+    def fill(self, index: int, tensors: Mapping[str, Tensor], source: str) -> None:
+        """Write one model's tensors into slice ``index``; shared buffers must equal the first model's."""
+        for name, target in self.stacked.items():
+            target[index].copy_(tensors[name])
+        for name, target in self.shared.items():
+            value = tensors[name]
+            if index == 0:
+                target.copy_(value)
+            elif not torch.equal(target, value.to(target.device, target.dtype)):
+                raise ValueError(
+                    f"the buffer '{name}' differs between the first model and {source}. batchlayers keeps a buffer "
+                    "of a module without a batched counterpart as one copy shared by all models, so it must be "
+                    f"equal in all of them; register a batched counterpart for its module to batch it"
+                )
+
+
+def _skeleton(template: nn.Module, num_models: int, device: torch.device | str | None = None) -> _Stacked:
+    """The stacked architecture with empty ``(M, *)`` tensors, from one instance of it."""
+    swaps, shared = _plan(template)
+    memo: dict[int, object] = {}
+    # The leaves to be swapped keep the template's tensors in the copy instead of copying them for nothing.
+    for _, leaf, _ in swaps:
+        for t, _ in _tensor_table(leaf).values():
+            memo[id(t)] = t
+    root = copy.deepcopy(template, memo)
+    replaced: dict[int, object] = {}
+    made: dict[int, Tensor] = {}
+    for path, leaf, counterpart in swaps:
+        what = f"stack: the batched counterpart of '{path or type(template).__name__}'"
+        batched = counterpart.to_batched(leaf, num_models)
+        _adopt(batched, leaf, made, what, lambda t: _new_stacked(t, num_models, isinstance(t, nn.Parameter), device))
+        batched.train(leaf.training)
+        _fold.attach_leaf_hooks(batched, path)
+        replaced[id(memo[id(leaf)])] = batched
+    replaced.update(made)
+    root = _swap_in(root, replaced)
+    if device is not None:
+        for name in shared:
+            *parents, leaf_name = name.split(".")
+            owner = root.get_submodule(".".join(parents))
+            owner._buffers[leaf_name] = owner._buffers[leaf_name].to(device)
+    rebind_functions(root, _translator(memo, replaced))
+    if not _fold.is_swapped_leaf(root):
+        if "num_models" in vars(root):
+            raise ValueError(
+                f"stack: {type(template).__name__} has its own attribute 'num_models'; the stacked model uses that "
+                "name for M. Rename the attribute"
+            )
+        root.num_models = num_models
+        _fold.attach_root_hooks(root, shared)
+    buffers = dict(root.named_buffers())
+    stacked = {n: t for n, (t, _) in _canonical(root).items() if n not in shared}
+    return _Stacked(root, stacked, {n: buffers[n] for n in shared}, num_models)
+
+
+def _canonical(module: nn.Module) -> dict[str, tuple[Tensor, bool]]:
+    """Each parameter and buffer once, under its first name."""
+    table = {n: (p, True) for n, p in module.named_parameters()}
+    table.update({n: (b, False) for n, b in module.named_buffers()})
+    return table
+
+
+def _model_tensors(model: nn.Module) -> dict[str, Tensor]:
+    return {n: t for n, (t, _) in _tensor_table(model).items()}
+
+
+def stack(models: Sequence[nn.Module]) -> nn.Module:
+    """One stacked model holding the weights and buffers of ``models``, N instances of one architecture.
+
+    The result is a copy of the architecture (same class, same ``forward``) in which every torch.nn leaf with
+    parameters is swapped for its batched counterpart; tied weights map to one stacked parameter, functions
+    stored on the modules are rebound to the copy. The input models are not modified.
+
+    Args:
+        models: N modules of one class, structure, configuration, device, dtype and train/eval mode.
+
+    Returns:
+        The stacked model. It has ``num_models`` (N) set, parameters and buffers under the architecture's own
+        names shaped ``(N, *)``, and is called with every tensor input shaped ``(N, B, *)`` (or a stride-0
+        expand of one batch for all models); tensor outputs come back ``(N, B, *)`` inside the same tuples,
+        lists, dicts or dataclasses, and 0-dim outputs (a loss) as they are.
+
+    .. note::
+        A loss computed inside ``forward`` (e.g. ``F.cross_entropy`` with the default mean) averages over all
+        models, so each model gets ``1/N`` of its own gradient: call ``(loss * model.num_models).backward()``,
+        or compute per-model losses from the ``(N, B, *)`` outputs and sum them.
+
+    Raises:
+        TypeError / ValueError: naming the first difference between the models, or a module that cannot be
+            batched (its path and type, and ``batchlayers.register`` as the way to add it).
+
+    Examples::
+
+        >>> models = [MyNet() for _ in range(4)]           # or loaded from 4 checkpoints
+        >>> batched = batchlayers.stack(models)
+        >>> batched(x.expand(4, *x.shape)).shape           # one batch x for all 4 models
+        torch.Size([4, 32, 10])
+        >>> models = batchlayers.unstack(batched)          # 4 ordinary MyNet again
+    """
+    models = _check_models(models, "stack")
+    _check_same_architecture(models)
+    result = _skeleton(models[0], len(models))
+    for i, model in enumerate(models):
+        result.fill(i, _model_tensors(model), f"model {i}")
+    return result.module
+
+
+def replicate(factory: Callable[[], nn.Module], num_models: int) -> nn.Module:
+    """``stack`` of ``num_models`` fresh models made by ``factory()``, the user's own constructor, so that its
+    initialisation scheme (custom ``_init_weights``, seeds) is respected. At most two ordinary models exist at
+    any time, next to the stacked one."""
+    if isinstance(num_models, bool) or not isinstance(num_models, int) or num_models < 1:
+        raise ValueError(f"replicate: num_models must be a positive int, got {num_models!r}")
+    first = factory()
+    result = _skeleton(first, num_models)
+    result.fill(0, _model_tensors(first), "model 0")
+    for i in range(1, num_models):
+        model = factory()
+        _check_same_architecture([first, model], "replicate")
+        result.fill(i, _model_tensors(model), f"model {i}")
+    return result.module
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Back to ordinary models, and new stacked models from stacked ones
+
+
+def _require_stacked(module: nn.Module, what: str) -> int:
+    num_models = getattr(module, "num_models", None)
+    if not isinstance(module, nn.Module) or not isinstance(num_models, int):
+        raise TypeError(f"{what}: expected a stacked model (from batchlayers.stack), got {type(module).__name__}")
+    return num_models
+
+
+def _stacked_tensors(batched: nn.Module) -> dict[int, Tensor]:
+    """The ``(M, *)`` tensors of a stacked model (everything but its shared buffers), by id."""
+    shared = set(_fold.root_shared_buffers(batched))
+    return {id(t): t for n, (t, _) in _canonical(batched).items() if n not in shared}
+
+
+def _rebuilt(t: Tensor, data: Tensor) -> Tensor:
+    return nn.Parameter(data, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else data
+
+
+def _copy_with(batched: nn.Module, memo: dict[int, object]) -> nn.Module:
+    result = copy.deepcopy(batched, memo)
+    rebind_functions(result, _translator(memo, {}))
+    return result
+
+
+def unstack(batched: nn.Module) -> list[nn.Module]:
+    """The N ordinary models inside a stacked model: instances of the original class with the current
+    weights, buffers, ``requires_grad``, train/eval mode, device and dtype; tied weights stay tied. They share
+    no memory with ``batched``."""
+    num_models = _require_stacked(batched, "unstack")
+    _load_builtins()
+    stacked = _stacked_tensors(batched)
+    models = []
+    for i in range(num_models):
+        memo: dict[int, object] = {k: _rebuilt(t, t.detach()[i].clone()) for k, t in stacked.items()}
+        model = copy.deepcopy(batched, memo)
+        replaced: dict[int, object] = {}
+        for module in list(model.modules()):
+            if not (_fold.is_swapped_leaf(module) or (module is model and type(module) in _BY_BATCHED)):
+                continue
+            counterpart = _BY_BATCHED[type(module)]
+            plain = counterpart.to_torch(module)
+            _adopt(plain, module, {}, f"unstack: the torch counterpart of {type(module).__name__}", lambda t: t)
+            plain.train(module.training)
+            replaced[id(module)] = plain
+        model = _swap_in(model, replaced)
+        _fold.detach_hooks(model)
+        model.__dict__.pop("num_models", None)
+        rebind_functions(model, _translator(memo, replaced))
+        models.append(model)
+    return models
+
+
+def _indices(indices: object, num_models: int) -> list[int]:
+    if isinstance(indices, Tensor):
+        if indices.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8) or indices.dim() != 1:
+            raise TypeError(f"select: indices must be a 1-D integer tensor or a list of ints, got {indices!r}")
+        indices = indices.tolist()
+    indices = list(indices)
+    if not indices:
+        raise ValueError("select: got no indices; a stacked model holds at least one model")
+    for i in indices:
+        if isinstance(i, bool) or not isinstance(i, int):
+            raise TypeError(f"select: indices must be ints, got {i!r}")
+        if not -num_models <= i < num_models:
+            raise IndexError(f"select: index {i} is out of range for a stacked model of {num_models} models")
+    return [i % num_models for i in indices]
+
+
+def _set_num_models(module: nn.Module, num_models: int) -> None:
+    for m in module.modules():
+        if isinstance(getattr(m, "num_models", None), int):
+            m.num_models = num_models
+
+
+def select(batched: nn.Module, indices: Sequence[int] | Tensor) -> nn.Module:
+    """A stacked model with the models ``indices`` of ``batched``, in that order (repeats allowed), sharing
+    nothing mutable with it (gradients are not copied)."""
+    num_models = _require_stacked(batched, "select")
+    index = torch.tensor(_indices(indices, num_models), dtype=torch.long)
+    memo: dict[int, object] = {
+        k: _rebuilt(t, t.detach().index_select(0, index.to(t.device))) for k, t in _stacked_tensors(batched).items()
+    }
+    result = _copy_with(batched, memo)
+    _set_num_models(result, len(index))
+    return result
+
+
+def concat(models: Sequence[nn.Module]) -> nn.Module:
+    """One stacked model holding the models of several stacked models of the same architecture, in order."""
+    models = _check_models(models, "concat")
+    for m in models:
+        _require_stacked(m, "concat")
+    _check_same_architecture(models, "concat", model_dim=True)
+    shared = set(_fold.root_shared_buffers(models[0]))
+    tables = [_canonical(m) for m in models]
+    for name in shared:
+        for i, table in enumerate(tables[1:], start=1):
+            if not torch.equal(table[name][0], tables[0][name][0]):
+                raise ValueError(f"concat: the shared buffer '{name}' differs between stacked model {i} and 0")
+    memo: dict[int, object] = {}
+    for name, (t, _) in tables[0].items():
+        if name not in shared:
+            data = torch.cat([table[name][0].detach() for table in tables])
+            memo[id(t)] = _rebuilt(t, data)
+    result = _copy_with(models[0], memo)
+    _set_num_models(result, sum(m.num_models for m in models))
+    return result
+
+
+# ----------------------------------------------------------------------------------------------------------
+# State dicts
+
+
+def stack_state_dicts(state_dicts: Sequence[Mapping[str, Tensor]]) -> dict[str, Tensor]:
+    """One state dict with every entry of N state dicts stacked along a new first dimension, ready for
+    ``stacked_model.load_state_dict``. Keys, shapes, dtypes and devices must agree."""
+    state_dicts = list(state_dicts)
+    if not state_dicts:
+        raise ValueError("stack_state_dicts: got an empty list of state dicts")
+    reference = state_dicts[0]
+    for i, sd in enumerate(state_dicts[1:], start=1):
+        diff = _first_difference(dict.fromkeys(reference), dict.fromkeys(sd))
+        if diff:
+            raise ValueError(f"stack_state_dicts: state dict {i} has different keys than state dict 0: {diff}")
+        for key, ref in reference.items():
+            value = sd[key]
+            if value.shape != ref.shape:
+                raise ValueError(
+                    f"stack_state_dicts: '{key}' has shape {tuple(value.shape)} in state dict {i} but "
+                    f"{tuple(ref.shape)} in state dict 0"
+                )
+            if value.dtype != ref.dtype or value.device != ref.device:
+                raise ValueError(
+                    f"stack_state_dicts: '{key}' is {value.dtype} on {value.device} in state dict {i} but "
+                    f"{ref.dtype} on {ref.device} in state dict 0"
+                )
+    return {key: torch.stack([sd[key] for sd in state_dicts]) for key in reference}
+
+
+def unstack_state_dict(state_dict: Mapping[str, Tensor]) -> list[dict[str, Tensor]]:
+    """N ordinary state dicts from the state dict of a stacked model. Entries are copies, not views, so that
+    ``torch.save`` of one writes only that model's data."""
+    if not state_dict:
+        raise ValueError("unstack_state_dict: got an empty state dict")
+    sizes = {k: (v.shape[0] if v.dim() else None) for k, v in state_dict.items()}
+    num_models = next(iter(sizes.values()))
+    for key, size in sizes.items():
+        if size is None or size != num_models:
+            raise ValueError(
+                f"unstack_state_dict: every entry must be (M, *) with one M; '{key}' has shape "
+                f"{tuple(state_dict[key].shape)} but the first entry has M={num_models}"
+            )
+    return [{k: v[i].clone() for k, v in state_dict.items()} for i in range(num_models)]

@@ -1,0 +1,320 @@
+"""stack/unstack on real-world architectures, against the N original models."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import models as zoo
+import pytest
+import torch
+import torch.nn.functional as F
+from convert_harness import assert_unchanged, compare_training, seeded, snapshot
+from harness import assert_close
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from batchlayers.convert import isinstance_torch, stack, unstack
+from batchlayers.linear import BatchedLinear
+
+
+def _images(lead, dtype=torch.float64):
+    return torch.randn(*lead, 3, 8, 8, dtype=dtype)
+
+
+ARCHITECTURES = {
+    "MLP": (zoo.MLP, lambda lead: torch.randn(*lead, 6, dtype=torch.float64)),
+    "CNN-BN-residual": (zoo.CNN, _images),
+    "SE": (zoo.SENet, _images),
+    "depthwise-grouped": (zoo.DepthwiseNet, _images),
+    "GroupNorm": (zoo.GroupNormNet, _images),
+}
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+@pytest.mark.parametrize("num_models", [1, 3])
+def test_matches_original_models(arch: str, num_models: int) -> None:
+    factory, make_input = ARCHITECTURES[arch]
+    models = [seeded(factory, i) for i in range(num_models)]
+    references = [seeded(factory, i) for i in range(num_models)]
+    before = [snapshot(m) for m in models]
+    batched = stack(models)
+    assert type(batched) is factory
+    compare_training(batched, references, make_input)
+    for m, b in zip(models, before):
+        assert_unchanged(m, b)
+
+
+@pytest.mark.parametrize("arch", ["MLP", "CNN-BN-residual"])
+def test_shared_input(arch: str) -> None:
+    factory, make_input = ARCHITECTURES[arch]
+    batched = stack([seeded(factory, i) for i in range(3)])
+    compare_training(batched, [seeded(factory, i) for i in range(3)], make_input, shared=True)
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_unstack_of_stack_is_the_originals(arch: str) -> None:
+    factory, make_input = ARCHITECTURES[arch]
+    models = [seeded(factory, i).eval() for i in range(3)]
+    back = unstack(stack(models))
+    x = make_input((2,))
+    for original, restored in zip(models, back):
+        assert type(restored) is type(original)
+        assert list(restored.state_dict()) == list(original.state_dict())
+        for (k, v), w in zip(original.state_dict().items(), restored.state_dict().values()):
+            assert torch.equal(v, w) and v.dtype == w.dtype and v.device == w.device, k
+        modes = [(n, m.training) for n, m in original.named_modules()]
+        assert [(n, m.training) for n, m in restored.named_modules()] == modes
+        assert_close(restored(x), original(x), msg="output of the unstacked model")
+
+
+def test_unstack_carries_training_state() -> None:
+    """Trained weights, BatchNorm statistics, requires_grad and the mode come back; nothing is shared."""
+    models = [seeded(zoo.CNN, i) for i in range(2)]
+    for m in models:
+        m.conv1.weight.requires_grad_(False)
+    batched = stack(models)
+    batched(_images((2, 4))).sum().backward()
+    with torch.no_grad():
+        for p in batched.parameters():
+            if p.grad is not None:
+                p -= 0.1 * p.grad
+    batched.eval()
+    back = unstack(batched)
+    state = batched.state_dict()
+    for i, model in enumerate(back):
+        assert not model.training and not model.bn1.training
+        assert not model.conv1.weight.requires_grad and model.linear.weight.requires_grad
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, state[k][i]), k
+        assert model.bn1.running_mean.data_ptr() != state["bn1.running_mean"].data_ptr()
+        assert model.bn1.num_batches_tracked.item() == 1
+
+
+def test_state_dict_keys_are_the_architectures() -> None:
+    models = [seeded(zoo.CNN, i) for i in range(3)]
+    batched = stack(models)
+    ref = models[0].state_dict()
+    state = batched.state_dict()
+    assert list(state) == list(ref)
+    for k, v in ref.items():
+        assert state[k].shape == (3, *v.shape), k
+    assert batched.num_models == 3
+
+
+def test_deepcopy_pickle_and_load_state_dict() -> None:
+    batched = stack([seeded(zoo.CNN, i) for i in range(3)])
+    x = _images((3, 2))
+    batched.eval()
+    for clone in (copy.deepcopy(batched), pickle.loads(pickle.dumps(batched))):
+        assert_close(clone(x), batched(x), msg="copy")
+        assert clone.conv1.weight.data_ptr() != batched.conv1.weight.data_ptr()
+    other = stack([seeded(zoo.CNN, i) for i in range(10, 13)]).eval()
+    other.load_state_dict(batched.state_dict())
+    assert_close(other(x), batched(x), msg="after load_state_dict")
+
+
+def test_stacking_a_single_layer_gives_the_batched_layer() -> None:
+    layers = [nn.Linear(4, 3).double() for _ in range(3)]
+    batched = stack(layers)
+    assert type(batched) is BatchedLinear
+    x = torch.randn(3, 5, 4, dtype=torch.float64)
+    assert_close(batched(x), torch.stack([m(x[i]) for i, m in enumerate(layers)]), msg="output")
+    back = unstack(batched)
+    assert all(type(m) is nn.Linear and torch.equal(m.weight, o.weight) for m, o in zip(back, layers))
+
+
+class _Heads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 5)
+        self.a = nn.Linear(5, 2)
+        self.b = nn.Linear(5, 3)
+
+    def forward(self, x, *, scale=1.0):
+        h = torch.tanh(self.body(x)) * scale
+        return {"a": self.a(h), "pair": (self.b(h), [h]), "none": None, "n": 3, "mean": h.mean()}
+
+
+def test_structured_outputs_keep_their_structure() -> None:
+    models = [seeded(_Heads, i) for i in range(3)]
+    batched = stack(models)
+    x = torch.randn(3, 2, 4, dtype=torch.float64)
+    out = batched(x, scale=2.0)
+    assert set(out) == {"a", "pair", "none", "n", "mean"} and out["none"] is None and out["n"] == 3
+    refs = [m(x[i], scale=2.0) for i, m in enumerate(models)]
+    assert_close(out["a"], torch.stack([r["a"] for r in refs]), msg="dict entry")
+    assert isinstance(out["pair"], tuple) and isinstance(out["pair"][1], list)
+    assert_close(out["pair"][0], torch.stack([r["pair"][0] for r in refs]), msg="tuple entry")
+    assert_close(out["pair"][1][0], torch.stack([r["pair"][1][0] for r in refs]), msg="list entry")
+    # A 0-dim output was reduced over all models' samples inside forward: it is the mean over models.
+    assert_close(out["mean"], torch.stack([r["mean"] for r in refs]).mean(), msg="0-dim output")
+
+
+# ------------------------------------------------------------------------------------------------------
+# GPT-style transformers
+
+
+@pytest.mark.parametrize("positions", ["1T", "T"])
+@pytest.mark.parametrize("num_models", [1, 3])
+def test_gpt_matches_original_models(positions: str, num_models: int) -> None:
+    def factory():
+        return zoo.GPT(zoo.GPTConfig(position_indices=positions))
+
+    models = [seeded(factory, i) for i in range(num_models)]
+    before = [snapshot(m) for m in models]
+    batched = stack(models)
+    compare_training(
+        batched,
+        [seeded(factory, i) for i in range(num_models)],
+        lambda lead: torch.randint(0, 11, (*lead, 8)),
+        logits=lambda out: out.logits,
+    )
+    for m, b in zip(models, before):  # also: the stored lambda no longer calls the originals' modules
+        assert_unchanged(m, b)
+
+
+def test_gpt_ties_output_projection_to_token_embedding() -> None:
+    models = [seeded(zoo.GPT, i) for i in range(3)]
+    batched = stack(models)
+    assert batched.lm_head.weight is batched.transformer.wte.weight
+    names = [n for n, _ in batched.named_parameters()]
+    assert "lm_head.weight" not in names and names.count("transformer.wte.weight") == 1
+    back = unstack(batched)
+    assert all(m.lm_head.weight is m.transformer.wte.weight for m in back)
+    assert back[0].lm_head.weight is not back[1].lm_head.weight
+
+
+def test_gpt_lambda_is_rebound_to_the_stacked_modules() -> None:
+    models = [seeded(zoo.GPT, i) for i in range(2)]
+    batched = stack(models)
+    block, original = batched.transformer.h[0], models[0].transformer.h[0]
+    assert block.mlpf is not original.mlpf
+    assert block.mlpf.__closure__[0].cell_contents is block.mlp
+    assert original.mlpf.__closure__[0].cell_contents is original.mlp  # the original is untouched
+    back = unstack(batched)
+    assert back[1].transformer.h[0].mlpf.__closure__[0].cell_contents is back[1].transformer.h[0].mlp
+
+
+def test_gpt_causal_mask_is_one_shared_buffer() -> None:
+    models = [seeded(zoo.GPT, i) for i in range(3)]
+    batched = stack(models)
+    mask = batched.transformer.h[0].attn.bias
+    assert mask.shape == (1, 1, 8, 8)  # the forward slices it as the architecture's own code expects
+    state = batched.state_dict()
+    assert state["transformer.h.0.attn.bias"].shape == (3, 1, 1, 8, 8)  # saved like every other entry
+    assert state["transformer.h.0.attn.bias"].stride(0) == 0
+    other = stack([seeded(zoo.GPT, i) for i in range(5, 8)])
+    other.load_state_dict(state)
+    assert torch.equal(other.transformer.h[0].attn.bias, mask)
+    bad = {k: v.clone() for k, v in state.items()}
+    bad["transformer.h.0.attn.bias"][1].zero_()
+    with pytest.raises(RuntimeError, match="transformer.h.0.attn.bias.*shared by all models"):
+        other.load_state_dict(bad)
+
+
+def test_gpt_loss_in_forward_averages_over_models() -> None:
+    """The loss computed in forward is the mean of the per-model losses, so each model gets 1/M of its
+    gradient; multiplying by num_models gives each model exactly its own gradient."""
+    models = [seeded(zoo.GPT, i) for i in range(3)]
+    references = [seeded(zoo.GPT, i) for i in range(3)]
+    batched = stack(models)
+    idx = torch.randint(0, 11, (3, 4, 8))
+    targets = torch.randint(0, 11, (3, 4, 8))
+    out = batched(idx, targets=targets)
+    ref_losses = [r(idx[i], targets[i]).loss for i, r in enumerate(references)]
+    assert out.loss.dim() == 0
+    assert_close(out.loss, torch.stack(ref_losses).mean(), msg="loss")
+    (out.loss * batched.num_models).backward()
+    for loss in ref_losses:
+        loss.backward()
+    for name, p in batched.named_parameters():
+        ref = torch.stack([dict(r.named_parameters())[name].grad for r in references])
+        assert_close(p.grad, ref, msg=f"gradient of {name}")
+
+
+def test_gpt_ambiguous_positions_raise() -> None:
+    """nanoGPT's ``arange(T)`` positions with T == M*B could be read as one index per sample: refuse."""
+    models = [seeded(lambda: zoo.GPT(zoo.GPTConfig(position_indices="T")), i) for i in range(2)]
+    batched = stack(models)
+    with pytest.raises(ValueError, match=r"wpe.*ambiguous.*unsqueeze\(0\)"):
+        batched(torch.randint(0, 11, (2, 4, 8)))  # M*B = 8 = T
+    batched(torch.randint(0, 11, (2, 3, 8)))  # M*B = 6: fine
+
+
+# ------------------------------------------------------------------------------------------------------
+# isinstance: batched layers do not subclass torch.nn layers
+
+
+def test_isinstance_sees_batched_layers_as_not_torch_layers() -> None:
+    batched = stack([seeded(zoo.GPT, i) for i in range(2)])
+    assert not isinstance(batched.lm_head, nn.Linear)
+    assert isinstance_torch(batched.lm_head, nn.Linear)
+    assert isinstance_torch(batched.transformer.wte, (nn.Linear, nn.Embedding))
+    assert isinstance_torch(batched.transformer.drop, nn.Dropout)
+    assert not isinstance_torch(batched.transformer.ln_f, nn.Linear)
+
+    # An init function keyed on isinstance(m, nn.Linear) does not touch (and cannot corrupt) stacked weights.
+    before = snapshot(batched)
+    batched.apply(batched._init_weights)
+    for k, v in batched.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+    # minGPT's optimizer-group builder, written with isinstance_torch, sorts every parameter.
+    decay, no_decay = set(), set()
+    for mn, m in batched.named_modules():
+        for pn, _ in m.named_parameters(recurse=False):
+            full = f"{mn}.{pn}" if mn else pn
+            if pn.endswith("bias"):
+                no_decay.add(full)
+            elif pn.endswith("weight") and isinstance_torch(m, nn.Linear):
+                decay.add(full)
+            elif pn.endswith("weight") and isinstance_torch(m, (nn.LayerNorm, nn.Embedding)):
+                no_decay.add(full)
+    params = {n for n, _ in batched.named_parameters(remove_duplicate=False)}
+    assert (decay | no_decay) == params and "transformer.h.0.attn.c_attn.weight" in decay
+
+
+# ------------------------------------------------------------------------------------------------------
+# Property test
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    num_models=st.integers(1, 4),
+    batch=st.integers(1, 3),
+    sizes=st.lists(st.integers(1, 5), min_size=2, max_size=4),
+    shared=st.booleans(),
+    bias=st.booleans(),
+)
+def test_property_random_mlps(num_models, batch, sizes, shared, bias) -> None:
+    def factory():
+        layers = []
+        for a, b in zip(sizes, sizes[1:]):
+            layers += [nn.Linear(a, b, bias=bias), nn.Tanh()]
+        return nn.Sequential(*layers, nn.LayerNorm(sizes[-1]))
+
+    batched = stack([seeded(factory, i) for i in range(num_models)])
+    compare_training(
+        batched,
+        [seeded(factory, i) for i in range(num_models)],
+        lambda lead: torch.randn(*lead, sizes[0], dtype=torch.float64),
+        shared=shared,
+        batch=batch,
+        steps=1,
+    )
+
+
+def test_functional_losses_outside_forward() -> None:
+    """Per-model losses from the (M, B, *) outputs, summed: each model gets exactly its own gradient."""
+    models = [seeded(zoo.MLP, i) for i in range(3)]
+    references = [seeded(zoo.MLP, i) for i in range(3)]
+    batched = stack(models)
+    x, y = torch.randn(3, 5, 6, dtype=torch.float64), torch.randint(0, 3, (3, 5))
+    out = batched(x)
+    losses = F.cross_entropy(out.transpose(1, 2), y, reduction="none").mean(1)
+    losses.sum().backward()
+    for i, r in enumerate(references):
+        F.cross_entropy(r(x[i]), y[i]).backward()
+    assert_close(batched.fc1.weight.grad, torch.stack([r.fc1.weight.grad for r in references]), msg="grad")
