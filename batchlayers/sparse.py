@@ -34,6 +34,7 @@ class BatchedEmbedding(nn.Module):
         sparse: if ``True``, ``weight.grad`` is a sparse COO tensor of shape ``(M, num_embeddings,
             embedding_dim)`` (2 sparse dims: model and row, 1 dense dim), usable like torch.nn.Embedding's
             by :class:`torch.optim.SGD`, :class:`torch.optim.SparseAdam` and :class:`torch.optim.Adagrad`.
+            As in torch.nn, it cannot be combined with ``scale_grad_by_freq`` (backward raises).
             Default: ``False``.
         _weight: an ``(M, num_embeddings, embedding_dim)`` tensor to use as the weight, as in torch.nn
             (not initialised, not copied). Default: ``None``.
