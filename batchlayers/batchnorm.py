@@ -6,11 +6,10 @@ import math
 
 import torch
 from torch import Tensor, nn
-from torch.nn import init
 
 from ._utils import check_input, check_num_models
 from .functional._batchnorm import batch_norm
-from .normalization import check_channels, check_values_per_statistic
+from .normalization import check_channels, check_values_per_statistic, register_affine, reset_affine
 
 __all__ = ["BatchedBatchNorm1d", "BatchedBatchNorm2d", "BatchedBatchNorm3d"]
 
@@ -43,15 +42,7 @@ class _BatchedBatchNorm(nn.Module):
         self.momentum = momentum
         self.affine = affine
         self.track_running_stats = track_running_stats
-        if affine:
-            self.weight = nn.Parameter(torch.empty((num_models, num_features), **factory_kwargs))
-            if bias:
-                self.bias = nn.Parameter(torch.empty((num_models, num_features), **factory_kwargs))
-            else:
-                self.register_parameter("bias", None)
-        else:
-            self.register_parameter("weight", None)
-            self.register_parameter("bias", None)
+        register_affine(self, (num_models, num_features), affine, bias, factory_kwargs)
         if track_running_stats:
             self.register_buffer("running_mean", torch.zeros((num_models, num_features), **factory_kwargs))
             self.register_buffer("running_var", torch.ones((num_models, num_features), **factory_kwargs))
@@ -72,10 +63,7 @@ class _BatchedBatchNorm(nn.Module):
 
     def reset_parameters(self) -> None:
         self.reset_running_stats()
-        if self.weight is not None:
-            init.ones_(self.weight)
-        if self.bias is not None:
-            init.zeros_(self.bias)
+        reset_affine(self)
 
     def forward(self, input: Tensor) -> Tensor:
         check_input(self, input, ndims=self._input_ndims, layout=self._layout)

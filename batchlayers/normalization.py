@@ -34,6 +34,20 @@ def check_values_per_statistic(module: nn.Module, x: Tensor, count: int) -> None
         )
 
 
+def register_affine(module: nn.Module, shape: tuple[int, ...], affine: bool, bias: bool, factory_kwargs: dict) -> None:
+    """Register ``weight`` and ``bias`` of ``shape`` as torch.nn's norms do: ``None`` when not learned."""
+    module.register_parameter("weight", nn.Parameter(torch.empty(shape, **factory_kwargs)) if affine else None)
+    module.register_parameter("bias", nn.Parameter(torch.empty(shape, **factory_kwargs)) if affine and bias else None)
+
+
+def reset_affine(module: nn.Module) -> None:
+    """torch.nn's norm init: weight 1, bias 0."""
+    if module.weight is not None:
+        init.ones_(module.weight)
+    if module.bias is not None:
+        init.zeros_(module.bias)
+
+
 class _BatchedTrailingNorm(nn.Module):
     """Shared by LayerNorm and RMSNorm: statistics and ``(M, *normalized_shape)`` affine over trailing dims."""
 
@@ -57,22 +71,11 @@ class _BatchedTrailingNorm(nn.Module):
         self.normalized_shape = tuple(normalized_shape)
         self.eps = eps
         self.elementwise_affine = elementwise_affine
-        if elementwise_affine:
-            self.weight = nn.Parameter(torch.empty((num_models, *self.normalized_shape), **factory_kwargs))
-            if bias:
-                self.bias = nn.Parameter(torch.empty((num_models, *self.normalized_shape), **factory_kwargs))
-            else:
-                self.register_parameter("bias", None)
-        else:
-            self.register_parameter("weight", None)
-            self.register_parameter("bias", None)
+        register_affine(self, (num_models, *self.normalized_shape), elementwise_affine, bias, factory_kwargs)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        if self.weight is not None:
-            init.ones_(self.weight)
-        if self.bias is not None:
-            init.zeros_(self.bias)
+        reset_affine(self)
 
     def _check_input(self, input: Tensor) -> None:
         shape = self.normalized_shape
@@ -247,22 +250,11 @@ class BatchedGroupNorm(nn.Module):
         self.num_channels = num_channels
         self.eps = eps
         self.affine = affine
-        if affine:
-            self.weight = nn.Parameter(torch.empty((num_models, num_channels), **factory_kwargs))
-            if bias:
-                self.bias = nn.Parameter(torch.empty((num_models, num_channels), **factory_kwargs))
-            else:
-                self.register_parameter("bias", None)
-        else:
-            self.register_parameter("weight", None)
-            self.register_parameter("bias", None)
+        register_affine(self, (num_models, num_channels), affine, bias, factory_kwargs)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        if self.weight is not None:
-            init.ones_(self.weight)
-        if self.bias is not None:
-            init.zeros_(self.bias)
+        reset_affine(self)
 
     def forward(self, input: Tensor) -> Tensor:
         layout = "(M, B, C, *)"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -33,8 +33,19 @@ def per_model_affine(
     return torch.addcmul(bias.view(param_view), normalized, weight.view(param_view))
 
 
-def _trailing_view(num_models: int, ndim: int, normalized_shape: Sequence[int]) -> list[int]:
-    return [num_models, *[1] * (ndim - 1 - len(normalized_shape)), *normalized_shape]
+def _normalize_trailing(
+    x: Tensor,
+    normalized_shape: Sequence[int],
+    normalize: Callable[[Tensor], Tensor],
+    weight: Tensor | None,
+    bias: Tensor | None,
+) -> Tensor:
+    """``normalize`` (statistics over the trailing dims) on all models at once, or once for a shared batch,
+    then the per-model affine."""
+    num_models = x.shape[0]
+    normalized = normalize(x[0] if is_shared(x) else x)
+    param_view = [num_models, *[1] * (x.dim() - 1 - len(normalized_shape)), *normalized_shape]
+    return per_model_affine(normalized, num_models, weight, bias, param_view)
 
 
 def _channel_view(num_models: int, ndim: int, num_channels: int) -> list[int]:
@@ -55,10 +66,9 @@ def layer_norm(
         normalized_shape: the trailing shape normalised over.
         weight, bias: ``(M, *normalized_shape)`` or ``None``.
     """
-    num_models, ndim = x.shape[0], x.dim()
-    source = x[0] if is_shared(x) else x
-    normalized = F.layer_norm(source, list(normalized_shape), eps=eps)
-    return per_model_affine(normalized, num_models, weight, bias, _trailing_view(num_models, ndim, normalized_shape))
+    return _normalize_trailing(
+        x, normalized_shape, lambda s: F.layer_norm(s, list(normalized_shape), eps=eps), weight, bias
+    )
 
 
 def rms_norm(
@@ -75,10 +85,9 @@ def rms_norm(
         weight: ``(M, *normalized_shape)`` or ``None``.
         eps: ``None`` means ``torch.finfo(x.dtype).eps``, as in torch.
     """
-    num_models, ndim = x.shape[0], x.dim()
-    source = x[0] if is_shared(x) else x
-    normalized = F.rms_norm(source, list(normalized_shape), eps=eps)
-    return per_model_affine(normalized, num_models, weight, None, _trailing_view(num_models, ndim, normalized_shape))
+    return _normalize_trailing(
+        x, normalized_shape, lambda s: F.rms_norm(s, list(normalized_shape), eps=eps), weight, None
+    )
 
 
 def group_norm(
