@@ -1,0 +1,229 @@
+"""Every way a conversion can go wrong raises a clear error; none gives a silently wrong result."""
+
+from __future__ import annotations
+
+import models as zoo
+import pytest
+import torch
+from convert_harness import seeded
+from harness import assert_close
+from torch import nn
+
+from batchlayers import convert
+from batchlayers.convert import register, stack
+
+
+class _Scale(nn.Module):
+    """A user leaf with a parameter: multiplies features by a learned vector."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.features = features
+        self.scale = nn.Parameter(torch.randn(features))
+
+    def forward(self, x):
+        return x * self.scale
+
+
+class _BatchedScale(nn.Module):
+    torch_module = _Scale
+
+    def __init__(self, num_models: int, features: int, device=None, dtype=None) -> None:
+        super().__init__()
+        self.num_models = num_models
+        self.features = features
+        self.scale = nn.Parameter(torch.ones(num_models, features, device=device, dtype=dtype))
+
+    def forward(self, x):  # (M, B, *, features)
+        shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (self.features,)
+        return x * self.scale.view(shape)
+
+
+class _WithScale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.scale = _Scale(3)
+
+    def forward(self, x):
+        return self.scale(self.fc(x))
+
+
+class _RawParameter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.offset = nn.Parameter(torch.zeros(3))
+
+    def forward(self, x):
+        return self.fc(x) + self.offset
+
+
+class _MyLinear(nn.Linear):
+    def forward(self, x):
+        return super().forward(x) * 2
+
+
+@pytest.fixture
+def registry():
+    """Restore the converter's registry after a test registers its own types."""
+    by_torch, by_batched = dict(convert._BY_TORCH), dict(convert._BY_BATCHED)
+    yield
+    convert._BY_TORCH.clear()
+    convert._BY_TORCH.update(by_torch)
+    convert._BY_BATCHED.clear()
+    convert._BY_BATCHED.update(by_batched)
+
+
+def test_empty_list() -> None:
+    with pytest.raises(ValueError, match="stack: got an empty list of models"):
+        stack([])
+    with pytest.raises(TypeError, match="expected a list of models"):
+        stack(zoo.MLP())
+
+
+def test_different_classes() -> None:
+    with pytest.raises(TypeError, match="model 1 is a CNN, model 0 a MLP"):
+        stack([zoo.MLP(), zoo.CNN()])
+
+
+def test_different_shapes_name_the_first_key_and_both_shapes() -> None:
+    with pytest.raises(ValueError, match=r"'fc1.weight' has shape \(9, 6\) in model 2 but \(8, 6\) in model 0"):
+        stack([zoo.MLP(), zoo.MLP(), zoo.MLP(hidden=9)])
+
+
+def test_different_configuration() -> None:
+    a, b = zoo.DepthwiseNet(), zoo.DepthwiseNet()
+    b.features[6].stride = (1, 1)  # same weight shapes, different computation
+    with pytest.raises(ValueError, match=r"'features.6' is configured differently in model 1.*'stride'"):
+        stack([a, b])
+    c = zoo.CNN()
+    c.layer1[0].shortcut = nn.Sequential(nn.Identity())
+    with pytest.raises(TypeError, match="different module structure.*layer1.0.shortcut.0"):
+        stack([zoo.CNN(), c])
+
+
+def test_mixed_dtypes_and_devices() -> None:
+    with pytest.raises(ValueError, match=r"'fc1.weight' is torch.float64 on cpu in model 1 but torch.float32"):
+        stack([zoo.MLP(), zoo.MLP().double()])
+    with pytest.raises(ValueError, match=r"'fc1.weight' is torch.float32 on meta in model 1 but .* on cpu"):
+        stack([zoo.MLP(), zoo.MLP().to("meta")])
+
+
+def test_train_eval_modes_differ() -> None:
+    with pytest.raises(ValueError, match="'bn1' is in eval mode in model 1 but in train mode in model 0"):
+        b = zoo.CNN()
+        b.bn1.eval()
+        stack([zoo.CNN(), b])
+
+
+def test_requires_grad_differs() -> None:
+    b = zoo.MLP()
+    b.fc1.weight.requires_grad_(False)
+    with pytest.raises(ValueError, match="'fc1.weight' has requires_grad=False in model 1"):
+        stack([zoo.MLP(), b])
+
+
+def test_unregistered_leaf_names_path_type_and_extension_point() -> None:
+    with pytest.raises(TypeError, match=r"'scale' is a _Scale with parameters.*batchlayers.register\(_Scale,"):
+        stack([_WithScale(), _WithScale()])
+
+
+def test_subclass_of_a_torch_layer_is_not_swapped_silently() -> None:
+    model = nn.Sequential(_MyLinear(3, 2))
+    with pytest.raises(TypeError, match="'0' is a _MyLinear.*subclasses Linear"):
+        stack([model])
+
+
+def test_raw_parameter_in_forward() -> None:
+    with pytest.raises(TypeError, match=r"the model itself \(_RawParameter\) holds the parameter 'offset'.*register"):
+        stack([_RawParameter()])
+
+
+def test_register_a_user_leaf(registry) -> None:
+    register(_Scale, _BatchedScale)
+    models = [seeded(_WithScale, i) for i in range(3)]
+    batched = stack(models)
+    assert isinstance(batched.scale, _BatchedScale) and batched.scale.scale.shape == (3, 3)
+    x = torch.randn(3, 2, 4, dtype=torch.float64)
+    assert_close(batched(x), torch.stack([m(x[i]) for i, m in enumerate(models)]), msg="output")
+    back = convert.unstack(batched)
+    assert type(back[2].scale) is _Scale and torch.equal(back[2].scale.scale, models[2].scale.scale)
+
+
+def test_register_checks_the_counterpart(registry) -> None:
+    class WrongNames(_BatchedScale):
+        def __init__(self, num_models, features, device=None, dtype=None):
+            super().__init__(num_models, features, device, dtype)
+            self.register_buffer("extra", torch.zeros(num_models))
+
+    register(_Scale, WrongNames)
+    with pytest.raises(TypeError, match=r"WrongNames has parameters/buffers \['extra', 'scale'\]"):
+        stack([_WithScale()])
+    with pytest.raises(TypeError, match="must be an nn.Module subclass"):
+        register(_Scale, object)
+
+
+def test_hooks_on_a_swapped_leaf() -> None:
+    model = zoo.MLP()
+    model.fc2.register_forward_hook(lambda m, a, o: o * 0)
+    with pytest.raises(ValueError, match="'fc2' .*has hooks"):
+        stack([model])
+
+
+def test_buffer_that_differs_between_models() -> None:
+    a, b = zoo.GPT(), zoo.GPT()
+    b.transformer.h[1].attn.bias.zero_()
+    with pytest.raises(
+        ValueError, match="buffer 'transformer.h.1.attn.bias' differs between the first model and model 1"
+    ):
+        stack([a, b])
+
+
+class _MutatesBuffer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(2, 2)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls += 1
+        return self.fc(x)
+
+
+def test_shared_buffer_modified_in_forward() -> None:
+    batched = stack([_MutatesBuffer(), _MutatesBuffer()])
+    with pytest.raises(RuntimeError, match="modified the buffer 'calls' in place"):
+        batched(torch.randn(2, 3, 2))
+
+
+def test_bad_inputs_to_the_stacked_model() -> None:
+    batched = stack([zoo.MLP(), zoo.MLP()])
+    with pytest.raises(
+        ValueError, match=r"stacked MLP: expected every tensor input shaped \(M, B, \*\) with M=2.*\(3, 5, 6\)"
+    ):
+        batched(torch.randn(3, 5, 6))
+    with pytest.raises(ValueError, match="with M=2, but args\\[0\\] has shape \\(2,\\)"):
+        batched(torch.randn(2))
+    with pytest.raises(ValueError, match="needs at least one tensor input"):
+        batched(None)
+    gpt = stack([zoo.GPT(), zoo.GPT()])
+    with pytest.raises(ValueError, match=r"same \(M, B\) = \(2, 3\).*kwargs\['targets'\] has shape \(2, 4, 8\)"):
+        gpt(torch.zeros(2, 3, 8, dtype=torch.long), targets=torch.zeros(2, 4, 8, dtype=torch.long))
+    # After a refused call the stacked model still works.
+    assert batched(torch.randn(2, 5, 6)).shape == (2, 5, 3)
+
+
+class _FlatOutput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.fc(x).reshape(-1)
+
+
+def test_output_without_batch_dimension_first() -> None:
+    batched = stack([_FlatOutput(), _FlatOutput()])
+    with pytest.raises(ValueError, match=r"output has shape \(30,\).*not the folded batch M\*B = 2\*5 = 10"):
+        batched(torch.randn(2, 5, 4))
