@@ -1,0 +1,113 @@
+"""Strategy settings for layers that can compute their batched math in more than one way.
+
+Like ``torch.backends.cudnn``: a global default, a ``benchmark`` flag and a cache of measured choices.
+
+Convolutions (:class:`~batchlayers.conv.BatchedConv2d` and friends) have several strategies, all computing the
+same result (see :func:`batchlayers.functional.conv`):
+
+- ``"grouped"``: one grouped convolution for all models, the models packed along channels ``(B, M*C, *)``;
+  a shared batch runs once against all models' weights stacked along output channels.
+- ``"loop"``: one dense convolution per model.
+- ``"grouped_channels_last"``, ``"loop_channels_last"``: the same in channels-last memory format (2-D and
+  3-D convolutions; PyTorch has no channels-last format for 1-D, so there they equal the plain ones).
+
+Which one is fastest depends on the device, the shapes and whether gradients are needed. The strategy a
+layer uses is, in order: the layer's own ``strategy`` attribute unless it is ``"auto"``; else
+``conv.strategy`` unless it is ``"auto"``; else the cached measurement for this call's key; else, with
+``conv.benchmark = True``, a measurement made now and cached (never while ``torch.compile`` traces); else a
+fixed heuristic (see :func:`batchlayers.functional._conv.heuristic_strategy`).
+
+Examples::
+
+    >>> import batchlayers
+    >>> batchlayers.backends.conv.benchmark = True     # measure once per shape, like cudnn.benchmark
+    >>> with batchlayers.backends.conv.flags(strategy="loop"):
+    ...     y = net(x)                                    # every convolution runs as a loop here
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Hashable, Iterator, Mapping
+from contextlib import contextmanager
+
+import torch
+
+__all__ = ["CONV_STRATEGIES", "ConvSettings", "conv", "fastest"]
+
+CONV_STRATEGIES = ("grouped", "grouped_channels_last", "loop", "loop_channels_last")
+
+
+class ConvSettings:
+    """Global convolution settings; the single instance is :data:`batchlayers.backends.conv`.
+
+    Attributes:
+        strategy: ``"auto"`` (default) or one of :data:`CONV_STRATEGIES`, used by every layer whose own
+            ``strategy`` is ``"auto"``.
+        benchmark: when ``True``, the first call for each key (device, dtype, shapes, convolution
+            arguments, shared input or not, gradients needed or not) times every strategy and caches the
+            fastest. Default: ``False``.
+        cache: the measured choices, ``key -> strategy``. :meth:`clear_cache` empties it.
+        benchmark_repeats: timed runs per strategy (after one warm-up run); the median decides.
+    """
+
+    def __init__(self) -> None:
+        self._strategy = "auto"
+        self.benchmark = False
+        self.benchmark_repeats = 3
+        self.cache: dict[Hashable, str] = {}
+
+    @property
+    def strategy(self) -> str:
+        return self._strategy
+
+    @strategy.setter
+    def strategy(self, value: str) -> None:
+        self._strategy = check_conv_strategy(value, "batchlayers.backends.conv")
+
+    def clear_cache(self) -> None:
+        self.cache.clear()
+
+    @contextmanager
+    def flags(self, strategy: str | None = None, benchmark: bool | None = None) -> Iterator[None]:
+        """Set ``strategy`` and/or ``benchmark`` inside a ``with`` block, restoring them afterwards."""
+        saved = self.strategy, self.benchmark
+        try:
+            if strategy is not None:
+                self.strategy = strategy
+            if benchmark is not None:
+                self.benchmark = benchmark
+            yield
+        finally:
+            self._strategy, self.benchmark = saved
+
+
+def check_conv_strategy(value: object, owner: str) -> str:
+    if value != "auto" and value not in CONV_STRATEGIES:
+        raise ValueError(f"{owner}: strategy must be 'auto' or one of {CONV_STRATEGIES}, got {value!r}")
+    return value
+
+
+conv = ConvSettings()
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def fastest(candidates: Mapping[str, Callable[[], object]], device: torch.device, repeats: int = 3) -> str:
+    """The name of the fastest candidate: one warm-up call each, then ``repeats`` interleaved timed calls
+    (interleaved so that a slow moment of the machine hurts every candidate alike); the median decides."""
+    for run in candidates.values():
+        run()
+    times: dict[str, list[float]] = {name: [] for name in candidates}
+    for _ in range(repeats):
+        for name, run in candidates.items():
+            _synchronize(device)
+            start = time.perf_counter()
+            run()
+            _synchronize(device)
+            times[name].append(time.perf_counter() - start)
+    return min(times, key=lambda name: statistics.median(times[name]))

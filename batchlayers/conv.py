@@ -1,0 +1,233 @@
+"""Batched counterparts of ``torch.nn.Conv1d``, ``Conv2d`` and ``Conv3d``."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+from torch.nn import init
+from torch.nn.modules.utils import _ntuple
+
+from . import backends
+from ._utils import _fmt, check_input, check_num_models, init_per_model_, layer_name
+from .functional._conv import conv, padding_for_pad
+
+__all__ = ["BatchedConv1d", "BatchedConv2d", "BatchedConv3d"]
+
+_SPATIAL_NAMES = {1: ("L",), 2: ("H", "W"), 3: ("D", "H", "W")}
+_PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
+
+
+class _BatchedConvNd(nn.Module):
+    """What ``torch.nn.modules.conv._ConvNd`` does, for ``num_models`` models; subclasses fix the number of
+    spatial dimensions (``_num_spatial``) and the torch.nn counterpart."""
+
+    __constants__ = [
+        "num_models",
+        "stride",
+        "padding",
+        "dilation",
+        "groups",
+        "padding_mode",
+        "in_channels",
+        "out_channels",
+        "kernel_size",
+    ]
+    _num_spatial: int
+    torch_module: type[nn.Module]
+
+    def __init__(
+        self,
+        num_models: int,
+        in_channels: int,
+        out_channels: int,
+        kernel_size,
+        stride=1,
+        padding=0,
+        dilation=1,
+        groups: int = 1,
+        bias: bool = True,
+        padding_mode: str = "zeros",
+        device=None,
+        dtype=None,
+    ) -> None:
+        factory_kwargs = {"device": device, "dtype": dtype}
+        super().__init__()
+        as_tuple = _ntuple(self._num_spatial)
+        name = type(self).__name__
+        self.num_models = check_num_models(num_models, type(self))
+        if groups <= 0:
+            raise ValueError(f"{name}: groups must be a positive integer, got {groups}")
+        if in_channels % groups != 0:
+            raise ValueError(f"{name}: in_channels ({in_channels}) must be divisible by groups ({groups})")
+        if out_channels % groups != 0:
+            raise ValueError(f"{name}: out_channels ({out_channels}) must be divisible by groups ({groups})")
+        stride, dilation, kernel_size = as_tuple(stride), as_tuple(dilation), as_tuple(kernel_size)
+        if isinstance(padding, str):
+            if padding not in ("same", "valid"):
+                raise ValueError(f"{name}: invalid padding string {padding!r}, should be one of 'same', 'valid'")
+            if padding == "same" and any(s != 1 for s in stride):
+                raise ValueError(f"{name}: padding='same' is not supported for strided convolutions (stride={stride})")
+        else:
+            padding = as_tuple(padding)
+        if padding_mode not in _PADDING_MODES:
+            raise ValueError(f"{name}: padding_mode must be one of {_PADDING_MODES}, but got {padding_mode!r}")
+        self.in_channels = in_channels
+        self.out_channels = out_channels
+        self.kernel_size = kernel_size
+        self.stride = stride
+        self.padding = padding
+        self.dilation = dilation
+        self.groups = groups
+        self.padding_mode = padding_mode
+        # torch's name for the F.pad argument of the non-zero padding modes (kept for code that reads it).
+        self._reversed_padding_repeated_twice = padding_for_pad(padding, kernel_size, dilation)
+        self._strategy = "auto"
+        self.weight = nn.Parameter(
+            torch.empty((num_models, out_channels, in_channels // groups, *kernel_size), **factory_kwargs)
+        )
+        if bias:
+            self.bias = nn.Parameter(torch.empty((num_models, out_channels), **factory_kwargs))
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    @property
+    def strategy(self) -> str:
+        """How this layer computes: ``"auto"`` (default: defer to :data:`batchlayers.backends.conv`) or one of
+        :data:`batchlayers.backends.CONV_STRATEGIES`. Every strategy computes the same result."""
+        return self._strategy
+
+    @strategy.setter
+    def strategy(self, value: str) -> None:
+        self._strategy = backends.check_conv_strategy(value, layer_name(self))
+
+    def reset_parameters(self) -> None:
+        # Same as torch.nn.Conv*d.reset_parameters, one model's slice at a time (fan-in of one slice).
+        init_per_model_(self.weight, lambda w: init.kaiming_uniform_(w, a=math.sqrt(5)))
+        if self.bias is not None:
+            fan_in = (self.in_channels // self.groups) * math.prod(self.kernel_size)
+            bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0
+            init_per_model_(self.bias, lambda b: init.uniform_(b, -bound, bound))
+
+    def forward(self, input: Tensor) -> Tensor:
+        self._check_input(input)
+        return conv(
+            input,
+            self.weight,
+            self.bias,
+            self.stride,
+            self.padding,
+            self.dilation,
+            self.groups,
+            padding_mode=self.padding_mode,
+            strategy=self._strategy,
+        )
+
+    def _check_input(self, input: Tensor) -> None:
+        spatial = _SPATIAL_NAMES[self._num_spatial]
+        layout = f"(M, B, C_in, {', '.join(spatial)})"
+        check_input(self, input, ndims=[3 + self._num_spatial], layout=layout)
+        expected = f"{layout} with M={self.num_models}, C_in={self.in_channels}"
+        if input.shape[2] != self.in_channels:
+            raise ValueError(
+                f"{layer_name(self)}: expected input {expected}, but dimension 2 (channels) is "
+                f"{input.shape[2]}: shape {_fmt(input.shape)}"
+            )
+        # Per spatial dimension, left + right padding (F.pad order is last dimension first).
+        pads = self._reversed_padding_repeated_twice
+        total_padding = [pads[2 * j] + pads[2 * j + 1] for j in reversed(range(self._num_spatial))]
+        for name, size, pad, k, d in zip(spatial, input.shape[3:], total_padding, self.kernel_size, self.dilation):
+            if size + pad < d * (k - 1) + 1:
+                raise ValueError(
+                    f"{layer_name(self)}: input {name}={size} (padded: {size + pad}) is smaller than the kernel "
+                    f"(kernel_size={k}, dilation={d}): shape {_fmt(input.shape)}"
+                )
+
+    def extra_repr(self) -> str:
+        s = f"num_models={self.num_models}, {self.in_channels}, {self.out_channels}, "
+        s += f"kernel_size={self.kernel_size}, stride={self.stride}"
+        if self.padding != (0,) * self._num_spatial:
+            s += f", padding={self.padding}"
+        if self.dilation != (1,) * self._num_spatial:
+            s += f", dilation={self.dilation}"
+        if self.groups != 1:
+            s += f", groups={self.groups}"
+        if self.bias is None:
+            s += ", bias=False"
+        if self.padding_mode != "zeros":
+            s += f", padding_mode={self.padding_mode}"
+        return s
+
+
+_DOC = r"""``num_models`` independent :class:`torch.nn.{torch_name}` layers, computed together.
+
+    Model ``m`` convolves ``input[m]`` with ``weight[m]`` and adds ``bias[m]``, exactly as
+    ``torch.nn.{torch_name}`` does, for every model at once. How (one grouped convolution, a loop of dense
+    convolutions, channels-last or not) is chosen per device and shape, see :mod:`batchlayers.backends` and
+    the ``strategy`` attribute; every strategy computes the same result.
+
+    Args:
+        num_models: number of models ``M``.
+        in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode: as in
+            :class:`torch.nn.{torch_name}`, with the same defaults and the same checks. ``padding`` may be an
+            int, a tuple, ``'valid'`` or ``'same'`` (stride 1 only; an even effective kernel pads one more
+            on the right, as in torch); ``padding_mode`` is ``'zeros'``, ``'reflect'``, ``'replicate'`` or
+            ``'circular'``.
+
+    Shape:
+        - Input: ``(M, B, C_in, {spatial})``, exactly {ndim} dimensions. A batch shared by all models is passed
+          as ``x.expand(M, *x.shape)`` and is never copied. Unbatched per-model inputs ``(C_in, {spatial})``
+          are not supported: add a batch dimension of 1.
+        - Output: ``(M, B, C_out, {spatial_out})``, sizes as in :class:`torch.nn.{torch_name}`.
+
+    Attributes:
+        weight: ``(M, out_channels, in_channels // groups, *kernel_size)``; each model's slice initialised
+            like torch's: :math:`\mathcal{{U}}(-\sqrt{{k}}, \sqrt{{k}})`, :math:`k = 1 / \text{{fan\_in}}`,
+            :math:`\text{{fan\_in}} = (C_\text{{in}} / \text{{groups}}) \prod \text{{kernel\_size}}` of one model.
+        bias: ``(M, out_channels)``, same distribution (if ``bias=True``).
+        strategy: ``"auto"`` (default) or one of :data:`batchlayers.backends.CONV_STRATEGIES`; settable,
+            not a constructor argument, so the constructor stays torch's.
+
+    Examples::
+
+        >>> conv = {name}(8, 3, 16, 3, padding=1)
+        >>> x = torch.randn(8, 32, 3, {example})          # a minibatch per model
+        >>> conv(x).shape
+        torch.Size([8, 32, 16, {example}])
+        >>> shared = torch.randn(32, 3, {example})        # one minibatch for all models
+        >>> conv(shared.expand(8, *shared.shape)).shape
+        torch.Size([8, 32, 16, {example}])
+    """
+
+
+def _document(cls: type[_BatchedConvNd]) -> type[_BatchedConvNd]:
+    spatial = _SPATIAL_NAMES[cls._num_spatial]
+    cls.__doc__ = _DOC.format(
+        name=cls.__name__,
+        torch_name=cls.torch_module.__name__,
+        spatial=", ".join(spatial),
+        spatial_out=", ".join(f"{s}_out" for s in spatial),
+        ndim=3 + cls._num_spatial,
+        example=", ".join(["8"] * cls._num_spatial),
+    )
+    return cls
+
+
+@_document
+class BatchedConv1d(_BatchedConvNd):
+    _num_spatial = 1
+    torch_module = nn.Conv1d
+
+
+@_document
+class BatchedConv2d(_BatchedConvNd):
+    _num_spatial = 2
+    torch_module = nn.Conv2d
+
+
+@_document
+class BatchedConv3d(_BatchedConvNd):
+    _num_spatial = 3
+    torch_module = nn.Conv3d
