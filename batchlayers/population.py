@@ -1,0 +1,294 @@
+"""Populations of models: keep a subset (successive halving), copy one model onto another (PBT).
+
+A batched model is any module whose parameters and buffers all have the model dimension first, of size
+``M``. The functions here change such a model in place together with its optimizer (and optionally its
+learning-rate schedulers), so that training simply continues:
+
+- :func:`keep_models_` keeps the models at ``indices``, in that order: parameters, buffers, gradients,
+  every per-model optimizer state tensor and every ``(M,)`` hyperparameter tensor are indexed, and every
+  submodule's ``num_models`` is updated. The ``nn.Parameter`` objects stay the same, so the optimizer keeps
+  working on them.
+- :func:`copy_model_` copies model ``src``'s weights, buffers, gradients, optimizer state (and by default
+  its hyperparameters) onto model ``dst`` (the *exploit* step of population-based training); then perturb
+  ``dst``'s values in the ``(M,)`` tensors, e.g. ``optimizer.param_groups[0]["lr"][dst] *= 1.2``.
+- :func:`index_models_` is the module-only part of :func:`keep_models_`.
+
+Example (successive halving)::
+
+    for rung in range(3):
+        train(model, optimizer, epochs=5)
+        scores = evaluate(model)                               # (M,)
+        best = scores.argsort(descending=True)[: len(scores) // 2]
+        keep_models_(model, optimizer, best)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from .optim._base import PerModelValue
+
+__all__ = ["copy_model_", "index_models_", "keep_models_"]
+
+Indices = int | Sequence[int] | Tensor
+
+
+def _model_tensors(module: nn.Module, caller: str) -> tuple[list[tuple[str, Tensor]], int]:
+    """Every parameter and buffer (each once) and the number of models they agree on."""
+    named = [*module.named_parameters(), *module.named_buffers()]
+    if not named:
+        raise ValueError(f"{caller}: {type(module).__name__} has no parameters or buffers")
+    sizes = {}
+    for name, t in named:
+        if t.dim() == 0:
+            raise ValueError(
+                f"{caller}: every parameter and buffer needs the model dimension first, but '{name}' is 0-d"
+            )
+        sizes.setdefault(t.shape[0], name)
+    declared = {m.num_models for m in module.modules() if _has_num_models(m)}
+    if len(sizes) != 1 or len(declared - set(sizes)) > 0:
+        found = ", ".join(f"'{n}' has {s}" for s, n in sizes.items())
+        raise ValueError(
+            f"{caller}: every parameter and buffer must hold the same number of models (dimension 0) as the "
+            f"modules' num_models {sorted(declared)}; {found}"
+        )
+    return named, next(iter(sizes))
+
+
+def _has_num_models(module: nn.Module) -> bool:
+    value = getattr(module, "num_models", None)
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _as_indices(indices: Indices, num_models: int, what: str, caller: str) -> Tensor:
+    if isinstance(indices, Tensor):
+        if indices.dtype in (torch.bool,) or indices.is_floating_point() or indices.is_complex():
+            raise TypeError(f"{caller}: {what} must be integers, got a {indices.dtype} tensor")
+        index = indices.detach().cpu().reshape(-1) if indices.dim() == 0 else indices.detach().cpu()
+    else:
+        values = [indices] if isinstance(indices, int) else list(indices)
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in values):
+            raise TypeError(f"{caller}: {what} must be integers, got {values!r}")
+        index = torch.tensor(values, dtype=torch.long)
+    if index.dim() != 1 or index.numel() == 0:
+        raise ValueError(
+            f"{caller}: {what} must be a non-empty 1-D list of model indices, got shape {tuple(index.shape)}"
+        )
+    if bool(((index < 0) | (index >= num_models)).any()):
+        raise ValueError(
+            f"{caller}: {what} {index.tolist()} out of range for {num_models} models (0 to {num_models - 1})"
+        )
+    return index.long()
+
+
+def _take(t: Tensor, index: Tensor) -> Tensor:
+    return t.index_select(0, index.to(t.device))
+
+
+@torch.no_grad()
+def index_models_(module: nn.Module, indices: Indices) -> nn.Module:
+    r"""Keep the models at ``indices`` (in that order) of a batched module, in place.
+
+    Every parameter and buffer becomes ``t[indices]`` (gradients too), keeping the same ``nn.Parameter``
+    and buffer objects; every submodule's ``num_models`` becomes ``len(indices)``. An index may appear more
+    than once, which duplicates that model. Nothing changes if any check fails.
+
+    Args:
+        module: a batched module: all parameters and buffers shaped ``(M, *)``.
+        indices: model indices in ``[0, M)``: an int, a sequence of ints or an integer tensor.
+
+    Returns:
+        ``module``.
+    """
+    named, num_models = _model_tensors(module, "index_models_")
+    index = _as_indices(indices, num_models, "indices", "index_models_")
+    for _, t in named:
+        t.data = _take(t.data, index)
+        if t.grad is not None:
+            t.grad = _take(t.grad, index)
+    for m in module.modules():
+        if _has_num_models(m):
+            m.num_models = index.numel()
+    return module
+
+
+def _optimizer_groups(optimizer: Optimizer, params: set[int], caller: str) -> list[dict[str, Any]]:
+    """The param groups holding the model's parameters; a group mixing them with others is an error."""
+    groups = []
+    for i, group in enumerate(optimizer.param_groups):
+        inside = [id(p) in params for p in group["params"]]
+        if any(inside) and not all(inside):
+            raise ValueError(
+                f"{caller}: param_groups[{i}] of the optimizer mixes the model's parameters with other tensors; "
+                "its per-model values could not be kept consistent"
+            )
+        if any(inside):
+            groups.append(group)
+    return groups
+
+
+def _per_model_entries(group: dict[str, Any], num_models: int) -> list[tuple[str, int | None, Tensor]]:
+    """``(key, position in a tuple or None, tensor)`` for every ``(M,)`` tensor hyperparameter."""
+    entries = []
+    for key, value in group.items():
+        if key == "params":
+            continue
+        values = value if isinstance(value, tuple) else (value,)
+        for pos, v in enumerate(values):
+            if isinstance(v, Tensor) and v.shape == (num_models,):
+                entries.append((key, pos if isinstance(value, tuple) else None, v))
+    return entries
+
+
+def _set_entry(group: dict[str, Any], key: str, pos: int | None, value: Tensor) -> None:
+    if pos is None:
+        group[key] = value
+    else:
+        entries = list(group[key])
+        entries[pos] = value
+        group[key] = tuple(entries)
+
+
+def _rewrap(old: Tensor, new: Tensor) -> Tensor:
+    return new.as_subclass(PerModelValue) if isinstance(old, PerModelValue) else new
+
+
+def _scheduler_lists(scheduler: Any) -> Iterable[list]:
+    """The per-group lists a scheduler keeps (``base_lrs``, ``_last_lr``...), also in nested schedulers."""
+    for value in vars(scheduler).values():
+        if isinstance(value, list):
+            if value and all(hasattr(s, "optimizer") and hasattr(s, "base_lrs") for s in value):
+                for child in value:
+                    yield from _scheduler_lists(child)
+            else:
+                yield value
+
+
+def _state_tensors(optimizer: Optimizer, groups: list[dict[str, Any]], num_models: int):
+    """``(state dict, key, tensor)`` for every per-model optimizer state tensor of these groups."""
+    for group in groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p, {})
+            for key, value in state.items():
+                if isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == num_models:
+                    yield state, key, value
+
+
+def _check_optimizer_models(groups, optimizer, num_models, caller) -> None:
+    for group in groups:
+        for p in group["params"]:
+            for key, value in optimizer.state.get(p, {}).items():
+                if isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] != num_models:
+                    raise ValueError(
+                        f"{caller}: optimizer state '{key}' holds {value.shape[0]} models, the model {num_models}"
+                    )
+
+
+@torch.no_grad()
+def keep_models_(
+    model: nn.Module,
+    optimizer: Optimizer | None,
+    indices: Indices,
+    *,
+    schedulers: Iterable[Any] = (),
+) -> None:
+    r"""Keep only the models at ``indices`` (in that order), in the model and its optimizer, in place.
+
+    Continuing training afterwards is exactly continuing the kept models' own runs: parameters, buffers,
+    gradients, every per-model optimizer state tensor (momentum, moments, step counts) and every ``(M,)``
+    hyperparameter tensor in the optimizer's param groups (``lr``, ``betas``, ``initial_lr``...) are
+    indexed. Works with ``batchlayers.optim`` optimizers and with ``torch.optim`` ones over batched
+    parameters (their 0-d step counts are shared and stay as they are).
+
+    Args:
+        model: a batched module (all parameters and buffers ``(M, *)``).
+        optimizer: the optimizer over ``model``'s parameters, or ``None``.
+        indices: the models to keep, in the new order (an index may repeat to duplicate a model).
+        schedulers: learning-rate schedulers of ``optimizer`` whose per-model ``(M,)`` base learning rates
+            must follow (``base_lrs`` and the like).
+    """
+    named, num_models = _model_tensors(model, "keep_models_")
+    index = _as_indices(indices, num_models, "indices", "keep_models_")
+    groups = []
+    if optimizer is not None:
+        groups = _optimizer_groups(optimizer, {id(t) for _, t in model.named_parameters()}, "keep_models_")
+        _check_optimizer_models(groups, optimizer, num_models, "keep_models_")
+    index_models_(model, index)
+    for state, key, value in list(_state_tensors(optimizer, groups, num_models)):
+        state[key] = _take(value, index)
+    for group in groups:
+        for key, pos, value in _per_model_entries(group, num_models):
+            _set_entry(group, key, pos, _rewrap(value, _take(value.as_subclass(Tensor), index)))
+    for scheduler in schedulers:
+        for values in _scheduler_lists(scheduler):
+            for i, v in enumerate(values):
+                if isinstance(v, Tensor) and v.shape == (num_models,):
+                    values[i] = _take(v, index)
+
+
+@torch.no_grad()
+def copy_model_(
+    model: nn.Module,
+    optimizer: Optimizer | None,
+    src: Indices,
+    dst: Indices,
+    *,
+    copy_hyperparameters: bool = True,
+    schedulers: Iterable[Any] = (),
+) -> None:
+    r"""Copy model ``src`` onto model ``dst``, in the model and its optimizer, in place.
+
+    Model ``dst`` gets ``src``'s parameters, buffers, gradients and optimizer state (momentum, moments,
+    step counts), so it continues exactly as ``src`` would: the *exploit* step of population-based
+    training. ``src`` and ``dst`` may be equal-length lists to copy several models at once (all reads
+    happen before the writes); ``dst`` must not repeat.
+
+    Args:
+        model: a batched module.
+        optimizer: the optimizer over ``model``'s parameters, or ``None``.
+        src: the model(s) to copy from.
+        dst: the model(s) to overwrite.
+        copy_hyperparameters: also copy the ``(M,)`` hyperparameter tensors of the optimizer (and of
+            ``schedulers``), as PBT does before it perturbs them. Default: ``True``.
+        schedulers: learning-rate schedulers whose per-model base learning rates are copied along.
+
+    Example::
+
+        >>> copy_model_(model, optimizer, src=best, dst=worst)
+        >>> optimizer.param_groups[0]["lr"][worst] *= 1.2          # explore
+    """
+    named, num_models = _model_tensors(model, "copy_model_")
+    src_index = _as_indices(src, num_models, "src", "copy_model_")
+    dst_index = _as_indices(dst, num_models, "dst", "copy_model_")
+    if src_index.numel() != dst_index.numel():
+        raise ValueError(f"copy_model_: src {src_index.tolist()} and dst {dst_index.tolist()} differ in length")
+    if dst_index.unique().numel() != dst_index.numel():
+        raise ValueError(f"copy_model_: dst {dst_index.tolist()} repeats a model")
+    groups = []
+    if optimizer is not None:
+        groups = _optimizer_groups(optimizer, {id(t) for _, t in model.named_parameters()}, "copy_model_")
+        _check_optimizer_models(groups, optimizer, num_models, "copy_model_")
+
+    def copy_(t: Tensor) -> None:
+        t.index_copy_(0, dst_index.to(t.device), _take(t, src_index))
+
+    for _, t in named:
+        copy_(t.data)
+        if t.grad is not None:
+            copy_(t.grad)
+    for _, _, value in _state_tensors(optimizer, groups, num_models):
+        copy_(value)
+    if copy_hyperparameters:
+        for group in groups:
+            for _, _, value in _per_model_entries(group, num_models):
+                copy_(value.as_subclass(Tensor))
+        for scheduler in schedulers:
+            for values in _scheduler_lists(scheduler):
+                for v in values:
+                    if isinstance(v, Tensor) and v.shape == (num_models,):
+                        copy_(v)

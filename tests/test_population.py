@@ -1,0 +1,273 @@
+"""keep_models_ / copy_model_ / index_models_: training continues exactly like the models' own torch runs."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from harness import assert_close, unbatch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from batchlayers import losses as BL
+from batchlayers.container import Folded
+from batchlayers.linear import BatchedLinear
+from batchlayers.optim import SGD, Adam, PerModelValue
+from batchlayers.population import copy_model_, index_models_, keep_models_
+
+B = 6
+
+
+class RunningMean(nn.Module):
+    """One model's module with a buffer: a running mean of its input, used to check buffers follow."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.register_buffer("running_mean", torch.zeros(features, dtype=torch.float64))
+
+    def forward(self, x):
+        if self.training:
+            self.running_mean.mul_(0.9).add_(0.1 * x.detach().mean(0))
+        return x
+
+
+class BatchedRunningMean(nn.Module):
+    def __init__(self, num_models: int, features: int) -> None:
+        super().__init__()
+        self.num_models = num_models
+        self.register_buffer("running_mean", torch.zeros(num_models, features, dtype=torch.float64))
+
+    def forward(self, x):
+        if self.training:
+            self.running_mean.mul_(0.9).add_(0.1 * x.detach().mean(1))
+        return x
+
+
+def batched_net(num_models: int) -> nn.Module:
+    net = nn.Sequential(
+        BatchedLinear(num_models, 4, 8, dtype=torch.float64),
+        Folded(nn.Tanh()),
+        BatchedRunningMean(num_models, 8),
+        BatchedLinear(num_models, 8, 2, dtype=torch.float64),
+    )
+    net.num_models = num_models  # as the converter sets it on containers; index_models_ updates it too
+    return net
+
+
+def torch_net() -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(4, 8, dtype=torch.float64), nn.Tanh(), RunningMean(8), nn.Linear(8, 2, dtype=torch.float64)
+    )
+
+
+class Population:
+    """A batched model + optimizer + scheduler, and the per-model torch runs it must equal."""
+
+    def __init__(self, num_models: int, optimizer: str = "adam") -> None:
+        torch.manual_seed(0)
+        self.model = batched_net(num_models)
+        self.refs = unbatch(self.model, torch_net)
+        lr = torch.linspace(0.01, 0.05, num_models, dtype=torch.float64)
+        momentum = torch.linspace(0.0, 0.9, num_models, dtype=torch.float64)
+        if optimizer == "adam":
+            self.opt = Adam(self.model.parameters(), lr=lr, betas=(momentum.clamp(max=0.8), 0.99), weight_decay=0.01)
+            self.ref_opts = [
+                torch.optim.Adam(
+                    r.parameters(), lr=lr[m].item(), betas=(min(momentum[m].item(), 0.8), 0.99), weight_decay=0.01
+                )
+                for m, r in enumerate(self.refs)
+            ]
+        else:
+            self.opt = SGD(self.model.parameters(), lr=lr, momentum=momentum, dampening=0.1)
+            self.ref_opts = [
+                torch.optim.SGD(r.parameters(), lr=lr[m].item(), momentum=momentum[m].item(), dampening=0.1)
+                for m, r in enumerate(self.refs)
+            ]
+        schedule = lambda epoch: 1.0 / (1 + 0.3 * epoch)  # noqa: E731  (uses base_lrs every step)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, schedule)
+        self.ref_scheds = [torch.optim.lr_scheduler.LambdaLR(o, schedule) for o in self.ref_opts]
+        self.x = torch.randn(num_models, B, 4, dtype=torch.float64)
+        self.y = torch.randn(num_models, B, 2, dtype=torch.float64)
+
+    def train(self, steps: int) -> None:
+        for _ in range(steps):
+            self.opt.zero_grad()
+            BL.mse_loss(self.model(self.x), self.y).sum().backward()
+            self.opt.step()
+            self.sched.step()
+            for m, (ref, opt, sched) in enumerate(zip(self.refs, self.ref_opts, self.ref_scheds)):
+                opt.zero_grad()
+                F.mse_loss(ref(self.x[m]), self.y[m]).backward()
+                opt.step()
+                sched.step()
+
+    def check(self, msg: str = "") -> None:
+        state = self.model.state_dict()
+        assert len(self.refs) == self.model[0].num_models == self.model[2].num_models
+        for key, value in state.items():
+            expected = torch.stack([r.state_dict()[key] for r in self.refs])
+            assert_close(value, expected, msg=f"{msg}: {key}")
+        expected_lr = torch.tensor([o.param_groups[0]["lr"] for o in self.ref_opts], dtype=torch.float64)
+        assert_close(self.opt.param_groups[0]["lr"].as_subclass(torch.Tensor), expected_lr, msg=f"{msg}: lr")
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_keep_models_continues_the_kept_runs(optimizer) -> None:
+    pop = Population(5, optimizer)
+    pop.train(3)
+    params = list(pop.model.parameters())
+    keep = [3, 1, 4]
+    keep_models_(pop.model, pop.opt, keep, schedulers=[pop.sched])
+    assert [id(p) for p in pop.model.parameters()] == [id(p) for p in params], "parameters were replaced"
+    assert isinstance(pop.opt.param_groups[0]["lr"], PerModelValue)
+    pop.refs = [pop.refs[m] for m in keep]
+    pop.ref_opts = [pop.ref_opts[m] for m in keep]
+    pop.ref_scheds = [pop.ref_scheds[m] for m in keep]
+    pop.x, pop.y = pop.x[keep], pop.y[keep]
+    pop.check("right after keep_models_")
+    pop.train(3)
+    pop.check("3 steps after keep_models_")
+    keep_models_(pop.model, pop.opt, torch.tensor([2]), schedulers=[pop.sched])
+    pop.refs, pop.ref_opts, pop.ref_scheds = pop.refs[2:], pop.ref_opts[2:], pop.ref_scheds[2:]
+    pop.x, pop.y = pop.x[2:], pop.y[2:]
+    pop.train(2)
+    pop.check("down to one model")
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_copy_model_is_the_pbt_exploit_step(optimizer) -> None:
+    pop = Population(4, optimizer)
+    pop.train(3)
+    copy_model_(pop.model, pop.opt, src=[2, 0], dst=[0, 3], schedulers=[pop.sched])
+    # The reference: dst's torch model, optimizer and scheduler load src's state (all read before writing).
+    snapshot = copy.deepcopy(
+        [(r.state_dict(), o.state_dict(), s.state_dict()) for r, o, s in zip(pop.refs, pop.ref_opts, pop.ref_scheds)]
+    )
+    for src, dst in [(2, 0), (0, 3)]:
+        ref_state, opt_state, sched_state = snapshot[src]
+        pop.refs[dst].load_state_dict(ref_state)
+        pop.ref_opts[dst].load_state_dict(opt_state)
+        pop.ref_scheds[dst].load_state_dict(sched_state)
+        pop.x[dst], pop.y[dst] = pop.x[src].clone(), pop.y[src].clone()
+    pop.check("right after copy_model_")
+    # Explore: perturb the copies' learning rates in the (M,) tensor (and in their own torch runs).
+    pop.opt.param_groups[0]["lr"][0] *= 1.5
+    pop.sched.base_lrs[0][0] *= 1.5
+    pop.ref_opts[0].param_groups[0]["lr"] *= 1.5
+    pop.ref_scheds[0].base_lrs[0] *= 1.5
+    pop.train(3)
+    pop.check("3 steps after copy_model_ and perturbing")
+
+
+def test_copy_model_without_hyperparameters_keeps_dst_values() -> None:
+    pop = Population(3)
+    pop.train(1)
+    lr = pop.opt.param_groups[0]["lr"].clone()
+    copy_model_(pop.model, pop.opt, 1, 2, copy_hyperparameters=False)
+    assert torch.equal(pop.opt.param_groups[0]["lr"], lr)
+    assert torch.equal(pop.model[0].weight[2], pop.model[0].weight[1])
+    assert torch.equal(
+        pop.opt.state[pop.model[0].weight]["exp_avg"][2], pop.opt.state[pop.model[0].weight]["exp_avg"][1]
+    )
+
+
+def test_index_models_keeps_objects_and_updates_num_models() -> None:
+    torch.manual_seed(0)
+    model = batched_net(4)
+    model(torch.randn(4, B, 4, dtype=torch.float64)).sum().backward()
+    before = {n: t.clone() for n, t in [*model.named_parameters(), *model.named_buffers()]}
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    ids = [id(t) for t in [*model.parameters(), *model.buffers()]]
+    assert index_models_(model, [2, 2, 0]) is model
+    assert [id(t) for t in [*model.parameters(), *model.buffers()]] == ids
+    assert all(m.num_models == 3 for m in model.modules() if hasattr(m, "num_models"))
+    for n, t in [*model.named_parameters(), *model.named_buffers()]:
+        assert torch.equal(t, before[n][[2, 2, 0]]), n
+    for n, p in model.named_parameters():
+        assert torch.equal(p.grad, grads[n][[2, 2, 0]]), n
+    assert model(torch.randn(3, B, 4, dtype=torch.float64)).shape == (3, B, 2)
+
+
+def test_keep_models_with_a_torch_optimizer() -> None:
+    """Plain torch.optim over batched parameters: per-element state is indexed, the 0-d step stays."""
+    torch.manual_seed(0)
+    model = batched_net(3)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.randn(3, B, 4, dtype=torch.float64)).sum().backward()
+    opt.step()
+    exp_avg = opt.state[model[0].weight]["exp_avg"].clone()
+    keep_models_(model, opt, [1, 0])
+    assert torch.equal(opt.state[model[0].weight]["exp_avg"], exp_avg[[1, 0]])
+    assert opt.state[model[0].weight]["step"].dim() == 0
+    model(torch.randn(2, B, 4, dtype=torch.float64)).sum().backward()
+    opt.step()
+
+
+BAD = [
+    ("out-of-range", lambda m, o: keep_models_(m, o, [0, 3]), ValueError, r"\[0, 3\] out of range for 3 models"),
+    ("negative", lambda m, o: keep_models_(m, o, [-1]), ValueError, "out of range"),
+    ("empty", lambda m, o: keep_models_(m, o, []), ValueError, "non-empty 1-D"),
+    ("bool-mask", lambda m, o: keep_models_(m, o, torch.tensor([True, False, True])), TypeError, "integers"),
+    ("floats", lambda m, o: keep_models_(m, o, [0.0, 1.0]), TypeError, "integers"),
+    ("2-d", lambda m, o: index_models_(m, torch.tensor([[0, 1]])), ValueError, "1-D"),
+    ("dst-repeats", lambda m, o: copy_model_(m, o, [0, 1], [2, 2]), ValueError, "repeats"),
+    ("src-dst-length", lambda m, o: copy_model_(m, o, [0, 1], [2]), ValueError, "differ in length"),
+]
+
+
+@pytest.mark.parametrize("row", BAD, ids=[r[0] for r in BAD])
+def test_bad_calls_raise_and_change_nothing(row) -> None:
+    _, call, exc, pattern = row
+    torch.manual_seed(0)
+    model = batched_net(3)
+    opt = Adam(model.parameters(), lr=torch.tensor([0.1, 0.2, 0.3]))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(exc, match=pattern):
+        call(model, opt)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_inconsistent_models_raise() -> None:
+    model = batched_net(3)
+    model.register_buffer("scalar", torch.zeros(()))
+    with pytest.raises(ValueError, match="'scalar' is 0-d"):
+        index_models_(model, [0])
+    model = batched_net(3)
+    model[2].num_models = 4
+    with pytest.raises(ValueError, match=r"num_models \[3, 4\]"):
+        keep_models_(model, None, [0])
+    model = batched_net(3)
+    other = nn.Parameter(torch.zeros(3, 2))
+    opt = SGD([{"params": [*model.parameters(), other]}], lr=0.1)
+    with pytest.raises(ValueError, match="mixes the model's parameters with other tensors"):
+        keep_models_(model, opt, [0])
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    num_models=st.integers(1, 5),
+    data=st.data(),
+)
+def test_random_keep_indexes_everything(num_models, data) -> None:
+    torch.manual_seed(0)
+    keep = data.draw(st.lists(st.integers(0, num_models - 1), min_size=1, max_size=num_models + 1))
+    model = batched_net(num_models)
+    opt = Adam(model.parameters(), lr=torch.rand(num_models, dtype=torch.float64) * 0.1, amsgrad=True)
+    BL.mse_loss(
+        model(torch.randn(num_models, B, 4, dtype=torch.float64)), torch.zeros(num_models, B, 2)
+    ).sum().backward()
+    opt.step(active=torch.arange(num_models) % 2 == 0)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    opt_state = {id(p): {k: v.clone() for k, v in opt.state[p].items()} for p in model.parameters()}
+    lr = opt.param_groups[0]["lr"].clone()
+    keep_models_(model, opt, keep)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, state[k][keep]), k
+    for p in model.parameters():
+        for k, v in opt.state[p].items():
+            assert torch.equal(v, opt_state[id(p)][k][keep]), k
+    assert torch.equal(opt.param_groups[0]["lr"], lr[keep])
