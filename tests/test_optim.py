@@ -12,6 +12,9 @@ from harness import assert_close
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from batchlayers import losses as BL
+from batchlayers.clip_grad import clip_grad_norm_, nonfinite_models
+from batchlayers.linear import BatchedLinear
 from batchlayers.optim import SGD, Adam, AdamW, PerModelValue, RMSprop
 
 SHAPES = [(4, 3), (3,), ()]  # one model's parameter shapes: a weight, a bias, a per-model scalar
@@ -310,3 +313,40 @@ def test_random_hyperparameters_match_torch(num_models, which, flags, seed) -> N
         active = torch.rand(num_models, generator=gen) > 0.3 if step == 1 else None
         pair.step(active=active)
         pair.check(f"step {step}")
+
+
+def test_nonfinite_model_never_changes_the_others_end_to_end() -> None:
+    """Per-model loss -> per-model clipping -> step(active=~nonfinite): the diverged model is frozen, the
+    others train exactly like their own torch runs, and the frozen one resumes like a fresh torch run."""
+    torch.manual_seed(0)
+    model = BatchedLinear(M, 4, 2, dtype=torch.float64)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    refs = [torch.nn.Linear(4, 2, dtype=torch.float64) for _ in range(M)]
+    for m, ref in enumerate(refs):
+        ref.load_state_dict({k: v[m] for k, v in initial.items()})
+    lr = tensor(0.1, 0.2, 0.05)
+    opt = Adam(model.parameters(), lr=lr, weight_decay=0.1)
+    ref_opts = [torch.optim.Adam(r.parameters(), lr=lr[m].item(), weight_decay=0.1) for m, r in enumerate(refs)]
+    for step in range(5):
+        x, y = torch.randn(M, 6, 4, dtype=torch.float64), torch.randn(M, 6, 2, dtype=torch.float64)
+        diverged = step < 3
+        if diverged:
+            x[1, 0, 0] = float("inf")
+        opt.zero_grad()
+        losses = BL.mse_loss(model(x), y)
+        losses.sum().backward()
+        bad = nonfinite_models(losses, model)
+        assert bad.tolist() == [False, diverged, False]
+        clip_grad_norm_(model.parameters(), 0.5)
+        opt.step(active=~bad)
+        for m, (ref, ref_opt) in enumerate(zip(refs, ref_opts)):
+            if bad[m]:
+                continue
+            ref_opt.zero_grad()
+            torch.nn.functional.mse_loss(ref(x[m]), y[m]).backward()
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+            ref_opt.step()
+        for key, value in model.state_dict().items():
+            assert_close(value, torch.stack([r.state_dict()[key] for r in refs]), msg=f"step {step}: {key}")
+        if diverged:
+            assert torch.equal(model.weight[1], initial["weight"][1]), "the diverged model changed"
