@@ -91,6 +91,11 @@ def foreach_add_scaled(tensors: list[Tensor], others: list[Tensor], scale: float
     return torch._foreach_add(tensors, others, alpha=scale)
 
 
+def new_step_counts(param: Tensor) -> Tensor:
+    """Steps taken by each model, ``(M,)``: models may be at different steps (``step(active=...)``)."""
+    return torch.zeros(param.shape[0], dtype=torch.float32, device=param.device)
+
+
 def is_zero(value: Hyperparameter) -> bool:
     return not isinstance(value, Tensor) and value == 0
 

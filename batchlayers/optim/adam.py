@@ -15,6 +15,7 @@ from ._base import (
     foreach_add_scaled,
     hyperparameter_dtype,
     is_zero,
+    new_step_counts,
     per_model_tensor,
 )
 
@@ -89,7 +90,7 @@ class Adam(BatchedOptimizer):
 
     def _init_state(self, param: Tensor, group: dict[str, Any]) -> dict[str, Tensor]:
         state = {
-            "step": torch.zeros(param.shape[0], dtype=torch.float32, device=param.device),
+            "step": new_step_counts(param),
             "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
             "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
         }

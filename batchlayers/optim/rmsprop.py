@@ -14,6 +14,7 @@ from ._base import (
     foreach_add_scaled,
     foreach_add_scaled_,
     is_zero,
+    new_step_counts,
 )
 
 __all__ = ["RMSprop"]
@@ -74,7 +75,7 @@ class RMSprop(BatchedOptimizer):
 
     def _init_state(self, param: Tensor, group: dict[str, Any]) -> dict[str, Tensor]:
         state = {
-            "step": torch.zeros(param.shape[0], dtype=torch.float32, device=param.device),
+            "step": new_step_counts(param),
             "square_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
         }
         if not is_zero(group["momentum"]):

@@ -15,6 +15,7 @@ from ._base import (
     foreach_add_scaled,
     foreach_add_scaled_,
     is_zero,
+    new_step_counts,
     per_model_tensor,
 )
 
@@ -94,7 +95,7 @@ class SGD(BatchedOptimizer):
                 raise ValueError("SGD: Nesterov momentum requires a momentum and zero dampening for every model")
 
     def _init_state(self, param: Tensor, group: dict[str, Any]) -> dict[str, Tensor]:
-        state = {"step": torch.zeros(param.shape[0], dtype=torch.float32, device=param.device)}
+        state = {"step": new_step_counts(param)}
         if not is_zero(group["momentum"]):
             state["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.preserve_format)
         return state
