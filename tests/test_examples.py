@@ -8,6 +8,7 @@ import pathlib
 import types
 
 import pytest
+import torch
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
 
@@ -37,3 +38,15 @@ def test_sweep_digits(load_example, tmp_path: pathlib.Path, capsys: pytest.Captu
     assert 1e-3 <= best_lr <= 1e-1, f"AdamW's sensible learning rates are 1e-3..1e-1, the sweep chose {best_lr}"
     assert (tmp_path / "sweep_digits.png").stat().st_size > 10_000
     assert "weight_decay" in capsys.readouterr().out
+
+
+def test_checkpoints(load_example, tmp_path: pathlib.Path) -> None:
+    example = load_example("checkpoints")
+    result = example.main(["--quick", "--out", str(tmp_path)])
+    assert [p.suffix for p in result.paths] == [".pt", ".safetensors", ".pt"]
+    # Evaluated together, each loaded model gives what it gives on its own; unstacked, what it gave stacked.
+    assert result.max_logit_difference < 1e-4 and result.unstacked_logit_difference < 1e-4
+    assert torch.equal(result.stacked_accuracy, result.own_accuracy)
+    assert torch.equal(result.unstacked_accuracy, result.finetuned_accuracy)
+    assert min(result.own_accuracy) > 0.8 and result.finetuned_accuracy.mean() > result.own_accuracy.mean()
+    assert all(p.stat().st_size > 0 for p in result.unstacked_paths)
