@@ -6,12 +6,13 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from harness import assert_close, unbatch
+from harness import assert_close
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
 from batchlayers.container import Folded
+from batchlayers.conv import BatchedConv2d
 from batchlayers.linear import BatchedLinear
 
 F64 = torch.float64
@@ -229,20 +230,48 @@ def _cnn_like(num_models: int) -> tuple[nn.Module, Callable[[], nn.Module]]:
     return batched, make_torch
 
 
+def _cnn(num_models: int) -> tuple[nn.Module, Callable[[], nn.Module]]:
+    batched = nn.Sequential(
+        BatchedConv2d(num_models, 2, 4, 3, padding=1, dtype=F64),
+        Folded(nn.ReLU()),
+        Folded(nn.MaxPool2d(2)),
+        BatchedConv2d(num_models, 4, 5, 3, dtype=F64),
+        Folded(nn.AdaptiveAvgPool2d(1)),
+        Folded(nn.Flatten()),
+        BatchedLinear(num_models, 5, 3, dtype=F64),
+    )
+
+    def make_torch() -> nn.Module:
+        return nn.Sequential(
+            nn.Conv2d(2, 4, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(4, 5, 3),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(5, 3),
+        ).to(F64)
+
+    return batched, make_torch
+
+
 def _unbatch_chain(batched: nn.Sequential, make_torch: Callable[[], nn.Module], num_models: int) -> list[nn.Module]:
     """The loop reference for a Sequential of batched layers and Folded modules, index for index."""
     modules = [make_torch() for _ in range(num_models)]
     for index, layer in enumerate(batched):
         if isinstance(layer, Folded):
             continue
-        shape = (layer.in_features, layer.out_features)
-        slices = unbatch(layer, lambda shape=shape: nn.Linear(*shape, dtype=F64))
-        for m, s in zip(modules, slices):
-            m[index].load_state_dict(s.state_dict())
+        state = layer.state_dict()
+        for i, m in enumerate(modules):
+            m[index].load_state_dict({k: v[i] for k, v in state.items()})
     return modules
 
 
-@pytest.mark.parametrize("build, sample_shape", [(_mlp, (3, 2, 2)), (_cnn_like, (3, 5, 5))], ids=["mlp", "cnn_like"])
+@pytest.mark.parametrize(
+    "build, sample_shape",
+    [(_mlp, (3, 2, 2)), (_cnn_like, (3, 5, 5)), (_cnn, (2, 8, 8))],
+    ids=["mlp", "pool_upsample_mlp", "cnn"],
+)
 @pytest.mark.parametrize("shared", [False, True], ids=["per_model", "shared"])
 def test_chain_of_batched_and_folded_layers_matches_loop(build, sample_shape, shared: bool) -> None:
     torch.manual_seed(0)
