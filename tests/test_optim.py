@@ -350,3 +350,25 @@ def test_nonfinite_model_never_changes_the_others_end_to_end() -> None:
             assert_close(value, torch.stack([r.state_dict()[key] for r in refs]), msg=f"step {step}: {key}")
         if diverged:
             assert torch.equal(model.weight[1], initial["weight"][1]), "the diverged model changed"
+
+
+def test_lambda_lr_with_per_model_factors_gives_per_model_schedules() -> None:
+    """A LambdaLR returning an (M,) factor gives each model its own schedule shape (here its own warm-up
+    length), starting from a float lr; equal to per-model torch schedulers with scalar warm-ups."""
+    torch.manual_seed(0)
+    warmup = tensor(1.0, 3.0, 5.0)
+    pair = Pair(SGD, torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
+    scheduler = torch.optim.lr_scheduler.LambdaLR(pair.opt, lambda epoch: torch.clamp((epoch + 1) / warmup, max=1.0))
+    ref_schedulers = [
+        torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch, w=w: min((epoch + 1) / w, 1.0))
+        for opt, w in zip(pair.ref_opts, warmup.tolist())
+    ]
+    for step in range(6):
+        pair.step()
+        scheduler.step()
+        for s in ref_schedulers:
+            s.step()
+        pair.check(f"step {step}")
+    assert isinstance(pair.opt.param_groups[0]["lr"], PerModelValue)
+    expected = tensor(*[opt.param_groups[0]["lr"] for opt in pair.ref_opts])
+    assert_close(pair.opt.param_groups[0]["lr"].as_subclass(torch.Tensor), expected, msg="lr")

@@ -19,7 +19,13 @@ Learning-rate schedules
   ``LinearLR``, ``CosineAnnealingLR``, ``SequentialLR``...), so model ``m`` follows the schedule a torch
   scheduler would give it with ``lr[m]``. ``group["lr"]`` is a :class:`PerModelValue`, a plain ``(M,)``
   tensor whose ``fill_`` also accepts the ``(M,)`` result (torch's schedulers write learning rates with
-  ``fill_``). ``ReduceLROnPlateau`` needs a float ``lr`` (it reads one metric for all models).
+  ``fill_``). ``ReduceLROnPlateau`` needs a float ``lr`` (it reads one metric for all models);
+- a schedule whose *shape* differs per model (its own warm-up length, decay rate...) is a ``LambdaLR``
+  whose function returns an ``(M,)`` factor, e.g. ``lambda epoch: torch.clamp((epoch + 1) / warmup,
+  max=1.0)`` with ``warmup`` an ``(M,)`` tensor; this works from a float ``lr`` too.
+
+A schedule counts the population's steps: a model frozen with ``step(active=...)`` keeps following it
+(its learning rate is not used while it is frozen).
 
 Change per-model values in place, e.g. ``optimizer.param_groups[0]["lr"][m] *= 0.8`` (population-based
 training); ``batchlayers.population`` keeps or copies models together with their optimizer state.

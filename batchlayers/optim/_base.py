@@ -195,6 +195,12 @@ class BatchedOptimizer(Optimizer):
                     f"parameters hold {num_models} models; keep or select models with "
                     "batchlayers.population.keep_models_(model, optimizer, ...) so both change together"
                 )
+            if not isinstance(value, PerModelValue):
+                # A tensor put in by hand or by a scheduler (a float lr times an (M,) factor): check it and
+                # keep a PerModelValue copy, so the next scheduler step can fill it and the caller's tensor
+                # is never written to.
+                self._adopt_hyperparameters(group)
+                value = self._get(group, key)
             return value.as_subclass(Tensor)
         return value
 
