@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .._utils import is_shared
-from ._norm import per_model_affine
+from ._norm import channel_view, per_model_affine
 
 __all__ = ["batch_norm"]
 
@@ -45,7 +45,7 @@ def batch_norm(
     """
     num_models, batch, num_channels = x.shape[:3]
     spatial = x.shape[3:]
-    param_view = [num_models, 1, num_channels, *[1] * len(spatial)]
+    param_view = channel_view(num_models, x.dim(), num_channels)
     use_batch_stats = training or running_mean is None
     update_stats = training and running_mean is not None
     per_model_momentum = isinstance(momentum, Tensor)

@@ -48,7 +48,8 @@ def _normalize_trailing(
     return per_model_affine(normalized, num_models, weight, bias, param_view)
 
 
-def _channel_view(num_models: int, ndim: int, num_channels: int) -> list[int]:
+def channel_view(num_models: int, ndim: int, num_channels: int) -> list[int]:
+    """The view of ``(M, C)`` parameters that broadcasts against an ``ndim``-D ``(M, B, C, *)`` tensor."""
     return [num_models, 1, num_channels, *[1] * (ndim - 3)]
 
 
@@ -111,7 +112,7 @@ def group_norm(
     """
     num_models, batch, num_channels = x.shape[:3]
     spatial = x.shape[3:]
-    param_view = _channel_view(num_models, x.dim(), num_channels)
+    param_view = channel_view(num_models, x.dim(), num_channels)
     if is_shared(x):
         normalized = F.group_norm(x[0], num_groups, eps=eps)
         return per_model_affine(normalized, num_models, weight, bias, param_view)
