@@ -1,0 +1,257 @@
+"""``python -m benchmarks``: batchlayers against a Python loop, torch.func and a hand-written reference.
+
+Examples::
+
+    python -m benchmarks --quick                      # the README's table, a few minutes on 2 CPU cores
+    python -m benchmarks --workloads mlp-tiny --num-models 1 64 1024 4096 --iters 30
+    python -m benchmarks --device cuda --dtype bfloat16 --format json
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import platform
+import sys
+import warnings
+from collections.abc import Sequence
+
+import torch
+
+from .contenders import CONTENDERS, Runner, Unavailable, build_runner
+from .measure import MEMORY_METHOD, gemm_gflops, held_bytes, median, peak_step_bytes, time_interleaved
+from .report import markdown_table, plot, target_table, write_results
+from .workloads import WORKLOADS, Workload
+
+__all__ = ["main", "parse_args", "run"]
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CHECK_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-3}
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    parser.add_argument("--num-models", type=int, nargs="+", help="numbers of models M (default: per workload)")
+    parser.add_argument("--batch-size", type=int, help="samples per model and step (default: per workload)")
+    parser.add_argument(
+        "--warmup", type=int, help="untimed rounds after the agreement check's steps (default 2, quick 1)"
+    )
+    parser.add_argument("--iters", type=int, help="timed rounds per configuration (default 30, quick 10)")
+    parser.add_argument(
+        "--budget-s", type=float, help="seconds per configuration before the timed rounds are cut (min 3 rounds)"
+    )
+    parser.add_argument("--compile", action="store_true", help="torch.compile each contender's forward")
+    parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
+    parser.add_argument("--contenders", nargs="+", choices=list(CONTENDERS), default=list(CONTENDERS))
+    parser.add_argument("--modes", nargs="+", choices=["train", "infer"], default=["train", "infer"])
+    parser.add_argument("--loop-max-models", type=int, default=1024, help="skip the Python loop above this many models")
+    parser.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True, help="measure peak memory")
+    parser.add_argument("--results-file", type=pathlib.Path, help="default: results/<setup>.<format>")
+    parser.add_argument("--format", choices=["csv", "json"], default="csv")
+    parser.add_argument("--plot", action=argparse.BooleanOptionalAction, default=True, help="write a PNG plot")
+    parser.add_argument("--quick", action="store_true", help="fewer sizes and rounds: a few minutes on 2 cores")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
+    args.iters = args.iters if args.iters is not None else (10 if args.quick else 30)
+    args.budget_s = args.budget_s if args.budget_s is not None else (3.0 if args.quick else 20.0)
+    return args
+
+
+def _sizes(workload: Workload, args: argparse.Namespace) -> tuple[int, ...]:
+    if args.num_models:
+        return tuple(args.num_models)
+    return workload.quick_num_models if args.quick else workload.num_models
+
+
+def _as_tensor(result) -> torch.Tensor:
+    out = torch.stack(result) if isinstance(result, list) else result
+    return out.detach().float()
+
+
+def _rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1.0)).item()
+
+
+def _check(runners: Sequence[Runner], train: bool) -> dict[str, float]:
+    """Run each contender's first steps (two when training, so the optimizer step is compared as well) and
+    return each one's largest relative difference from the loop (or the first contender). Warnings raised
+    on the way (e.g. an op without a vmap batching rule) are appended to the contender's note."""
+    outputs = {}
+    for runner in runners:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2 if train else 1):
+                outputs[runner.name] = _as_tensor(runner.step())
+        for message in dict.fromkeys(str(w.message).split(".")[0] for w in caught):
+            runner.note = f"{runner.note}; warns: {message}" if runner.note else f"warns: {message}"
+    names = [r.name for r in runners if r.name != "single"]
+    if not names:
+        return {}
+    base = outputs["loop" if "loop" in names else names[0]]
+    diffs = {}
+    for name, out in outputs.items():
+        expected = base[:1] if name == "single" else base
+        diffs[name] = _rel_diff(out, expected) if out.shape == expected.shape else float("inf")
+    return diffs
+
+
+def run_config(workload: Workload, num_models: int, train: bool, args, device, dtype, progress) -> list[dict]:
+    """Build every contender for one (workload, M, mode), check they agree, time them interleaved."""
+    mode = "train" if train else "infer"
+    batch = args.batch_size or workload.batch_size
+    torch.manual_seed(args.seed)
+    models = [workload.make_model().to(device=device, dtype=dtype) for _ in range(num_models)]
+    generator = torch.Generator().manual_seed(args.seed)
+    x, y = workload.make_data((batch,) if workload.shared else (num_models, batch), generator)
+    x = x.to(device=device, dtype=dtype if x.is_floating_point() else x.dtype)
+    y = y.to(device)
+    base = {"workload": workload.name, "mode": mode, "num_models": num_models, "batch_size": batch}
+    rows: dict[str, dict] = {}
+    runners: list[Runner] = []
+    for name in args.contenders:
+        if name == "loop" and num_models > args.loop_max_models:
+            rows[name] = {**base, "contender": name, "note": f"skipped: M > --loop-max-models {args.loop_max_models}"}
+            continue
+        try:
+            runner = build_runner(name, workload, models, x, y, train=train, compile=args.compile)
+        except Unavailable as exc:
+            if name != "batchlayers-copies":  # only meaningful for shared batches; no row elsewhere
+                rows[name] = {**base, "contender": name, "note": f"unavailable: {exc}"}
+            continue
+        runners.append(runner)
+        rows[name] = {**base, "contender": name, "note": runner.note}
+    progress.set_postfix_str(f"{workload.name} {mode} M={num_models}")
+
+    diffs = _check(runners, train)
+    tolerance = CHECK_TOLERANCE.get(dtype, 5e-2)
+    for runner in runners:
+        row = rows[runner.name]
+        row["note"] = runner.note
+        row["check_rel_diff"] = diffs.get(runner.name)
+        if row["check_rel_diff"] is not None and row["check_rel_diff"] > tolerance:
+            row["note"] = f"{row['note']}; DIFFERS from the loop" if row["note"] else "DIFFERS from the loop"
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # already reported by the check
+        times = time_interleaved(
+            [r.step for r in runners],
+            device,
+            warmup=args.warmup,
+            iters=args.iters,
+            budget_s=args.budget_s,
+            tick=lambda: progress.update(1),
+        )
+        for runner, ts in zip(runners, times):
+            row = rows[runner.name]
+            row.update(median_ms=1e3 * median(ts), rounds=len(ts), held_mb=held_bytes(runner.holds()) / 2**20)
+            if args.memory and train:
+                peak = peak_step_bytes(runner.step, device)
+                row["peak_step_mb"] = None if peak is None else peak / 2**20
+
+    def ms(name):
+        return rows.get(name, {}).get("median_ms")
+
+    flops = workload.flops(models[0], batch) if workload.flops else None
+    for row in rows.values():
+        t = row.get("median_ms")
+        if t is None:
+            continue
+        if ms("loop"):
+            row["speedup_vs_loop"] = ms("loop") / t
+        if ms("torch.func"):
+            row["speedup_vs_torch_func"] = ms("torch.func") / t
+        if ms("single"):
+            row["cost_vs_single"] = t / ms("single")
+        if flops:
+            count = (flops[1] if train else flops[0]) * (1 if row["contender"] == "single" else num_models)
+            row["gflops"] = count / (t / 1e3) / 1e9
+            row["pct_gemm"] = 100 * row["gflops"] / args.gemm_gflops
+    return list(rows.values())
+
+
+def _cpu_name() -> str:
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def run(args: argparse.Namespace) -> tuple[dict, list[dict]]:
+    """Run the benchmark; returns the setup description and the result rows."""
+    from tqdm.auto import tqdm
+
+    device = torch.device(args.device)
+    dtype = DTYPES[args.dtype]
+    gemm_before = gemm_gflops(device, dtype)
+    configs = [
+        (WORKLOADS[name], m, mode == "train")
+        for name in args.workloads
+        for m in _sizes(WORKLOADS[name], args)
+        for mode in args.modes
+    ]
+    rows: list[dict] = []
+    args.gemm_gflops = gemm_before
+    with tqdm(total=len(configs) * (args.warmup + args.iters), disable=args.no_progress, file=sys.stderr) as bar:
+        for workload, num_models, train in configs:
+            done = bar.n
+            rows += run_config(workload, num_models, train, args, device, dtype, bar)
+            bar.update(done + args.warmup + args.iters - bar.n)  # rounds cut by the budget still count
+    gemm = max(gemm_before, gemm_gflops(device, dtype))
+    for row in rows:
+        if row.get("gflops") is not None:
+            row["pct_gemm"] = 100 * row["gflops"] / gemm
+    setup = {
+        "device": device.type if device.type == "cpu" else torch.cuda.get_device_name(device),
+        "cpu": _cpu_name(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "dtype": args.dtype,
+        "gemm_gflops": round(gemm, 1),
+        "compile": args.compile,
+        "memory_method": MEMORY_METHOD["cuda" if device.type == "cuda" else "cpu"],
+        "command": "python -m benchmarks " + " ".join(sys.argv[1:]) if args.argv is None else " ".join(args.argv),
+    }
+    return setup, rows
+
+
+def _setup_name(args: argparse.Namespace) -> str:
+    parts = ["bench", args.device.replace(":", ""), args.dtype, f"{torch.get_num_threads()}threads"]
+    parts += ["quick"] if args.quick else []
+    parts += ["compile"] if args.compile else []
+    return "-".join(parts)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.argv = None if argv is None else ["python -m benchmarks", *argv]
+    setup, rows = run(args)
+    path = args.results_file or pathlib.Path("results") / f"{_setup_name(args)}.{args.format}"
+    write_results(path, args.format, setup, rows)
+    header = (
+        f"{setup['device']} ({setup['cpu']}), {setup['threads']} threads, torch {setup['torch']}, {setup['dtype']}; "
+        f"dense GEMM {setup['gemm_gflops']} GFLOP/s"
+    )
+    print(f"\n{header}\n`{setup['command']}`\n")
+    print(markdown_table(rows))
+    print("\nTargets (issue 5):\n")
+    print(target_table(rows))
+    print(f"\nmemory: {setup['memory_method']}; held MB = parameters, gradients, optimizer state and data")
+    print(f"results: {path}")
+    if args.plot:
+        png = path.with_suffix(".png")
+        if plot(png, rows, header):
+            print(f"plot: {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""Timing, memory and machine-rate measurements."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["gemm_gflops", "held_bytes", "peak_step_bytes", "time_interleaved", "MEMORY_METHOD"]
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_interleaved(
+    steps: Sequence[Callable[[], object]],
+    device: torch.device,
+    *,
+    warmup: int,
+    iters: int,
+    budget_s: float,
+    tick: Callable[[], None] = lambda: None,
+) -> list[list[float]]:
+    """Seconds per call of every step, measured round-robin.
+
+    Each round calls every step once, starting at a different step each round, so slow drifts of a shared
+    machine hit all contenders alike. After ``warmup`` untimed rounds, the number of timed rounds is cut
+    (to no fewer than 3) when ``iters`` rounds would exceed ``budget_s``.
+    """
+    count = len(steps)
+    start = time.perf_counter()
+    for _ in range(warmup):
+        for step in steps:
+            step()
+        tick()
+    synchronize(device)
+    round_s = (time.perf_counter() - start) / max(warmup, 1)
+    rounds = iters if warmup == 0 else max(3, min(iters, int(budget_s / max(round_s, 1e-9))))
+    times: list[list[float]] = [[] for _ in steps]
+    for r in range(rounds):
+        for k in range(count):
+            i = (r + k) % count
+            synchronize(device)
+            t0 = time.perf_counter()
+            steps[i]()
+            synchronize(device)
+            times[i].append(time.perf_counter() - t0)
+        tick()
+    return times
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values)
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """Silence the profiler's C++ start/stop lines, written straight to file descriptor 2."""
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+MEMORY_METHOD = {
+    "cuda": "torch.cuda.max_memory_allocated during one step, above the memory allocated before it",
+    "cpu": "torch.profiler allocation events (CPU tensor allocator) during one step: peak above the start",
+}
+
+
+def peak_step_bytes(step: Callable[[], object], device: torch.device) -> int | None:
+    """Peak tensor memory one call of ``step`` allocates above what was live when it started."""
+    if device.type == "cuda":
+        synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        step()
+        synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - before
+    try:
+        from torch._C._profiler import _EventType
+        from torch.profiler import ProfilerActivity, profile
+
+        with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            step()
+        # Each allocation event carries the allocator's running total since profiling started.
+        totals = [0]
+        pending = list(prof.profiler.kineto_results.experimental_event_tree())
+        while pending:
+            event = pending.pop()
+            if event.tag == _EventType.Allocation and event.extra_fields.device.type == device.type:
+                totals.append(event.extra_fields.total_allocated)
+            pending.extend(event.children)
+        return max(totals)
+    except Exception:  # a private profiler API changed: report no number rather than a wrong one
+        return None
+
+
+def held_bytes(tensors: Sequence[Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (a stride-0 expand counts once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is None or t.device.type == "meta":
+            continue
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def gemm_gflops(device: torch.device, dtype: torch.dtype, size: int = 1024, reps: int = 10) -> float:
+    """The machine's dense GEMM rate: median time of a ``size``-cubed matrix multiply, in GFLOP/s."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    out = torch.empty(size, size, device=device, dtype=dtype)
+    for _ in range(2):
+        torch.mm(a, b, out=out)
+    times = []
+    for _ in range(reps):
+        synchronize(device)
+        t0 = time.perf_counter()
+        torch.mm(a, b, out=out)
+        synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return 2.0 * size**3 / median(times) / 1e9
