@@ -372,3 +372,15 @@ def test_lambda_lr_with_per_model_factors_gives_per_model_schedules() -> None:
     assert isinstance(pair.opt.param_groups[0]["lr"], PerModelValue)
     expected = tensor(*[opt.param_groups[0]["lr"] for opt in pair.ref_opts])
     assert_close(pair.opt.param_groups[0]["lr"].as_subclass(torch.Tensor), expected, msg="lr")
+
+
+def test_sgd_momentum_switched_on_later_starts_from_the_gradient() -> None:
+    torch.manual_seed(0)
+    pair = Pair(SGD, torch.optim.SGD, {"lr": tensor(0.1, 0.2, 0.05)})
+    pair.step()
+    pair.opt.param_groups[0]["momentum"] = tensor(0.9, 0.0, 0.5)
+    for m, opt in enumerate(pair.ref_opts):
+        opt.param_groups[0]["momentum"] = [0.9, 0.0, 0.5][m]
+    for step, active in enumerate([[True, False, True], [False, True, True], None]):
+        pair.step(active=None if active is None else torch.tensor(active))
+        pair.check(f"step {step} with momentum, active {active}")

@@ -272,7 +272,7 @@ class BatchedOptimizer(Optimizer):
                     raise RuntimeError(f"{type(self).__name__} does not support complex parameters")
             states = []
             for p in params:
-                if len(self.state[p]) == 0:
+                if len(self.state[p]) == 0:  # before the snapshot below, so new state is masked too
                     self.state[p].update(self._init_state(p, group))
                 states.append(self.state[p])
             saved = None

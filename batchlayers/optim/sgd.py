@@ -43,10 +43,10 @@ class SGD(BatchedOptimizer):
         foreach, differentiable, fused: accepted for signature compatibility; the update always uses
             foreach kernels, and ``differentiable=True`` / ``fused=True`` raise.
 
-    State per parameter: ``step`` (``(M,)`` steps taken by each model) and, with momentum,
-    ``momentum_buffer`` (the parameter's shape). ``step`` is kept (torch's SGD has none) because with
+    State per parameter, once momentum is used: ``momentum_buffer`` (the parameter's shape) and ``step``
+    (``(M,)``, each model's steps with momentum). ``step`` is kept (torch's SGD has none) because with
     :meth:`step(active=...) <BatchedOptimizer.step>` models can be at different steps, and a model's first
-    step starts its momentum buffer from the gradient, as in torch.
+    momentum step starts its buffer from the gradient, as in torch.
 
     Examples::
 
@@ -95,21 +95,24 @@ class SGD(BatchedOptimizer):
                 raise ValueError("SGD: Nesterov momentum requires a momentum and zero dampening for every model")
 
     def _init_state(self, param: Tensor, group: dict[str, Any]) -> dict[str, Tensor]:
-        state = {"step": new_step_counts(param)}
-        if not is_zero(group["momentum"]):
-            state["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-        return state
+        # Nothing without momentum; created on the first step with momentum, also if it is switched on later.
+        if is_zero(group["momentum"]):
+            return {}
+        return {
+            "step": new_step_counts(param),
+            "momentum_buffer": torch.zeros_like(param, memory_format=torch.preserve_format),
+        }
 
     def _update(self, group, params, grads, states, num_models) -> None:
         lr, momentum, dampening, weight_decay = (
             self.hyperparameter(group, key, num_models) for key in self.per_model_hyperparameters
         )
-        steps = [s["step"] for s in states]
         if group["maximize"]:
             grads = torch._foreach_neg(grads)
         if not is_zero(weight_decay):
             grads = foreach_add_scaled(grads, params, broadcast_per_model(weight_decay, params))
         if not is_zero(momentum):
+            steps = [s["step"] for s in states]
             bufs = [s["momentum_buffer"] for s in states]
             # Per model and parameter: the first step sets buf = grad (momentum 0, no dampening, on a zero
             # buffer), later ones buf = momentum * buf + (1 - dampening) * grad. A model with momentum 0
@@ -121,12 +124,12 @@ class SGD(BatchedOptimizer):
             keep_now = 1 - torch.where(first | (momentum_m == 0), 0.0, dampening_m)
             torch._foreach_mul_(bufs, broadcast_per_parameter(momentum_now, params))
             torch._foreach_add_(bufs, torch._foreach_mul(grads, broadcast_per_parameter(keep_now, params)))
+            torch._foreach_add_(steps, 1.0)
             if group["nesterov"]:
                 grads = foreach_add_scaled(grads, bufs, broadcast_per_model(momentum, params))
             else:
                 grads = bufs
         foreach_add_scaled_(params, grads, broadcast_per_model(_negate(lr), params))
-        torch._foreach_add_(steps, 1.0)
 
 
 def _negate(value: Hyperparameter) -> Hyperparameter:
