@@ -3,6 +3,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 __all__ = ["embedding"]
 
@@ -35,8 +36,37 @@ class _FlatTable(torch.autograd.Function):
         return torch.sparse_coo_tensor(model_and_row, grad._values(), ctx.table_shape, check_invariants=False)
 
 
-# Traced as one opaque op, so that torch.compile sees the real (sparse) gradient reach its backward.
+class _PaddedLookup(torch.autograd.Function):
+    """``table.index_select(0, flat_index)`` whose gradient skips the positions that look up a padding row.
+
+    Every model has its own padding row, so no single ``padding_idx`` of torch's kernels fits the flat table.
+    The backward accumulates into one scratch row past the end of the table instead (``grad_index`` points
+    padding positions there) and drops it: measured up to 2x faster on CPU than cutting the gradient with a
+    ``torch.where`` over the whole output.
+    """
+
+    @staticmethod
+    def forward(table: Tensor, flat_index: Tensor, grad_index: Tensor) -> Tensor:
+        return table.index_select(0, flat_index)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        table, _, grad_index = inputs
+        ctx.save_for_backward(grad_index)
+        ctx.num_rows = table.shape[0]
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
+        (grad_index,) = ctx.saved_tensors
+        grad_table = grad.new_zeros(ctx.num_rows + 1, grad.shape[-1]).index_add_(0, grad_index, grad)
+        return grad_table[:-1], None, None
+
+
+# Traced as opaque ops: torch.compile then sees the real (sparse) gradient reach _FlatTable's backward, and
+# dynamo's own tracing of autograd.Function, which warns (DeprecationWarning) in this torch, is not used.
 torch.compiler.allow_in_graph(_FlatTable)
+torch.compiler.allow_in_graph(_PaddedLookup)
 
 
 def _flat_indices(input: Tensor, num_models: int, num_embeddings: int) -> Tensor:
@@ -84,16 +114,22 @@ def embedding(
             raise ValueError("embedding: max_norm renormalises weight in place and needs a contiguous weight")
         with torch.no_grad():
             torch.embedding_renorm_(weight.detach().view(-1, embedding_dim), flat_index, max_norm, norm_type)
+    table_rows = num_models * num_embeddings
     if sparse or scale_grad_by_freq:
         # Frequencies of flat rows are frequencies per model, so torch's own kernel gets them right.
-        table = _FlatTable.apply(weight) if sparse else weight.reshape(-1, embedding_dim)
+        table = _FlatTable.apply(weight) if sparse else weight.reshape(table_rows, embedding_dim)
         out = F.embedding(flat_index, table, scale_grad_by_freq=scale_grad_by_freq, sparse=sparse)
+        if padding_idx is not None:
+            # torch's kernel takes one padding row, the flat table has one per model: cut the gradient at the
+            # padding positions instead; the values are unchanged.
+            out = torch.where((input == padding_idx).unsqueeze(-1), out.detach(), out)
+        return out
+    # index_select's backward (index_add) measured 2-3.5x faster than F.embedding's on CPU for small tables.
+    table = weight.reshape(table_rows, embedding_dim)
+    flat_index = flat_index.reshape(-1)
+    if padding_idx is None:
+        out = table.index_select(0, flat_index)
     else:
-        # index_select's backward (index_add) measured 2-3.5x faster than embedding's on CPU for small tables.
-        table = weight.reshape(-1, embedding_dim)
-        out = table.index_select(0, flat_index.reshape(-1)).view(*input.shape, embedding_dim)
-    if padding_idx is not None:
-        # The flat table has one padding row per model, but F.embedding takes one padding_idx: cut the
-        # gradient at the padding positions instead; the forward values are unchanged.
-        out = torch.where((input == padding_idx).unsqueeze(-1), out.detach(), out)
-    return out
+        grad_index = torch.where(input.reshape(-1) == padding_idx, table_rows, flat_index)
+        out = _PaddedLookup.apply(table, flat_index, grad_index)
+    return out.view(*input.shape, embedding_dim)
