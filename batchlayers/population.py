@@ -65,11 +65,22 @@ def _has_num_models(module: nn.Module) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _as_indices(indices: Indices, num_models: int, what: str, caller: str) -> Tensor:
+def _as_indices(indices: Indices, num_models: int, what: str, caller: str, allow_mask: bool = False) -> Tensor:
+    """Model indices as a 1-D long tensor in ``[0, M)``: negative ones count from the end, as in Python; with
+    ``allow_mask`` an ``(M,)`` bool tensor selects the models where it is ``True``."""
     if isinstance(indices, Tensor):
-        if indices.dtype in (torch.bool,) or indices.is_floating_point() or indices.is_complex():
+        index = indices.detach().cpu()
+        if index.dtype == torch.bool and allow_mask:
+            if index.shape != (num_models,):
+                raise ValueError(
+                    f"{caller}: a bool mask for {what} must have shape (M,) = ({num_models},), got {tuple(index.shape)}"
+                )
+            index = index.nonzero().flatten()
+            if index.numel() == 0:
+                raise ValueError(f"{caller}: the mask for {what} selects no model")
+        elif index.dtype == torch.bool or index.is_floating_point() or index.is_complex():
             raise TypeError(f"{caller}: {what} must be integers, got a {indices.dtype} tensor")
-        index = indices.detach().cpu().reshape(-1) if indices.dim() == 0 else indices.detach().cpu()
+        index = index.reshape(-1) if index.dim() == 0 else index
     else:
         values = [indices] if isinstance(indices, int) else list(indices)
         if not all(isinstance(i, int) and not isinstance(i, bool) for i in values):
@@ -79,11 +90,12 @@ def _as_indices(indices: Indices, num_models: int, what: str, caller: str) -> Te
         raise ValueError(
             f"{caller}: {what} must be a non-empty 1-D list of model indices, got shape {tuple(index.shape)}"
         )
-    if bool(((index < 0) | (index >= num_models)).any()):
+    if bool(((index < -num_models) | (index >= num_models)).any()):
         raise ValueError(
-            f"{caller}: {what} {index.tolist()} out of range for {num_models} models (0 to {num_models - 1})"
+            f"{caller}: {what} {index.tolist()} out of range for {num_models} models "
+            f"({-num_models} to {num_models - 1})"
         )
-    return index.long()
+    return index.long() % num_models
 
 
 def _take(t: Tensor, index: Tensor) -> Tensor:
@@ -100,13 +112,14 @@ def index_models_(module: nn.Module, indices: Indices) -> nn.Module:
 
     Args:
         module: a batched module: all parameters and buffers shaped ``(M, *)``.
-        indices: model indices in ``[0, M)``: an int, a sequence of ints or an integer tensor.
+        indices: model indices (an int, a sequence of ints or an integer tensor; negative ones count from
+            the end), or an ``(M,)`` bool mask of the models to keep.
 
     Returns:
         ``module``.
     """
     named, num_models = _model_tensors(module, "index_models_")
-    index = _as_indices(indices, num_models, "indices", "index_models_")
+    index = _as_indices(indices, num_models, "indices", "index_models_", allow_mask=True)
     for _, t in named:
         t.data = _take(t.data, index)
         if t.grad is not None:
@@ -208,12 +221,13 @@ def keep_models_(
     Args:
         model: a batched module (all parameters and buffers ``(M, *)``).
         optimizer: the optimizer over ``model``'s parameters, or ``None``.
-        indices: the models to keep, in the new order (an index may repeat to duplicate a model).
+        indices: the models to keep, in the new order (an index may repeat to duplicate a model), or an
+            ``(M,)`` bool mask.
         schedulers: learning-rate schedulers of ``optimizer`` whose per-model ``(M,)`` base learning rates
             must follow (``base_lrs`` and the like).
     """
     named, num_models = _model_tensors(model, "keep_models_")
-    index = _as_indices(indices, num_models, "indices", "keep_models_")
+    index = _as_indices(indices, num_models, "indices", "keep_models_", allow_mask=True)
     groups = []
     if optimizer is not None:
         groups = _optimizer_groups(optimizer, {id(t) for _, t in model.named_parameters()}, "keep_models_")

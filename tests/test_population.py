@@ -181,7 +181,7 @@ def test_index_models_keeps_objects_and_updates_num_models() -> None:
     before = {n: t.clone() for n, t in [*model.named_parameters(), *model.named_buffers()]}
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     ids = [id(t) for t in [*model.parameters(), *model.buffers()]]
-    assert index_models_(model, [2, 2, 0]) is model
+    assert index_models_(model, [2, -2, 0]) is model  # -2 is model 2 of 4
     assert [id(t) for t in [*model.parameters(), *model.buffers()]] == ids
     assert all(m.num_models == 3 for m in model.modules() if hasattr(m, "num_models"))
     for n, t in [*model.named_parameters(), *model.named_buffers()]:
@@ -199,8 +199,8 @@ def test_keep_models_with_a_torch_optimizer() -> None:
     model(torch.randn(3, B, 4, dtype=torch.float64)).sum().backward()
     opt.step()
     exp_avg = opt.state[model[0].weight]["exp_avg"].clone()
-    keep_models_(model, opt, [1, 0])
-    assert torch.equal(opt.state[model[0].weight]["exp_avg"], exp_avg[[1, 0]])
+    keep_models_(model, opt, torch.tensor([True, True, False]))
+    assert torch.equal(opt.state[model[0].weight]["exp_avg"], exp_avg[[0, 1]])
     assert opt.state[model[0].weight]["step"].dim() == 0
     model(torch.randn(2, B, 4, dtype=torch.float64)).sum().backward()
     opt.step()
@@ -208,9 +208,11 @@ def test_keep_models_with_a_torch_optimizer() -> None:
 
 BAD = [
     ("out-of-range", lambda m, o: keep_models_(m, o, [0, 3]), ValueError, r"\[0, 3\] out of range for 3 models"),
-    ("negative", lambda m, o: keep_models_(m, o, [-1]), ValueError, "out of range"),
+    ("negative", lambda m, o: keep_models_(m, o, [-4]), ValueError, r"out of range for 3 models \(-3 to 2\)"),
     ("empty", lambda m, o: keep_models_(m, o, []), ValueError, "non-empty 1-D"),
-    ("bool-mask", lambda m, o: keep_models_(m, o, torch.tensor([True, False, True])), TypeError, "integers"),
+    ("mask-shape", lambda m, o: keep_models_(m, o, torch.tensor([True, False])), ValueError, r"shape \(M,\) = \(3,\)"),
+    ("mask-empty", lambda m, o: keep_models_(m, o, torch.zeros(3, dtype=torch.bool)), ValueError, "selects no model"),
+    ("bool-src", lambda m, o: copy_model_(m, o, torch.tensor([True, False, True]), [0, 1]), TypeError, "integers"),
     ("floats", lambda m, o: keep_models_(m, o, [0.0, 1.0]), TypeError, "integers"),
     ("2-d", lambda m, o: index_models_(m, torch.tensor([[0, 1]])), ValueError, "1-D"),
     ("dst-repeats", lambda m, o: copy_model_(m, o, [0, 1], [2, 2]), ValueError, "repeats"),
