@@ -1,12 +1,13 @@
-"""What the digits examples share: the data split, the per-model loss and shared-batch evaluation."""
+"""What the digits examples share: the data split, the per-model loss, the training loop and shared-batch evaluation."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["load_digits_split", "per_model_cross_entropy", "predict_shared"]
+from batchlayers.losses import cross_entropy
+
+__all__ = ["load_digits_split", "per_model_cross_entropy", "predict_shared", "train_epochs"]
 
 
 def load_digits_split(seed: int, image: bool = False) -> dict[str, tuple[Tensor, Tensor]]:
@@ -26,10 +27,23 @@ def load_digits_split(seed: int, image: bool = False) -> dict[str, tuple[Tensor,
 
 
 def per_model_cross_entropy(logits: Tensor, target: Tensor) -> Tensor:
-    """``(M,)``: each model's mean cross entropy over its own ``(M, B, classes)`` logits and ``(M, B)``
-    targets. Sum it, don't average it, over models: the sum gives every model exactly the gradient of its
-    own mean loss, while a mean would divide each model's gradient by M."""
-    return F.cross_entropy(logits.transpose(1, 2), target, reduction="none").mean(dim=1)
+    """``(M,)``: model m's mean cross entropy over its own ``(M, B, classes)`` logits and ``(M, B)`` labels.
+
+    Sum it, don't average it, over models: the sum gives every model exactly the gradient of its own mean
+    loss, while a mean would divide each model's gradient by M.
+    """
+    return cross_entropy(logits, target)
+
+
+def train_epochs(model: nn.Module, optimizer: torch.optim.Optimizer, loader, epochs: int) -> None:
+    """Train every model on its own minibatches from ``loader`` (``(M, B, *)`` inputs, ``(M, B)`` labels)."""
+    model.train()
+    for _ in range(epochs):
+        for x, y in loader:
+            losses = per_model_cross_entropy(model(x), y)
+            optimizer.zero_grad()
+            losses.sum().backward()
+            optimizer.step()
 
 
 @torch.no_grad()

@@ -20,12 +20,13 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from digits_common import load_digits_split, per_model_cross_entropy, predict_shared
+from digits_common import load_digits_split, predict_shared, train_epochs
 from torch import Tensor, nn
 
 from batchlayers.data import ModelTensorLoader
 from batchlayers.linear import BatchedLinear
 from batchlayers.optim import AdamW
+from batchlayers.population import keep_models_
 
 
 def make_mlp(num_models: int, hidden: int) -> nn.Sequential:
@@ -41,21 +42,6 @@ def make_mlp(num_models: int, hidden: int) -> nn.Sequential:
 def accuracy(model: nn.Module, x: Tensor, y: Tensor, num_models: int) -> Tensor:
     """``(M,)`` accuracy of every model on one batch shared by all."""
     return (predict_shared(model, x, num_models).argmax(dim=-1) == y).double().mean(dim=1)
-
-
-def keep_models(model: nn.Module, optimizer: torch.optim.Optimizer, index: Tensor) -> None:
-    """Interim: replaced by batchlayers.population.keep_models_."""
-    for module in model.modules():
-        if hasattr(module, "num_models"):
-            module.num_models = len(index)
-    for group in optimizer.param_groups:
-        group["lr"], group["weight_decay"] = group["lr"][index], group["weight_decay"][index]
-        for p in group["params"]:
-            with torch.no_grad():
-                p.set_(p[index].clone())
-            for key, value in optimizer.state[p].items():
-                if isinstance(value, Tensor) and value.dim() > 0:
-                    optimizer.state[p][key] = value[index]
 
 
 @dataclass
@@ -103,18 +89,13 @@ def run_sweep(
     model_ids = torch.arange(num_models)  # which sweep member each slice is
     epochs = first_epochs
     while True:
-        for _ in range(epochs):
-            for xb, yb in loader:
-                loss = per_model_cross_entropy(model(xb), yb)
-                optimizer.zero_grad()
-                loss.sum().backward()
-                optimizer.step()
+        train_epochs(model, optimizer, loader, epochs)
         val = accuracy(model, *data["val"], len(model_ids))
         result.rungs.append(Rung(epochs, model_ids.tolist(), val.tolist()))
         if len(model_ids) <= keep:
             break
         survivors = val.argsort(descending=True, stable=True)[: max(keep, len(model_ids) // 2)]
-        keep_models(model, optimizer, survivors)
+        keep_models_(model, optimizer, survivors)
         loader.keep_models_(survivors)
         model_ids = model_ids[survivors]
         epochs *= 2

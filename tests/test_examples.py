@@ -50,3 +50,32 @@ def test_checkpoints(load_example, tmp_path: pathlib.Path) -> None:
     assert torch.equal(result.unstacked_accuracy, result.finetuned_accuracy)
     assert min(result.own_accuracy) > 0.8 and result.finetuned_accuracy.mean() > result.own_accuracy.mean()
     assert all(p.stat().st_size > 0 for p in result.unstacked_paths)
+
+
+def test_ensemble_digits(load_example, tmp_path: pathlib.Path) -> None:
+    example = load_example("ensemble_digits")
+    result = example.main(["--quick", "--out", str(tmp_path)])
+    members, ensemble = result.members, result.ensemble
+    assert len(members.accuracy) == 4 and members.accuracy.min() > 0.8  # chance is 0.1
+    # Averaging probabilities never raises the NLL above the members' mean (-log is convex).
+    assert ensemble.nll <= members.nll.mean()
+    assert ensemble.accuracy >= members.accuracy.mean() - 0.01
+    assert 0 <= ensemble.ece <= 0.2 and bool((members.ece <= 0.2).all())
+    assert torch.allclose(result.ensemble_probs.sum(-1), torch.ones(()).double())
+    assert (tmp_path / "ensemble_digits_reliability.png").stat().st_size > 10_000
+
+
+def test_expected_calibration_error_matches_a_loop(load_example) -> None:
+    example = load_example("ensemble_digits")
+    torch.manual_seed(0)
+    probs = torch.randn(3, 50, 4).double().softmax(-1)
+    target = torch.randint(4, (50,))
+    for m in range(3):
+        confidence, prediction = probs[m].max(-1)
+        ece = 0.0
+        for b in range(10):
+            in_bin = (confidence > b / 10) & (confidence <= (b + 1) / 10)
+            if in_bin.any():
+                gap = confidence[in_bin].mean() - (prediction[in_bin] == target[in_bin]).double().mean()
+                ece += in_bin.double().mean() * gap.abs()
+        assert abs(example.expected_calibration_error(probs, target)[m].item() - float(ece)) < 1e-12
