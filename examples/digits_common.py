@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import pathlib
+
 import torch
 from torch import Tensor, nn
 
 from batchlayers.losses import cross_entropy
 
-__all__ = ["load_digits_split", "per_model_cross_entropy", "predict_shared", "train_epochs"]
+__all__ = ["load_digits_split", "per_model_cross_entropy", "predict_shared", "save_figure", "train_epochs"]
 
 
 def load_digits_split(seed: int, image: bool = False) -> dict[str, tuple[Tensor, Tensor]]:
@@ -50,3 +52,13 @@ def train_epochs(model: nn.Module, optimizer: torch.optim.Optimizer, loader, epo
 def predict_shared(model: nn.Module, x: Tensor, num_models: int) -> Tensor:
     """``(M, N, classes)`` logits of every model on one batch given once (a stride-0 expand, not M copies)."""
     return model(x.expand(num_models, *x.shape))
+
+
+def save_figure(fig, path: pathlib.Path) -> None:
+    """Write a matplotlib figure to ``path`` (creating its folder) and free it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 
 import torch
-from digits_common import load_digits_split, predict_shared, train_epochs
+from digits_common import load_digits_split, predict_shared, save_figure, train_epochs
 from torch import Tensor, nn
 
 from batchlayers.batchnorm import BatchedBatchNorm2d
@@ -163,10 +163,7 @@ def plot_reliability(result: EnsembleResult, path: pathlib.Path, bins: int = 10)
     )
     ax.legend(loc="upper left", fontsize=8)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> EnsembleResult:

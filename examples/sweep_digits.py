@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from digits_common import load_digits_split, predict_shared, train_epochs
+from digits_common import load_digits_split, predict_shared, save_figure, train_epochs
 from torch import Tensor, nn
 
 from batchlayers.data import ModelTensorLoader
@@ -141,10 +141,7 @@ def plot(result: SweepResult, path: pathlib.Path) -> None:
     ax.set_title(f"{len(result.learning_rates)} MLPs on digits, successive halving")
     ax.legend(fontsize=8, loc="lower left")
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> SweepResult:
