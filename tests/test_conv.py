@@ -1,0 +1,333 @@
+"""What is special to the batched convolutions: every strategy against the torch.nn loop, the shared-batch
+path without M-fold copies, the packed output layout, strategy selection and argument checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from harness import assert_close, compare_with_loop, unbatch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from batchlayers import backends
+from batchlayers.conv import BatchedConv1d, BatchedConv2d, BatchedConv3d
+from batchlayers.functional import _conv as conv_impl
+from batchlayers.functional._conv import conv
+
+CLASSES = {1: BatchedConv1d, 2: BatchedConv2d, 3: BatchedConv3d}
+
+# (dims, in, out, kernel, spatial, kwargs): the options where the strategies differ in what they do.
+# fmt: off
+CONFIGS = {
+    "1d-same-even-reflect-groups": (1, 4, 6, 4, (9,), dict(padding="same", dilation=2, padding_mode="reflect",
+                                                           groups=2)),
+    "2d-plain": (2, 3, 4, 3, (6, 5), dict(padding=1)),
+    "2d-stride-circular-nobias": (2, 2, 4, (3, 2), (7, 6), dict(stride=(2, 1), padding=(1, 2), padding_mode="circular",
+                                                                bias=False)),
+    "2d-depthwise-same-replicate": (2, 4, 8, 2, (5, 6), dict(padding="same", groups=4, padding_mode="replicate")),
+    "3d-groups-dilation": (3, 4, 2, 2, (4, 5, 4), dict(dilation=(1, 2, 1), groups=2, padding=(1, 0, 1))),
+}
+# fmt: on
+
+
+@pytest.fixture(autouse=True)
+def _fresh_backend_settings():
+    """Tests change the global settings; each one starts from the defaults and an empty cache."""
+    saved = backends.conv.strategy, backends.conv.benchmark
+    backends.conv.clear_cache()
+    yield
+    backends.conv.strategy, backends.conv.benchmark = saved
+    backends.conv.clear_cache()
+
+
+def _build(config, num_models, dtype=torch.float64):
+    dims, c_in, c_out, kernel, spatial, kwargs = config
+    batched = CLASSES[dims](num_models, c_in, c_out, kernel, **kwargs, dtype=dtype)
+    modules = unbatch(batched, lambda: CLASSES[dims].torch_module(c_in, c_out, kernel, **kwargs, dtype=dtype))
+    return batched, modules, lambda lead: torch.randn(*lead, c_in, *spatial, dtype=dtype)
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["per_model", "shared"])
+@pytest.mark.parametrize("strategy", backends.CONV_STRATEGIES)
+@pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
+def test_every_strategy_matches_loop(config, strategy: str, shared: bool) -> None:
+    torch.manual_seed(0)
+    batched, modules, make_input = _build(config, num_models=3)
+    batched.strategy = strategy
+    compare_with_loop(batched, modules, make_input, shared=shared)
+
+
+@pytest.mark.parametrize("strategy", backends.CONV_STRATEGIES)
+def test_float32_strategies_match_loop(strategy: str) -> None:
+    torch.manual_seed(0)
+    batched, modules, make_input = _build(CONFIGS["2d-plain"], num_models=4, dtype=torch.float32)
+    batched.strategy = strategy
+    compare_with_loop(batched, modules, make_input, shared=False, steps=1)
+
+
+class _StorageSizes(TorchDispatchMode):
+    """Records the storage size of every tensor an operator returns (views share their base's storage)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.untyped_storage().nbytes())
+        return out
+
+
+@pytest.mark.parametrize("strategy", backends.CONV_STRATEGIES)
+@pytest.mark.parametrize(
+    "kwargs", [dict(padding=1), dict(padding=1, groups=2, padding_mode="reflect")], ids=["zeros", "groups-reflect"]
+)
+def test_shared_batch_is_never_copied_per_model(strategy: str, kwargs: dict) -> None:
+    num_models = 6
+    layer = BatchedConv2d(num_models, 8, 2, 3, **kwargs)  # few output channels: outputs are smaller than M inputs
+    layer.strategy = strategy
+    batch = torch.randn(4, 8, 6, 6)
+    shared = batch.expand(num_models, *batch.shape)
+    with _StorageSizes() as sizes:
+        y = layer(shared)
+        y.sum().backward()  # gradients of the weights only: the data needs none
+    # An M-fold copy of the batch would need num_models * batch.nbytes; a padded or channels-last copy of the
+    # one batch is allowed (at most (8/6)**2 = 1.8 times its size here).
+    assert sizes.largest < num_models / 2 * batch.nbytes, f"a tensor of {sizes.largest} bytes was made"
+    modules = unbatch(layer, lambda: nn.Conv2d(8, 2, 3, **kwargs))
+    assert_close(y, torch.stack([m(batch) for m in modules]), msg="output")
+
+
+@pytest.mark.parametrize("strategy", ["grouped", "grouped_channels_last"])
+@pytest.mark.parametrize("shared", [False, True], ids=["per_model", "shared"])
+def test_grouped_output_packs_back_as_a_view(strategy: str, shared: bool) -> None:
+    """The next grouped layer (a convolution, BatchNorm) packs ``(M, B, C, H, W)`` into ``(B, M*C, H, W)``:
+    for a grouped convolution's output that reshape is free."""
+    layer = BatchedConv2d(3, 4, 5, 3)
+    layer.strategy = strategy
+    x = torch.randn(2, 4, 7, 7)
+    y = layer(x.expand(3, *x.shape) if shared else x.expand(3, *x.shape).clone())
+    packed = y.transpose(0, 1).reshape(2, 3 * 5, 5, 5)
+    assert packed._is_view() and packed.data_ptr() == y.data_ptr(), "packing the output made a copy"
+    assert_close(packed[:, 5:10], y[1], msg="model 1's channels in the packed layout")
+
+
+class _Recorder:
+    """Wraps every strategy to record which ones ran."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.ran: list[str] = []
+        for name, (fn, channels_last) in list(conv_impl._STRATEGIES.items()):
+            monkeypatch.setitem(conv_impl._STRATEGIES, name, (self._wrap(name, fn), channels_last))
+
+    def _wrap(self, name, fn):
+        def run(*args):
+            self.ran.append(name)
+            return fn(*args)
+
+        return run
+
+
+def test_heuristic_without_benchmark(monkeypatch) -> None:
+    recorder = _Recorder(monkeypatch)
+    layer = BatchedConv2d(3, 2, 4, 3)
+    x = torch.randn(3, 2, 2, 5, 5)
+    shared = x[0].expand_as(x)
+    layer(x)
+    layer(shared)
+    assert recorder.ran == [
+        conv_impl.heuristic_strategy(x, layer.weight),
+        conv_impl.heuristic_strategy(shared, layer.weight),
+    ]
+    assert backends.conv.cache == {}, "without benchmark nothing is measured or cached"
+
+
+def test_override_precedence(monkeypatch) -> None:
+    recorder = _Recorder(monkeypatch)
+    layer = BatchedConv1d(3, 2, 4, 3)
+    x = torch.randn(3, 2, 2, 6)
+    with backends.conv.flags(strategy="loop_channels_last"):
+        layer(x)  # the global setting
+        layer.strategy = "grouped"
+        layer(x)  # the layer's own setting wins
+        assert backends.conv.strategy == "loop_channels_last"
+    assert backends.conv.strategy == "auto", "flags() restores the previous setting"
+    layer.strategy = "auto"
+    backends.conv.cache.clear()
+    assert recorder.ran == ["loop_channels_last", "grouped"]
+
+
+def test_bad_strategy_names_raise() -> None:
+    layer = BatchedConv2d(3, 2, 4, 3)
+    with pytest.raises(ValueError, match=r"BatchedConv2d: strategy must be 'auto' or one of .*'loop'.*got 'fast'"):
+        layer.strategy = "fast"
+    with pytest.raises(ValueError, match=r"batchlayers.backends.conv: strategy must be"):
+        backends.conv.strategy = "fast"
+    with pytest.raises(ValueError, match=r"batchlayers.backends.conv: strategy must be"):
+        with backends.conv.flags(strategy="fast"):
+            pass
+    assert backends.conv.strategy == "auto" and layer.strategy == "auto"
+    with pytest.raises(ValueError, match=r"batchlayers.functional.conv: strategy must be"):
+        conv(torch.randn(3, 2, 2, 5, 5), layer.weight, strategy="vmap")
+
+
+def test_benchmark_measures_once_per_key_and_caches(monkeypatch) -> None:
+    measured = []
+    real_fastest = backends.fastest
+
+    def counting_fastest(candidates, device, repeats=3):
+        measured.append(sorted(candidates))
+        return real_fastest(candidates, device, repeats=1)
+
+    monkeypatch.setattr(backends, "fastest", counting_fastest)
+    recorder = _Recorder(monkeypatch)
+    layer = BatchedConv2d(3, 2, 4, 3)
+    x = torch.randn(3, 2, 2, 5, 5)
+    with backends.conv.flags(benchmark=True):
+        layer(x).sum().backward()
+        assert len(measured) == 1 and measured[0] == sorted(backends.CONV_STRATEGIES)
+        ((key, winner),) = backends.conv.cache.items()
+        assert winner in backends.CONV_STRATEGIES and recorder.ran[-1] == winner
+        grads = [p.grad.clone() for p in layer.parameters()]
+        layer.zero_grad()
+        layer(x).sum().backward()
+        assert len(measured) == 1, "the second call with the same key measured again"
+        assert recorder.ran[-1] == winner
+        assert all(torch.equal(p.grad, g) for p, g in zip(layer.parameters(), grads)), "timing touched gradients"
+        with torch.no_grad():
+            layer(x)  # forward only: another key
+        layer(x[0].expand_as(x))  # a shared batch: another key
+        BatchedConv1d(3, 2, 4, 3)(torch.randn(3, 2, 2, 5))  # 1-D: no channels-last candidates
+    assert len(measured) == 4 and len(backends.conv.cache) == 4
+    assert measured[-1] == ["grouped", "loop"]
+    # The cache is used even when benchmark is off again.
+    layer(x)
+    assert len(measured) == 4 and recorder.ran[-1] == winner
+
+
+def test_benchmark_never_times_while_compiling(monkeypatch) -> None:
+    monkeypatch.setattr(backends, "fastest", lambda *a, **k: pytest.fail("timed while compiling"))
+    torch._dynamo.reset()
+    layer = BatchedConv2d(3, 2, 4, 3, dtype=torch.float64)
+    x = torch.randn(3, 2, 2, 5, 5, dtype=torch.float64)
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    with backends.conv.flags(benchmark=True):
+        y = compiled(x)
+    assert backends.conv.cache == {}
+    modules = unbatch(layer, lambda: nn.Conv2d(2, 4, 3, dtype=torch.float64))
+    assert_close(y, torch.stack([m(xm) for m, xm in zip(modules, x)]), msg="compiled output")
+
+
+@st.composite
+def _conv_configs(draw):
+    dims = draw(st.integers(1, 3))
+    groups = draw(st.sampled_from([1, 2]))
+    c_in, c_out = groups * draw(st.integers(1, 2)), groups * draw(st.integers(1, 2))
+    kernel = tuple(draw(st.integers(1, 3)) for _ in range(dims))
+    dilation = tuple(draw(st.integers(1, 2)) for _ in range(dims))
+    padding_kind = draw(st.sampled_from(["int", "tuple", "same", "valid"]))
+    stride = 1 if padding_kind == "same" else tuple(draw(st.integers(1, 2)) for _ in range(dims))
+    padding = {
+        "int": draw(st.integers(0, 2)),
+        "tuple": tuple(draw(st.integers(0, 2)) for _ in range(dims)),
+        "same": "same",
+        "valid": "valid",
+    }[padding_kind]
+    # Large enough for the kernel, and for reflect padding (padding < size).
+    spatial = tuple(d * (k - 1) + 3 + draw(st.integers(0, 2)) for k, d in zip(kernel, dilation))
+    kwargs = dict(
+        stride=stride,
+        padding=padding,
+        dilation=dilation,
+        groups=groups,
+        bias=draw(st.booleans()),
+        padding_mode=draw(st.sampled_from(["zeros", "reflect", "replicate", "circular"])),
+    )
+    return (dims, c_in, c_out, kernel, spatial, kwargs)
+
+
+# torch.nn.Conv*d (the reference) warns that an even kernel with padding='same' copies the input; the
+# batched layer makes that copy itself and does not warn (test_same_padding_even_kernel_does_not_warn).
+@pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel:UserWarning")
+@settings(max_examples=25, deadline=None)
+@given(
+    config=_conv_configs(),
+    num_models=st.integers(1, 3),
+    strategy=st.sampled_from(backends.CONV_STRATEGIES),
+    shared=st.booleans(),
+)
+def test_property_random_configs_match_loop(config, num_models: int, strategy: str, shared: bool) -> None:
+    torch.manual_seed(0)
+    batched, modules, make_input = _build(config, num_models)
+    batched.strategy = strategy
+    compare_with_loop(batched, modules, make_input, shared=shared, steps=1, batch=2, check_eval=False)
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, pattern",
+    [
+        ((4, 6, 3), dict(groups=0), r"groups must be a positive integer, got 0"),
+        ((3, 6, 3), dict(groups=2), r"in_channels \(3\) must be divisible by groups \(2\)"),
+        ((4, 5, 3), dict(groups=2), r"out_channels \(5\) must be divisible by groups \(2\)"),
+        ((4, 6, 3), dict(padding="full"), r"invalid padding string 'full'"),
+        ((4, 6, 3), dict(padding="same", stride=2), r"padding='same' is not supported for strided convolutions"),
+        ((4, 6, 3), dict(padding_mode="mirror"), r"padding_mode must be one of .*'mirror'"),
+    ],
+)
+def test_bad_arguments_raise_like_torch(args, kwargs, pattern: str) -> None:
+    with pytest.raises(ValueError):
+        nn.Conv2d(*args, **kwargs)
+    with pytest.raises(ValueError, match=rf"^BatchedConv2d: {pattern}"):
+        BatchedConv2d(3, *args, **kwargs)
+
+
+@pytest.mark.parametrize("num_models", [0, 2.0, True])
+def test_bad_num_models_raise(num_models) -> None:
+    with pytest.raises((ValueError, TypeError), match="BatchedConv1d: num_models"):
+        BatchedConv1d(num_models, 2, 2, 3)
+
+
+@pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
+def test_extra_repr_is_torchs_after_num_models(config) -> None:
+    dims, c_in, c_out, kernel, _, kwargs = config
+    batched = CLASSES[dims](3, c_in, c_out, kernel, **kwargs)
+    reference = CLASSES[dims].torch_module(c_in, c_out, kernel, **kwargs)
+    assert batched.extra_repr() == f"num_models=3, {reference.extra_repr()}"
+    assert batched._reversed_padding_repeated_twice == list(reference._reversed_padding_repeated_twice)
+
+
+def test_functional_accepts_ints_and_lists() -> None:
+    torch.manual_seed(0)
+    x, weight, bias = torch.randn(2, 3, 4, 6, 6), torch.randn(2, 6, 2, 3, 3), torch.randn(2, 6)
+    with backends.conv.flags(benchmark=True):
+        y = conv(x, weight, bias, stride=[2, 1], padding=1, dilation=[1, 2], groups=2)
+    expected = [nn.functional.conv2d(x[m], weight[m], bias[m], (2, 1), 1, (1, 2), 2) for m in range(2)]
+    assert_close(y, torch.stack(expected), msg="output")
+
+
+@pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel:UserWarning")
+@pytest.mark.parametrize("strategy", backends.CONV_STRATEGIES)
+@pytest.mark.parametrize("shared", [False, True], ids=["per_model", "shared"])
+def test_same_padding_even_kernel_does_not_warn(strategy: str, shared: bool, monkeypatch) -> None:
+    """torch warns (once per process, so a warning filter cannot see it reliably) when F.conv*d gets
+    padding='same' with an even kernel; the batched layer pads explicitly instead, and matches torch."""
+    torch.manual_seed(0)
+    layer = BatchedConv2d(3, 2, 3, (2, 3), padding="same", dilation=(1, 2), dtype=torch.float64)
+    layer.strategy = strategy
+    modules = unbatch(layer, lambda: nn.Conv2d(2, 3, (2, 3), padding="same", dilation=(1, 2), dtype=torch.float64))
+    x = torch.randn(2, 2, 5, 6, dtype=torch.float64)
+    expected = torch.stack([m(x) for m in modules])
+    paddings = []
+
+    def recording_conv2d(*args):
+        paddings.append(args[4])
+        return nn.functional.conv2d(*args)
+
+    monkeypatch.setitem(conv_impl._DENSE_CONV, 2, recording_conv2d)
+    y = layer(x.expand(3, *x.shape) if shared else x.expand(3, *x.shape).clone())
+    assert_close(y, expected, msg="output")
+    assert paddings and all(p == 0 for p in paddings), f"F.conv2d got padding {paddings}"
