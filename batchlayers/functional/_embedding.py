@@ -26,9 +26,9 @@ class _FlatTable(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> Tensor:
-        num_models, num_embeddings, embedding_dim = ctx.table_shape
         if not grad.is_sparse:
             return grad.reshape(ctx.table_shape)
+        num_embeddings = ctx.table_shape[1]
         flat_rows = grad._indices()[0]
         model_and_row = torch.stack(
             [flat_rows.div(num_embeddings, rounding_mode="floor"), flat_rows.remainder(num_embeddings)]
