@@ -79,8 +79,10 @@ def run_sweep(
     """Successive halving over ``num_models`` AdamW-trained MLPs down to ``keep`` models."""
     torch.manual_seed(seed)
     data = load_digits_split(seed)
-    draw = torch.Generator().manual_seed(seed)
-    result = SweepResult(log_uniform(num_models, *lr_range, draw), log_uniform(num_models, *wd_range, draw))
+    # One generator per hyperparameter: model i gets the same values whatever the sweep size.
+    learning_rates = log_uniform(num_models, *lr_range, torch.Generator().manual_seed(seed))
+    weight_decays = log_uniform(num_models, *wd_range, torch.Generator().manual_seed(seed + 1))
+    result = SweepResult(learning_rates, weight_decays)
     start = time.perf_counter()
 
     model = make_mlp(num_models, hidden)
@@ -135,6 +137,16 @@ def plot(result: SweepResult, path: pathlib.Path) -> None:
         ax.scatter(
             lrs, rung.val_accuracy, s=18 + 12 * k, label=f"rung {k}: {len(rung.model_ids)} models, {total} epochs"
         )
+    best = result.final_ids[0]
+    ax.scatter(
+        result.learning_rates[best],
+        result.final_val[0],
+        s=250,
+        marker="*",
+        facecolors="none",
+        edgecolors="black",
+        label="best",
+    )
     ax.set_xscale("log")
     ax.set_xlabel("learning rate (AdamW)")
     ax.set_ylabel("validation accuracy")
