@@ -151,7 +151,8 @@ class ModelBatchSampler(Sampler[Tensor]):
         """Keep only the models ``indices`` (integer positions or an ``(M,)`` bool mask), in that order.
 
         Each kept model goes on with its own stream, so a run that drops models mid-training feeds the
-        survivors exactly the batches they would have seen without the drop.
+        survivors exactly the batches they would have seen without the drop. Takes effect at the next
+        ``iter()`` (the next epoch); an epoch already started goes on with the models it started with.
         """
         index = torch.as_tensor(indices)
         name = type(self).__name__
