@@ -121,7 +121,9 @@ def index_models_(module: nn.Module, indices: Indices) -> nn.Module:
     named, num_models = _model_tensors(module, "index_models_")
     index = _as_indices(indices, num_models, "indices", "index_models_", allow_mask=True)
     for _, t in named:
-        t.data = _take(t.data, index)
+        # set_ rather than `.data =`: autograd keeps the size it recorded for a `.data` swap, so a graph
+        # built before the call (still referenced by the caller) would make the next backward fail.
+        t.set_(_take(t.detach(), index))
         if t.grad is not None:
             t.grad = _take(t.grad, index)
     for m in module.modules():

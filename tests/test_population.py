@@ -273,3 +273,23 @@ def test_random_keep_indexes_everything(num_models, data) -> None:
         for k, v in opt.state[p].items():
             assert torch.equal(v, opt_state[id(p)][k][keep]), k
     assert torch.equal(opt.param_groups[0]["lr"], lr[keep])
+
+
+def test_training_continues_while_an_old_graph_is_still_referenced() -> None:
+    """A graph from before keep_models_ (a loss the caller still holds) must not break the next backward,
+    and the kept models must then get exactly the gradients of a fresh copy of themselves."""
+    torch.manual_seed(0)
+    model = batched_net(4)
+    opt = SGD(model.parameters(), lr=0.1)
+    old_loss = model(torch.randn(4, B, 4, dtype=torch.float64)).sum()
+    old_loss.backward()
+    opt.step()
+    keep_models_(model, opt, [3, 1])
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, B, 4, dtype=torch.float64)
+    model.zero_grad()
+    model(x).sum().backward()
+    reference(x).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert_close(p.grad, q.grad, msg=name)
+    assert old_loss.requires_grad  # still alive: the case that used to fail
