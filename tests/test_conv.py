@@ -28,6 +28,7 @@ CONFIGS = {
                                                                 bias=False)),
     "2d-depthwise-same-replicate": (2, 4, 8, 2, (5, 6), dict(padding="same", groups=4, padding_mode="replicate")),
     "3d-groups-dilation": (3, 4, 2, 2, (4, 5, 4), dict(dilation=(1, 2, 1), groups=2, padding=(1, 0, 1))),
+    "3d-valid-replicate": (3, 2, 2, 2, (3, 4, 3), dict(padding="valid", padding_mode="replicate")),
 }
 # fmt: on
 

@@ -33,7 +33,7 @@ def padding_for_pad(padding: str | _IntOrTuple, kernel_size: Sequence[int], dila
         return [0, 0] * n
     if padding == "same":
         pads = []
-        for d, k in zip(reversed(_tuple(dilation, n)), reversed(kernel_size)):
+        for d, k in zip(reversed(_tuple(dilation, n)), reversed(kernel_size), strict=True):
             total = d * (k - 1)
             pads += [total // 2, total - total // 2]
         return pads
@@ -84,8 +84,13 @@ def _grouped(x: Tensor, weight: Tensor, bias: Tensor | None, opts: _Options) -> 
     flat_bias = None if bias is None else bias.reshape(-1)
     if not is_shared(x):
         # (M, B, C, *) -> (B, M*C, *): model m's channels form groups [m*groups, (m+1)*groups). A view when
-        # x is the transposed output of another grouped convolution, else one transpose copy.
-        packed = x.transpose(0, 1).reshape(x.shape[1], -1, *x.shape[3:])
+        # x is the output of another grouped convolution in the same layout, else one copy, made straight
+        # into the channels-last layout when that is wanted: (B, *, M*C) contiguous.
+        batch, spatial = x.shape[1], x.shape[3:]
+        if opts.memory_format is None:
+            packed = x.transpose(0, 1).reshape(batch, -1, *spatial)
+        else:
+            packed = x.permute(1, *range(3, x.dim()), 0, 2).reshape(batch, *spatial, -1).movedim(-1, 1)
         y = _dense(packed, flat_weight, flat_bias, opts, opts.groups * num_models)
         return y.unflatten(1, (num_models, out_channels)).transpose(0, 1)
     # A shared batch: one convolution of the batch itself against every model's filters, no M-fold copy.
@@ -104,7 +109,7 @@ def _loop(x: Tensor, weight: Tensor, bias: Tensor | None, opts: _Options) -> Ten
     num_models = weight.shape[0]
     if is_shared(x):
         # Pad and convert the shared batch once, not once per model; what is left is a zero-padded conv.
-        x0, padding = _prepare(x[0], weight.shape[2:], opts)
+        x0, padding = _prepare(x[0], weight.shape[3:], opts)
         inputs = [x0] * num_models
         opts = opts._replace(padding=padding, padding_mode="zeros")
     else:
