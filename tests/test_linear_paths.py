@@ -1,0 +1,82 @@
+"""Every computation path of ``batchlayers.functional.linear`` against a loop of ``torch.nn.functional.linear``:
+the shared-batch paths (one GEMM, ``baddbmm`` on the stride-0 expand) and the per-model path, in float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from harness import assert_close
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from batchlayers.functional._linear import SHARED_PATHS, linear, shared_path
+
+
+def _loop(x_per_model, weight, bias):
+    return torch.stack(
+        [F.linear(x_per_model[m], weight[m], None if bias is None else bias[m]) for m in range(weight.shape[0])]
+    )
+
+
+def _leaves(*tensors):
+    return [t.detach().clone().requires_grad_() if t is not None else None for t in tensors]
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    num_models=st.integers(2, 5),
+    extra=st.lists(st.integers(1, 4), min_size=1, max_size=3),
+    in_features=st.integers(1, 6),
+    out_features=st.integers(1, 6),
+    bias=st.booleans(),
+    path=st.sampled_from(SHARED_PATHS),
+    input_grad=st.booleans(),
+)
+def test_shared_paths_match_loop(num_models, extra, in_features, out_features, bias, path, input_grad):
+    torch.manual_seed(0)
+    batch = torch.randn(*extra, in_features, dtype=torch.float64)
+    weight = torch.randn(num_models, out_features, in_features, dtype=torch.float64)
+    b = torch.randn(num_models, out_features, dtype=torch.float64) if bias else None
+    xs, ws, bs = _leaves(batch, weight, b)
+    xr, wr, br = _leaves(batch, weight, b)
+    xs.requires_grad_(input_grad)
+    xr.requires_grad_(input_grad)
+
+    y = linear(xs.expand(num_models, *xs.shape), ws, bs, shared=path)
+    expected = _loop([xr] * num_models, wr, br)
+    assert_close(y, expected, msg=f"output ({path})")
+    grad = torch.randn_like(expected)
+    y.backward(grad)
+    expected.backward(grad)
+    assert_close(ws.grad, wr.grad, msg=f"weight gradient ({path})")
+    if bias:
+        assert_close(bs.grad, br.grad, msg=f"bias gradient ({path})")
+    if input_grad:
+        assert_close(xs.grad, xr.grad, msg=f"input gradient ({path})")
+
+
+@pytest.mark.parametrize("extra", [(5,), (2, 3)])
+def test_per_model_path_matches_loop(extra):
+    torch.manual_seed(0)
+    x = torch.randn(3, *extra, 4, dtype=torch.float64)
+    weight = torch.randn(3, 2, 4, dtype=torch.float64)
+    bias = torch.randn(3, 2, dtype=torch.float64)
+    assert_close(linear(x, weight, bias), _loop(x, weight, bias), msg="per-model output")
+    assert_close(linear(x, weight), _loop(x, weight, None), msg="per-model output, no bias")
+
+
+def test_shared_gemm_reads_the_batch_once():
+    # The shared batch is never copied M times: one GEMM against the stacked weights, output a view.
+    batch = torch.randn(5, 4)
+    weight = torch.randn(1000, 3, 4)
+    y = linear(batch.expand(1000, 5, 4), weight, shared="gemm")
+    assert y.shape == (1000, 5, 3) and y.untyped_storage().nbytes() == 1000 * 5 * 3 * 4
+
+
+def test_auto_path_choice():
+    assert shared_path(64, 128, 784, 256, needs_grad=True) == "gemm"
+    assert shared_path(64, 128, 784, 256, needs_grad=False) == "bmm"
+    assert shared_path(64, 64, 10, 20, needs_grad=True) == "bmm"
+    with pytest.raises(ValueError, match="shared must be"):
+        linear(torch.randn(3, 4).expand(2, 3, 4), torch.randn(2, 5, 4), shared="loop")
