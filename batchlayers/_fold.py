@@ -39,9 +39,9 @@ class _Call:
     owner: int  # id() of the root that made this call
     num_models: int
     batch: int
-    # Storages of the folded root inputs and the sizes of their non-batch dimensions, used to refuse a
-    # 1-D layer input whose length is both M*B and a sequence length (batched or not: ambiguous).
-    input_storages: set[int]
+    # The folded root inputs and the sizes of their non-batch dimensions, used to refuse a 1-D layer input
+    # whose length is both M*B and a sequence length (batched or not: ambiguous).
+    inputs: list[Tensor]
     input_sizes: set[int]
     shared_buffer_versions: list[tuple[str, Tensor, int]]
     leaf_broadcast: dict[int, bool] = field(default_factory=dict)
@@ -69,15 +69,18 @@ def map_tensors(obj: object, fn: Callable[[Tensor, str], object], where: str = "
         return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
     if isinstance(obj, list):
         return [map_tensors(v, fn, f"{where}[{i}]") for i, v in enumerate(obj)]
+    if type(obj) is dict:
+        return {k: map_tensors(v, fn, f"{where}[{k!r}]") for k, v in obj.items()}
     if isinstance(obj, dict):
         out = copy.copy(obj)  # keeps OrderedDict, defaultdict and dict-like output classes
         for k, v in obj.items():
             out[k] = map_tensors(v, fn, f"{where}[{k!r}]")
         return out
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        out = copy.copy(obj)
-        for f in dataclasses.fields(obj):
-            object.__setattr__(out, f.name, map_tensors(getattr(obj, f.name), fn, f"{where}.{f.name}"))
+        values = {f.name: map_tensors(getattr(obj, f.name), fn, f"{where}.{f.name}") for f in dataclasses.fields(obj)}
+        out = type(obj).__new__(type(obj))  # not __init__: it may validate or compute (and torch.compile traces this)
+        for name, value in {**getattr(obj, "__dict__", {}), **values}.items():
+            object.__setattr__(out, name, value)
         return out
     return obj
 
@@ -130,9 +133,13 @@ class FoldInputs:
                 owner=id(root),
                 num_models=num_models,
                 batch=batch,
-                input_storages={t.untyped_storage().data_ptr() for _, t in folded},
+                # (under torch.compile, tensors kept across hooks upset dynamo: without them the check is stricter)
+                inputs=[] if torch.compiler.is_compiling() else [t for _, t in folded],
                 input_sizes={s for _, t in found for s in t.shape[2:]},
-                shared_buffer_versions=[(n, buffers[n], buffers[n]._version) for n in self.shared_buffers],
+                # (the version counters are not traceable: torch.compile runs without this check)
+                shared_buffer_versions=[]
+                if torch.compiler.is_compiling()
+                else [(n, buffers[n], buffers[n]._version) for n in self.shared_buffers],
             )
         )
         return args, kwargs
@@ -238,7 +245,7 @@ def _refuse_ambiguous(layer: nn.Module, t: Tensor, call: _Call) -> None:
         and call.num_models > 1
         and t.shape[0] == folded
         and folded in call.input_sizes
-        and t.untyped_storage().data_ptr() not in call.input_storages
+        and not any(t is x for x in call.inputs)
     ):
         raise ValueError(
             f"{_name(layer)}: a 1-D input of length {folded} is ambiguous here: it may be one value per sample "

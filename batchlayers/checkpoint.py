@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Mapping, Sequence
 
@@ -90,6 +91,7 @@ def stack_checkpoints(
             tensors[name] = value
         result.fill(i, tensors, f"'{path}'")
         del state, tensors
+        gc.collect()  # an unpickled checkpoint can sit in reference cycles: free it before reading the next
     return result.module
 
 

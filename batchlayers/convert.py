@@ -22,6 +22,7 @@ Limits, by design:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib
 import importlib.util
 import inspect
@@ -184,7 +185,11 @@ def _config(module: nn.Module) -> dict[str, object]:
     """A module's plain configuration attributes (stride, eps, n_head, ...): they must agree between models."""
     plain = (int, float, str, bool, tuple, type(None))
     skip = ("training", "num_models")
-    return {k: v for k, v in vars(module).items() if not k.startswith("_") and k not in skip and isinstance(v, plain)}
+    return {
+        k: v
+        for k, v in vars(module).items()
+        if not k.startswith("_") and k not in skip and (isinstance(v, plain) or dataclasses.is_dataclass(v))
+    }
 
 
 def _first_difference(reference: Mapping, other: Mapping) -> str | None:

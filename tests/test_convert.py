@@ -243,6 +243,35 @@ def test_gpt_ambiguous_positions_raise() -> None:
     batched(torch.randint(0, 11, (2, 3, 8)))  # M*B = 6: fine
 
 
+# Dynamo itself reads .grad of the output dataclass's tensors while tracing the root's output hook.
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")
+def test_torch_compile_fullgraph() -> None:
+    models = [seeded(zoo.GPT, i) for i in range(2)]
+    batched = stack(models)
+    compiled = torch.compile(batched, backend="aot_eager", fullgraph=True)
+    idx, targets = torch.randint(0, 11, (2, 3, 8)), torch.randint(0, 11, (2, 3, 8))
+    out = compiled(idx, targets=targets)
+    out.loss.backward()
+    grad = batched.lm_head.weight.grad.clone()
+    batched.zero_grad()
+    expected = batched(idx, targets=targets)
+    expected.loss.backward()
+    assert_close(out.logits, expected.logits, msg="compiled logits")
+    assert_close(grad, batched.lm_head.weight.grad, msg="compiled gradient")
+
+
+def test_batch_norm_without_parameters_is_batched_too() -> None:
+    """BatchNorm without affine parameters or running stats still mixes a batch's samples: it is swapped."""
+
+    def factory():
+        return nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4, affine=False, track_running_stats=False))
+
+    batched = stack([seeded(factory, i) for i in range(3)])
+    compare_training(
+        batched, [seeded(factory, i) for i in range(3)], lambda lead: torch.randn(*lead, 3, dtype=torch.float64)
+    )
+
+
 # ------------------------------------------------------------------------------------------------------
 # isinstance: batched layers do not subclass torch.nn layers
 

@@ -97,6 +97,8 @@ def test_different_configuration() -> None:
     b.features[6].stride = (1, 1)  # same weight shapes, different computation
     with pytest.raises(ValueError, match=r"'features.6' is configured differently in model 1.*'stride'"):
         stack([a, b])
+    with pytest.raises(ValueError, match="the model itself is configured differently in model 1.*'config'"):
+        stack([zoo.GPT(), zoo.GPT(zoo.GPTConfig(position_indices="T"))])
     c = zoo.CNN()
     c.layer1[0].shortcut = nn.Sequential(nn.Identity())
     with pytest.raises(TypeError, match="different module structure.*layer1.0.shortcut.0"):
