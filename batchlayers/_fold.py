@@ -185,12 +185,12 @@ class UnfoldLeafInputs:
     ``(M, 1, *)`` (a ``(1, *)`` input) or ``(M, 1, *input)`` (any other), an expand, never a copy.
     """
 
-    def __call__(self, layer: nn.Module, args: tuple) -> tuple | None:
+    def __call__(self, layer: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         call = _current_call()
         if call is None:
             return None  # called on its own: an ordinary batched layer taking (M, B, *)
         num_models, folded = call.num_models, call.num_models * call.batch
-        tensors = [a for a in args if isinstance(a, Tensor) and a.dim() > 0]
+        tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, Tensor) and t.dim() > 0]
         for t in tensors:
             _refuse_ambiguous(layer, t, call)
         broadcast = all(t.shape[0] != folded for t in tensors)
@@ -205,7 +205,7 @@ class UnfoldLeafInputs:
             shared = t.reshape(1, 1, *rest).expand(num_models, 1, *rest)
             return shared if broadcast else shared.expand(num_models, call.batch, *rest)
 
-        return tuple(unfold(a) for a in args)
+        return tuple(unfold(a) for a in args), {k: unfold(v) for k, v in kwargs.items()}
 
 
 class FoldLeafOutput:
@@ -306,7 +306,7 @@ def attach_root_hooks(root: nn.Module, shared_buffers: Iterable[str]) -> None:
 
 def attach_leaf_hooks(layer: nn.Module, path: str) -> None:
     layer._batchlayers_path = path
-    layer.register_forward_pre_hook(UnfoldLeafInputs())
+    layer.register_forward_pre_hook(UnfoldLeafInputs(), with_kwargs=True)
     layer.register_forward_hook(FoldLeafOutput())
 
 

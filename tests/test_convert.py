@@ -347,3 +347,21 @@ def test_functional_losses_outside_forward() -> None:
     for i, r in enumerate(references):
         F.cross_entropy(r(x[i]), y[i]).backward()
     assert_close(batched.fc1.weight.grad, torch.stack([r.fc1.weight.grad for r in references]), msg="grad")
+
+
+class _KeywordCall(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.emb = nn.Embedding(5, 3)
+
+    def forward(self, x):
+        positions = torch.arange(x.size(1))  # (T,): no batch dimension
+        return self.fc(input=x) + self.emb(input=positions)
+
+
+def test_batched_layers_called_with_keywords() -> None:
+    models = [seeded(_KeywordCall, i) for i in range(3)]
+    batched = stack(models)
+    x = torch.randn(3, 2, 5, 4, dtype=torch.float64)
+    assert_close(batched(x), torch.stack([m(x[i]) for i, m in enumerate(models)]), msg="output")
