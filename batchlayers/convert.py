@@ -12,7 +12,7 @@ Limits, by design:
 - A loss computed inside ``forward`` averages over the ``M * B`` samples of all models, which is the mean of
   the M per-model losses: each model gets ``1/M`` of its own gradient. Multiply that loss by
   ``model.num_models`` before ``backward`` (exact for mean-reduced losses), or compute per-model losses from
-  the ``(M, B, *)`` outputs and sum them.
+  the ``(M, B, *)`` outputs with ``batchlayers.losses`` and sum them.
 - Code inside ``forward`` that mixes samples of a batch (``x.mean(0)``, a functional batch norm) mixes the
   models' samples too; torch.nn layers that do so (BatchNorm) are swapped for batched counterparts.
 - A shared input (a stride-0 expand) is copied to ``M * B`` samples on entry: the architecture's own code
@@ -488,7 +488,7 @@ def stack(models: Sequence[nn.Module]) -> nn.Module:
     .. note::
         A loss computed inside ``forward`` (e.g. ``F.cross_entropy`` with the default mean) averages over all
         models, so each model gets ``1/N`` of its own gradient: call ``(loss * model.num_models).backward()``,
-        or compute per-model losses from the ``(N, B, *)`` outputs and sum them.
+        or compute per-model losses from the ``(N, B, *)`` outputs (``batchlayers.losses``) and sum them.
 
     Raises:
         TypeError / ValueError: naming the first difference between the models, or a module that cannot be
