@@ -57,13 +57,36 @@ def test_shared_paths_match_loop(num_models, extra, in_features, out_features, b
 
 
 @pytest.mark.parametrize("extra", [(5,), (2, 3)])
-def test_per_model_path_matches_loop(extra):
+@pytest.mark.parametrize("in_features, out_features", [(4, 2), (2, 4)], ids=["out<in", "out>in"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_per_model_path_matches_loop(extra, in_features, out_features, bias):
+    # out < in takes the custom weight-gradient orientation, out >= in plain autograd: both against the loop.
     torch.manual_seed(0)
-    x = torch.randn(3, *extra, 4, dtype=torch.float64)
-    weight = torch.randn(3, 2, 4, dtype=torch.float64)
-    bias = torch.randn(3, 2, dtype=torch.float64)
-    assert_close(linear(x, weight, bias), _loop(x, weight, bias), msg="per-model output")
-    assert_close(linear(x, weight), _loop(x, weight, None), msg="per-model output, no bias")
+    x = torch.randn(3, *extra, in_features, dtype=torch.float64)
+    weight = torch.randn(3, out_features, in_features, dtype=torch.float64)
+    b = torch.randn(3, out_features, dtype=torch.float64) if bias else None
+    xs, ws, bs = _leaves(x, weight, b)
+    xr, wr, br = _leaves(x, weight, b)
+    y = linear(xs, ws, bs)
+    expected = _loop(xr, wr, br)
+    assert_close(y, expected, msg="per-model output")
+    grad = torch.randn_like(expected)
+    y.backward(grad)
+    expected.backward(grad)
+    for name, got, want in [("input", xs, xr), ("weight", ws, wr), ("bias", bs, br)]:
+        if got is not None:
+            assert_close(got.grad, want.grad, msg=f"{name} gradient")
+    assert ws.grad.is_contiguous()
+
+
+def test_custom_weight_gradient_twice_differentiable():
+    torch.manual_seed(0)
+    x, weight, bias = _leaves(
+        torch.randn(2, 3, 4, dtype=torch.float64),
+        torch.randn(2, 2, 4, dtype=torch.float64),
+        torch.randn(2, 2, dtype=torch.float64),
+    )
+    assert torch.autograd.gradgradcheck(linear, (x, weight, bias))
 
 
 def test_shared_gemm_reads_the_batch_once():

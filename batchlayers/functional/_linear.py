@@ -56,11 +56,55 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, shared: str
     else:
         # (M, *, in) -> (M, N, in): a view, also on a stride-0 expand, so a shared batch stays one copy.
         x3, batch_shape = x.reshape(num_models, -1, in_features), x.shape[1:-1]
-    if bias is None:
+    if _weight_grad_out_major(weight, in_features, out_features):
+        y = _AffineWeightGradOutMajor.apply(x3, weight, bias)
+    elif bias is None:
         y = torch.bmm(x3, weight.transpose(1, 2))
     else:
         y = torch.baddbmm(bias.unsqueeze(1), x3, weight.transpose(1, 2))
     return y if batch_shape is None else y.view(num_models, *batch_shape, out_features)
+
+
+def _weight_grad_out_major(weight: Tensor, in_features: int, out_features: int) -> bool:
+    # Under torch.compile the compiler derives its own backward (and dynamo warns on custom Functions).
+    return (
+        out_features < in_features
+        and weight.requires_grad
+        and torch.is_grad_enabled()
+        and not torch.compiler.is_compiling()
+    )
+
+
+class _AffineWeightGradOutMajor(torch.autograd.Function):
+    """``baddbmm(bias, x, weight^T)`` whose weight gradient is computed as ``grad^T @ x``, already in the
+    weight's ``(M, out, in)`` layout.
+
+    Autograd computes ``x^T @ grad`` as ``(M, in, out)`` and copies its transpose into the gradient. When
+    ``out < in`` the direct product has the long side last, which small CPU GEMMs run much faster, and the
+    transposing copy is gone: measured on a 2-core CPU, whole training steps were 1.26x faster for a
+    784-256-256-10 MLP at M=64 and 1.28x for a 10-20-2 MLP at M=1024 (neutral at M=64). For ``out >= in``
+    autograd's own orientation was as fast or faster, and this class's Python overhead is not worth it.
+    """
+
+    @staticmethod
+    def forward(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        if bias is None:
+            return torch.bmm(x, weight.transpose(1, 2))
+        return torch.baddbmm(bias.unsqueeze(1), x, weight.transpose(1, 2))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        x, weight, bias = inputs
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, weight = ctx.saved_tensors
+        grad_x = torch.bmm(grad, weight) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.bmm(grad.transpose(1, 2), x) if ctx.needs_input_grad[1] else None
+        grad_bias = grad.sum(1) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_weight, grad_bias
 
 
 def _shared_gemm(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
