@@ -10,7 +10,7 @@ from harness import assert_close
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchlayers.functional._linear import SHARED_PATHS, linear, shared_path
+from batchlayers.functional._linear import SHARED_PATHS, linear
 
 
 def _loop(x_per_model, weight, bias):
@@ -97,9 +97,6 @@ def test_shared_gemm_reads_the_batch_once():
     assert y.shape == (1000, 5, 3) and y.untyped_storage().nbytes() == 1000 * 5 * 3 * 4
 
 
-def test_auto_path_choice():
-    assert shared_path(64, 128, 784, 256, needs_grad=True) == "gemm"
-    assert shared_path(64, 128, 784, 256, needs_grad=False) == "bmm"
-    assert shared_path(64, 64, 10, 20, needs_grad=True) == "bmm"
+def test_unknown_shared_path_raises():
     with pytest.raises(ValueError, match="shared must be"):
         linear(torch.randn(3, 4).expand(2, 3, 4), torch.randn(2, 5, 4), shared="loop")

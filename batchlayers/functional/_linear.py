@@ -6,51 +6,37 @@ from torch import Tensor
 
 from .._utils import is_shared
 
-__all__ = ["SHARED_PATHS", "linear", "shared_path"]
+__all__ = ["SHARED_PATHS", "linear"]
 
 SHARED_PATHS = ("gemm", "bmm")
 
 
-def shared_path(num_models: int, rows: int, in_features: int, out_features: int, needs_grad: bool) -> str:
-    """The faster way to apply M models' weights to one shared batch of ``rows`` samples.
-
-    ``"gemm"``: one matrix multiply of the batch against all models' weights stacked into
-    ``(M * out_features, in_features)`` (its backward computes all weight gradients in one GEMM as well);
-    ``"bmm"``: ``baddbmm`` on the stride-0 expand, M small multiplies. Neither copies the batch.
-
-    Measured on a 2-core CPU (torch 2.13, float32, interleaved medians of a whole MLP, so the next layer's
-    cost of reading the GEMM's ``(*, M, out)`` layout counts): for training, one GEMM was 1.1x faster on
-    784->256 layers (M=8 and 64) but 0.8x on 10->20 layers (M=8 to 1024); for inference ``bmm`` was as
-    fast or faster everywhere (one GEMM 0.6x for 784->256 at M=64). ``bmm`` on the stride-0 expand ran
-    within noise of per-model copies of the batch in every shape.
-    """
-    if needs_grad and in_features * out_features >= 65536:
-        return "gemm"
-    return "bmm"
-
-
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, shared: str = "auto") -> Tensor:
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, shared: str = "bmm") -> Tensor:
     """Apply model ``m``'s affine map to ``x[m]`` for every model at once.
 
     Args:
         x: ``(M, *, in_features)``; a shared batch may be a stride-0 expand, it is never copied.
         weight: ``(M, out_features, in_features)``.
         bias: ``(M, out_features)`` or ``None``.
-        shared: for a shared batch, ``"auto"`` (see :func:`shared_path`) or one of :data:`SHARED_PATHS`.
+        shared: how a shared batch (a stride-0 expand) is computed; neither way copies it.
+            ``"bmm"`` (default): ``baddbmm`` on the stride-0 view, M small multiplies.
+            ``"gemm"``: one multiply of the batch against all models' weights viewed as
+            ``(M * out_features, in_features)``; its weight gradient is one GEMM as well.
+            Measured on a 2-core CPU (torch 2.13, float32, interleaved medians of whole MLP steps, so the next
+            layer's cost of reading the GEMM's ``(*, M, out)`` layout counts): ``"bmm"`` was as fast or faster
+            in every shape tried (10->20 training 1.2x faster at M=8..1024; 784->256 inference 1.7x at M=64;
+            784->256 training equal once the weight gradient is computed out-major, see
+            ``_AffineWeightGradOutMajor``), and ran within noise of per-model copies of the batch.
 
     Returns:
         ``(M, *, out_features)``. For a shared batch computed with ``"gemm"`` the result is a permuted view
         of a ``(*, M, out_features)`` tensor; the layers after it read it as it is.
     """
     num_models, out_features, in_features = weight.shape
-    if is_shared(x):
-        rows = x[0].numel() // max(in_features, 1)
-        needs_grad = torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad)
-        path = shared_path(num_models, rows, in_features, out_features, needs_grad) if shared == "auto" else shared
-        if path not in SHARED_PATHS:
-            raise ValueError(f"linear: shared must be 'auto' or one of {SHARED_PATHS}, got {shared!r}")
-        if path == "gemm":
-            return _shared_gemm(x, weight, bias)
+    if shared not in SHARED_PATHS:
+        raise ValueError(f"linear: shared must be one of {SHARED_PATHS}, got {shared!r}")
+    if shared == "gemm" and is_shared(x):
+        return _shared_gemm(x, weight, bias)
     if x.dim() == 3:  # the common (M, B, in) case: no reshape or view nodes in the autograd graph
         x3, batch_shape = x, None
     else:
