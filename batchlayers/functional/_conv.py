@@ -1,3 +1,9 @@
+"""Batched convolution: M models' ``torch.nn.Conv*d`` at once, by one of several strategies.
+
+Every strategy computes what a loop over ``torch.nn.Conv*d`` modules computes; they differ in speed, which
+depends on the device and the shapes. :func:`conv` picks one through :mod:`batchlayers.backends`.
+"""
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -207,7 +213,8 @@ def conv(
 
     Returns:
         ``(M, B, C_out, *spatial_out)``. The ``"grouped"`` strategies return a transposed view of a packed
-        ``(B, M*C_out, *spatial_out)`` tensor, so a following grouped convolution packs it for free.
+        ``(B, M*C_out, *spatial_out)`` tensor (except for a shared batch with ``groups > 1``), so a following
+        layer that computes in the packed layout gets it back with a free reshape.
     """
     backends.check_conv_strategy(strategy, "batchlayers.functional.conv")
     hashable = [tuple(a) if isinstance(a, list) else a for a in (stride, padding, dilation)]
