@@ -137,11 +137,16 @@ def heuristic_strategy(x: Tensor, weight: Tensor) -> str:
 
     - CUDA: ``"grouped"``, one kernel for all models instead of M launches (not measured by us yet).
     - CPU, a shared batch: ``"grouped_channels_last"``, one convolution of the batch against all models'
-      filters; fastest or within 8% of it in every shape measured (2-core CPU, conv 3->16 and 16->32,
-      32x32, B=32, M in {4, 16}, forward+backward), 1.3-1.6x faster than the plain-layout ``"grouped"``.
-    - CPU, a batch per model: ``"loop_channels_last"``; the loops were fastest or within 12% of it in
-      most shapes measured, packed grouped convolution 1.4-2.9x slower than the best (worst with 3 input
-      channels). ``benchmark = True`` finds the exceptions.
+      filters: fastest or within 8% of the fastest in every shape measured, 1.3-1.5x faster than the
+      plain-layout ``"grouped"``.
+    - CPU, a batch per model: ``"loop_channels_last"``: forward+backward, fastest or within 12% of the
+      fastest in every shape measured (forward only, one exception: 3->16 at M=4, 2x slower than
+      ``"grouped_channels_last"``); the packed ``"grouped"`` was 1.4-2.9x slower than the best (worst with
+      3 input channels). ``benchmark = True`` finds the exceptions.
+
+    Measured with torch 2.13 on a 2-core CPU shared with other work, so as single-thread CPU time
+    (medians of interleaved repeats): conv 3->16 and 16->32, 3x3, 32x32 images, B=32, M in {4, 16},
+    forward+backward and forward only, and a two-layer chain of both.
 
     For 1-D convolutions the channels-last strategies are the plain ones (PyTorch has no 3-D channels-last
     format).
