@@ -15,15 +15,20 @@ __all__ = ["load_checkpoint", "stack_checkpoints"]
 
 
 def load_checkpoint(
-    path: str | os.PathLike, *, map_location: str | torch.device = "cpu", weights_only: bool = True
+    path: str | os.PathLike,
+    *,
+    map_location: str | torch.device = "cpu",
+    weights_only: bool = True,
+    mmap: bool = False,
 ) -> Mapping[str, Tensor]:
     """One checkpoint file: a ``.safetensors`` file, or anything ``torch.load`` reads (``weights_only=True`` by
-    default: a checkpoint file can run code when unpickled, so only plain tensors and containers are read)."""
+    default: a checkpoint file can run code when unpickled, so only plain tensors and containers are read;
+    ``mmap`` as in ``torch.load``)."""
     if os.fspath(path).endswith(".safetensors"):
         from safetensors.torch import load_file
 
         return load_file(os.fspath(path), device=str(map_location))
-    return torch.load(path, map_location=map_location, weights_only=weights_only)
+    return torch.load(path, map_location=map_location, weights_only=weights_only, mmap=mmap)
 
 
 def stack_checkpoints(
@@ -33,6 +38,7 @@ def stack_checkpoints(
     key: str | None = None,
     map_location: str | torch.device = "cpu",
     weights_only: bool = True,
+    mmap: bool = True,
 ) -> nn.Module:
     """A stacked model of ``model``'s architecture holding the weights saved in ``paths``, one model per file.
 
@@ -48,6 +54,9 @@ def stack_checkpoints(
         map_location: where tensors are loaded before being copied into the stacked model (its device is
             ``model``'s).
         weights_only: passed to ``torch.load``; keep ``True`` for files you did not write yourself.
+        mmap: passed to ``torch.load``: the file is mapped, not read into a buffer first, so that reading
+            it never needs two copies of one model. Pass ``False`` for files in torch's legacy
+            (pre-1.6, non-zip) format.
 
     Examples::
 
@@ -63,7 +72,7 @@ def stack_checkpoints(
     aliases = _aliases(model)
     result = _skeleton(model, len(paths))
     for i, path in enumerate(paths):
-        state = load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        state = load_checkpoint(path, map_location=map_location, weights_only=weights_only, mmap=mmap)
         if key is not None:
             if not isinstance(state, Mapping) or key not in state:
                 raise KeyError(f"stack_checkpoints: '{path}' holds no entry '{key}'")
