@@ -11,14 +11,70 @@ Every batched layer takes ``(M, B, *)`` and returns ``(M, B, *)``. A batch share
 as a stride-0 expand, ``x.expand(M, *x.shape)``, which batchlayers never copies M times.
 """
 
-from . import functional
+from . import backends, functional, losses, optim
+from .batchnorm import BatchedBatchNorm1d, BatchedBatchNorm2d, BatchedBatchNorm3d
+from .checkpoint import load_checkpoint, stack_checkpoints
+from .clip_grad import clip_grad_norm_, clip_grad_value_, nonfinite_models
 from .container import Folded
+from .conv import BatchedConv1d, BatchedConv2d, BatchedConv3d
+from .convert import (
+    concat,
+    isinstance_torch,
+    register,
+    replicate,
+    select,
+    stack,
+    stack_state_dicts,
+    unstack,
+    unstack_state_dict,
+)
+from .data import ModelBatchSampler, ModelTensorLoader, model_data_loader
 from .linear import BatchedLinear
+from .normalization import BatchedGroupNorm, BatchedLayerNorm, BatchedRMSNorm
+from .population import copy_model_, index_models_, keep_models_
+from .sparse import BatchedEmbedding
 
 __version__ = "0.1.0"
 
 __all__ = [
+    # layers
     "BatchedLinear",
+    "BatchedConv1d",
+    "BatchedConv2d",
+    "BatchedConv3d",
+    "BatchedLayerNorm",
+    "BatchedRMSNorm",
+    "BatchedGroupNorm",
+    "BatchedBatchNorm1d",
+    "BatchedBatchNorm2d",
+    "BatchedBatchNorm3d",
+    "BatchedEmbedding",
     "Folded",
+    # converters
+    "stack",
+    "unstack",
+    "stack_state_dicts",
+    "unstack_state_dict",
+    "stack_checkpoints",
+    "load_checkpoint",
+    "select",
+    "concat",
+    "replicate",
+    "register",
+    "isinstance_torch",
+    # training toolkit
+    "clip_grad_norm_",
+    "clip_grad_value_",
+    "nonfinite_models",
+    "index_models_",
+    "keep_models_",
+    "copy_model_",
+    "ModelBatchSampler",
+    "ModelTensorLoader",
+    "model_data_loader",
+    # submodules
+    "backends",
     "functional",
+    "losses",
+    "optim",
 ]
