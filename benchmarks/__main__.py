@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .contenders import CONTENDERS, Runner, Unavailable, build_runner
+from .contenders import CONTENDERS, OPTIMIZER_IMPLS, Runner, Unavailable, build_runner
 from .measure import MEMORY_METHOD, gemm_gflops, held_bytes, median, peak_step_bytes, time_interleaved
 from .report import markdown_table, plot, target_table, write_results
 from .workloads import WORKLOADS, Workload
@@ -45,6 +45,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--budget-s", type=float, help="seconds per configuration before the timed rounds are cut (min 3 rounds)"
     )
     parser.add_argument("--compile", action="store_true", help="torch.compile each contender's forward")
+    parser.add_argument(
+        "--optimizer", choices=OPTIMIZER_IMPLS, default="fused", help="torch.optim.Adam implementation, for all"
+    )
     parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
     parser.add_argument("--contenders", nargs="+", choices=list(CONTENDERS), default=list(CONTENDERS))
     parser.add_argument("--modes", nargs="+", choices=["train", "infer"], default=["train", "infer"])
@@ -59,7 +62,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
     args.iters = args.iters if args.iters is not None else (10 if args.quick else 30)
-    args.budget_s = args.budget_s if args.budget_s is not None else (3.0 if args.quick else 20.0)
+    args.budget_s = args.budget_s if args.budget_s is not None else (2.0 if args.quick else 20.0)
     return args
 
 
@@ -119,7 +122,9 @@ def run_config(workload: Workload, num_models: int, train: bool, args, device, d
             rows[name] = {**base, "contender": name, "note": f"skipped: M > --loop-max-models {args.loop_max_models}"}
             continue
         try:
-            runner = build_runner(name, workload, models, x, y, train=train, compile=args.compile)
+            runner = build_runner(
+                name, workload, models, x, y, train=train, compile=args.compile, optim_impl=args.optimizer
+            )
         except Unavailable as exc:
             if name != "batchlayers-copies":  # only meaningful for shared batches; no row elsewhere
                 rows[name] = {**base, "contender": name, "note": f"unavailable: {exc}"}
@@ -150,7 +155,8 @@ def run_config(workload: Workload, num_models: int, train: bool, args, device, d
         for runner, ts in zip(runners, times):
             row = rows[runner.name]
             row.update(median_ms=1e3 * median(ts), rounds=len(ts), held_mb=held_bytes(runner.holds()) / 2**20)
-            if args.memory and train:
+            # A profiled step of a long loop is slow; --quick skips it (the loop's peak is one model's).
+            if args.memory and train and not (args.quick and runner.name == "loop" and num_models > 64):
                 peak = peak_step_bytes(runner.step, device)
                 row["peak_step_mb"] = None if peak is None else peak / 2**20
 
@@ -217,6 +223,7 @@ def run(args: argparse.Namespace) -> tuple[dict, list[dict]]:
         "dtype": args.dtype,
         "gemm_gflops": round(gemm, 1),
         "compile": args.compile,
+        "optimizer": f"torch.optim.Adam ({args.optimizer})",
         "memory_method": MEMORY_METHOD["cuda" if device.type == "cuda" else "cpu"],
         "command": "python -m benchmarks " + " ".join(sys.argv[1:]) if args.argv is None else " ".join(args.argv),
     }

@@ -2,7 +2,8 @@
 
 Every contender is built from the same M torch.nn models and the same data, so the first steps agree
 numerically (checked before timing). A training step is forward, per-model mean cross entropy, backward and
-a ``torch.optim.Adam`` step (Adam is elementwise, so one optimizer over stacked parameters equals M
+a ``torch.optim.Adam`` step, the same implementation for every contender (Adam is elementwise, so one
+optimizer over stacked parameters equals M
 optimizers); inference is a forward pass under ``torch.no_grad()`` in eval mode.
 """
 
@@ -20,6 +21,13 @@ from .workloads import Workload, per_model_loss
 __all__ = ["CONTENDERS", "Runner", "Unavailable", "build_runner"]
 
 LR = 1e-3
+OPTIMIZER_IMPLS = ("fused", "foreach", "for-loop")
+
+
+def make_adam(params, impl: str) -> torch.optim.Adam:
+    """``torch.optim.Adam`` with the chosen implementation, the same for every contender."""
+    flags = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}[impl]
+    return torch.optim.Adam(params, lr=LR, **flags)
 
 
 class Unavailable(Exception):
@@ -54,9 +62,9 @@ def _maybe_compile(fn: Callable, enabled: bool) -> Callable:
     return torch.compile(fn) if enabled else fn
 
 
-def _stepper(params: Sequence[Tensor], forward: Callable[[], Tensor], target: Tensor, train: bool):
+def _stepper(params: Sequence[Tensor], forward: Callable[[], Tensor], target: Tensor, train: bool, optim_impl: str):
     """A training or inference step over one set of (stacked) parameters and one forward function."""
-    optimizer = torch.optim.Adam(params, lr=LR) if train else None
+    optimizer = make_adam(params, optim_impl) if train else None
 
     def train_step() -> Tensor:
         optimizer.zero_grad(set_to_none=True)
@@ -75,12 +83,12 @@ def _stepper(params: Sequence[Tensor], forward: Callable[[], Tensor], target: Te
     return (train_step if train else infer_step), holds
 
 
-def _loop(workload: Workload, models, x, y, train, compile, *, single=False) -> Runner:
+def _loop(workload: Workload, models, x, y, train, compile, optim_impl, *, single=False) -> Runner:
     models = [copy.deepcopy(m).train(train) for m in (models[:1] if single else models)]
     shared = workload.shared
     xs = [x if shared else x[i] for i in range(len(models))]
     ys = [y if shared else y[i] for i in range(len(models))]
-    optimizers = [torch.optim.Adam(m.parameters(), lr=LR) for m in models] if train else []
+    optimizers = [make_adam(m.parameters(), optim_impl) for m in models] if train else []
     forwards = [_maybe_compile(m, compile) for m in models]
 
     def train_step() -> list[Tensor]:
@@ -106,7 +114,7 @@ def _loop(workload: Workload, models, x, y, train, compile, *, single=False) -> 
     return Runner("single" if single else "loop", train_step if train else infer_step, holds, note)
 
 
-def _torch_func(workload: Workload, models, x, y, train, compile) -> Runner:
+def _torch_func(workload: Workload, models, x, y, train, compile, optim_impl) -> Runner:
     # The official model-ensembling recipe: stack_module_state + functional_call + vmap.
     from torch.func import functional_call, replace_all_batch_norm_modules_, stack_module_state, vmap
 
@@ -133,7 +141,9 @@ def _torch_func(workload: Workload, models, x, y, train, compile) -> Runner:
 
     batched_call = _maybe_compile(vmap(call, in_dims=(0, 0, None if workload.shared else 0)), compile)
     target = y.expand(len(models), *y.shape) if workload.shared else y
-    step, holds = _stepper(list(params.values()), lambda: batched_call(call_params, buffers, x), target, train)
+    step, holds = _stepper(
+        list(params.values()), lambda: batched_call(call_params, buffers, x), target, train, optim_impl
+    )
     return Runner("torch.func", step, lambda: holds() + list(buffers.values()) + [x, y], note)
 
 
@@ -163,7 +173,7 @@ def _batched_model(workload: Workload, models: Sequence[nn.Module]) -> nn.Module
         raise Unavailable(f"stack failed: {type(exc).__name__}: {exc}") from None
 
 
-def _batchlayers(workload: Workload, models, x, y, train, compile, *, copies=False) -> Runner:
+def _batchlayers(workload: Workload, models, x, y, train, compile, optim_impl, *, copies=False) -> Runner:
     model = _batched_model(workload, models).to(x.device).train(train)
     num_models = len(models)
     if workload.shared:
@@ -173,13 +183,13 @@ def _batchlayers(workload: Workload, models, x, y, train, compile, *, copies=Fal
         if copies:
             x, y = x.contiguous(), y.contiguous()
     forward = _maybe_compile(model, compile)
-    step, holds = _stepper(list(model.parameters()), lambda: forward(x), y, train)
+    step, holds = _stepper(list(model.parameters()), lambda: forward(x), y, train, optim_impl)
     name = "batchlayers-copies" if copies else "batchlayers"
     note = "the shared batch copied per model" if copies else ""
     return Runner(name, step, lambda: holds() + list(model.buffers()) + [x, y], note)
 
 
-def _reference(workload: Workload, models, x, y, train, compile) -> Runner:
+def _reference(workload: Workload, models, x, y, train, compile, optim_impl) -> Runner:
     if workload.reference is None:
         raise Unavailable("no hand-written reference for this workload")
     params, forward = workload.reference(models)
@@ -188,7 +198,7 @@ def _reference(workload: Workload, models, x, y, train, compile) -> Runner:
         x = x.expand(len(models), *x.shape)
         y = y.expand(len(models), *y.shape)
     compiled = _maybe_compile(forward, compile)
-    step, holds = _stepper(params, lambda: compiled(params, x), y, train)
+    step, holds = _stepper(params, lambda: compiled(params, x), y, train, optim_impl)
     return Runner("reference", step, lambda: holds() + [x, y], "hand-written baddbmm / grouped conv")
 
 
@@ -203,9 +213,17 @@ CONTENDERS: dict[str, Callable[..., Runner]] = {
 
 
 def build_runner(
-    name: str, workload: Workload, models: Sequence[nn.Module], x: Tensor, y: Tensor, *, train: bool, compile: bool
+    name: str,
+    workload: Workload,
+    models: Sequence[nn.Module],
+    x: Tensor,
+    y: Tensor,
+    *,
+    train: bool,
+    compile: bool = False,
+    optim_impl: str = "fused",
 ) -> Runner:
     """Set up contender ``name``; raises :class:`Unavailable` when it cannot run this workload."""
     if name == "batchlayers-copies" and not workload.shared:
         raise Unavailable("only for shared-batch workloads")
-    return CONTENDERS[name](workload, models, x, y, train, compile)
+    return CONTENDERS[name](workload, models, x, y, train, compile, optim_impl)

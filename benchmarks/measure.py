@@ -94,15 +94,21 @@ def peak_step_bytes(step: Callable[[], object], device: torch.device) -> int | N
 
         with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             step()
-        # Each allocation event carries the allocator's running total since profiling started.
-        totals = [0]
+        # Each allocation event carries the allocator's running total; it does not start at zero when an
+        # earlier profiling session left tensors alive, so the baseline is the total before the first event.
+        events = []
         pending = list(prof.profiler.kineto_results.experimental_event_tree())
         while pending:
             event = pending.pop()
             if event.tag == _EventType.Allocation and event.extra_fields.device.type == device.type:
-                totals.append(event.extra_fields.total_allocated)
+                fields = event.extra_fields
+                events.append((event.start_time_ns, fields.alloc_size, fields.total_allocated))
             pending.extend(event.children)
-        return max(totals)
+        if not events:
+            return 0
+        events.sort()
+        baseline = events[0][2] - events[0][1]
+        return max(0, max(total for _, _, total in events) - baseline)
     except Exception:  # a private profiler API changed: report no number rather than a wrong one
         return None
 
