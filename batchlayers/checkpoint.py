@@ -9,7 +9,8 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor, nn
 
-from .convert import _check_models, _model_tensors, _skeleton
+from ._architecture import check_models
+from .convert import _model_tensors, _skeleton
 
 __all__ = ["load_checkpoint", "stack_checkpoints"]
 
@@ -63,7 +64,7 @@ def stack_checkpoints(
         >>> paths = [f"runs/seed{s}/model.pt" for s in range(8)]
         >>> batched = batchlayers.stack_checkpoints(MyNet(), paths)
     """
-    _check_models([model], "stack_checkpoints")
+    check_models([model], "stack_checkpoints")
     paths = list(paths)
     if not paths:
         raise ValueError("stack_checkpoints: got an empty list of checkpoint files")

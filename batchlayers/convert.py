@@ -22,23 +22,19 @@ Limits, by design:
 from __future__ import annotations
 
 import copy
-import dataclasses
-import importlib
-import importlib.util
-import inspect
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from . import _fold
+from ._architecture import check_models, check_same_architecture, first_difference, tensor_table
 from ._copy import rebind_functions
+from .registry import _BY_BATCHED, _BY_TORCH, _Counterpart, counterpart_of, load_builtins
 
 __all__ = [
     "concat",
-    "isinstance_torch",
-    "register",
     "replicate",
     "select",
     "stack",
@@ -46,241 +42,6 @@ __all__ = [
     "unstack",
     "unstack_state_dict",
 ]
-
-
-# ----------------------------------------------------------------------------------------------------------
-# The registry: which batched layer stands for which torch.nn leaf type
-
-
-@dataclass(frozen=True)
-class _Counterpart:
-    torch_type: type
-    batched_type: type
-    to_batched: Callable[[nn.Module, int], nn.Module]
-    to_torch: Callable[[nn.Module], nn.Module]
-
-
-_BY_TORCH: dict[type, _Counterpart] = {}
-_BY_BATCHED: dict[type, _Counterpart] = {}
-# Modules whose exported batched layers (classes with ``torch_module``) are registered on first use.
-_BUILTIN_MODULES = ("linear", "conv", "batchnorm", "normalization", "sparse")
-_builtins_loaded = False
-
-
-def constructor_kwargs(module: nn.Module, torch_type: type) -> dict[str, object]:
-    """The arguments of ``torch_type.__init__`` read back from ``module``'s attributes of the same names.
-
-    torch.nn layers (and batchlayers' counterparts) keep their constructor arguments as attributes, except
-    ``bias``, kept as a tensor or ``None``. Arguments whose names start with ``_`` and ``device``/``dtype``
-    are left out.
-    """
-    kwargs = {}
-    for name, param in inspect.signature(torch_type.__init__).parameters.items():
-        if name in ("self", "device", "dtype") or name.startswith("_") or param.kind in (param.VAR_POSITIONAL,):
-            continue
-        if param.kind is param.VAR_KEYWORD:
-            continue
-        if not hasattr(module, name):
-            raise TypeError(
-                f"cannot read {torch_type.__name__}'s constructor argument '{name}' back from a "
-                f"{type(module).__name__}: pass to_batched= and to_torch= functions to batchlayers.register"
-            )
-        value = getattr(module, name)
-        if isinstance(param.default, bool) and (value is None or isinstance(value, Tensor)):
-            value = value is not None  # e.g. bias=True is kept as the bias parameter itself
-        kwargs[name] = value
-    return kwargs
-
-
-def _accepts_device(cls: type) -> bool:
-    return "device" in inspect.signature(cls.__init__).parameters
-
-
-def register(
-    torch_type: type,
-    batched_type: type,
-    *,
-    to_batched: Callable[[nn.Module, int], nn.Module] | None = None,
-    to_torch: Callable[[nn.Module], nn.Module] | None = None,
-) -> None:
-    """Tell the converters that ``batched_type`` stands for ``torch_type`` (the extension point).
-
-    ``stack`` then swaps every module of exactly ``torch_type`` (not its subclasses: a subclass may compute
-    something else) for a ``batched_type``, and ``unstack`` swaps back. The batched layer must follow the
-    batchlayers contract: called with ``(M, B, *)`` tensors, parameters and buffers with ``torch_type``'s
-    names shaped ``(M, *torch shape)``.
-
-    Args:
-        torch_type: the ordinary module type, e.g. your own ``MyNorm``.
-        batched_type: its batched counterpart, e.g. ``BatchedMyNorm``.
-        to_batched: ``(module, num_models) -> batched module`` with the module's configuration; its tensors'
-            values do not matter (they are replaced). Default: ``batched_type(num_models, **args)`` with
-            ``torch_type``'s constructor arguments read from the module's attributes of the same names.
-        to_torch: ``(batched module) -> torch_type module`` with that configuration. Default: the same way.
-    """
-    for t, what in ((torch_type, "torch_type"), (batched_type, "batched_type")):
-        if not (isinstance(t, type) and issubclass(t, nn.Module)):
-            raise TypeError(f"register: {what} must be an nn.Module subclass, got {t!r}")
-
-    def default_to_batched(module: nn.Module, num_models: int) -> nn.Module:
-        device = {"device": "meta"} if _accepts_device(batched_type) else {}
-        return batched_type(num_models, **constructor_kwargs(module, torch_type), **device)
-
-    def default_to_torch(module: nn.Module) -> nn.Module:
-        device = {"device": "meta"} if _accepts_device(torch_type) else {}
-        return torch_type(**constructor_kwargs(module, torch_type), **device)
-
-    entry = _Counterpart(torch_type, batched_type, to_batched or default_to_batched, to_torch or default_to_torch)
-    _BY_TORCH[torch_type] = entry
-    _BY_BATCHED[batched_type] = entry
-
-
-def _load_builtins() -> None:
-    global _builtins_loaded
-    if _builtins_loaded:
-        return
-    _builtins_loaded = True
-    for short in _BUILTIN_MODULES:
-        name = f"{__package__}.{short}"
-        if importlib.util.find_spec(name) is None:
-            continue
-        module = importlib.import_module(name)
-        for attr in getattr(module, "__all__", ()):
-            cls = getattr(module, attr)
-            torch_type = getattr(cls, "torch_module", None)
-            if isinstance(cls, type) and torch_type is not None and torch_type not in _BY_TORCH:
-                register(torch_type, cls)
-
-
-def _counterpart_of(torch_type: type) -> _Counterpart | None:
-    _load_builtins()
-    return _BY_TORCH.get(torch_type)
-
-
-def isinstance_torch(module: nn.Module, classinfo: type | tuple[type, ...]) -> bool:
-    """``isinstance`` that also counts a batched layer as an instance of the torch.nn type it stands for.
-
-    Batched layers do not subclass their torch.nn counterparts, on purpose: code that tests
-    ``isinstance(m, nn.Linear)`` and then reads ``m.weight`` as a 2-D matrix (``nn.init`` schemes, optimizer
-    group builders) would silently compute wrong things on ``(M, out, in)`` weights. In a stacked model
-    ``isinstance(m, nn.Linear)`` is therefore ``False``; code that only needs to know what a module is (e.g.
-    to put its weight in a weight-decay group) uses ``isinstance_torch(m, nn.Linear)`` instead.
-    """
-    torch_type = getattr(type(module), "torch_module", None)
-    return isinstance(module, classinfo) or (torch_type is not None and issubclass(torch_type, classinfo))
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Checking that N models are instances of one architecture
-
-
-def _tensor_table(model: nn.Module) -> dict[str, tuple[Tensor, bool]]:
-    """Every parameter and buffer under every name it has (tied ones under each), in registration order."""
-    table = {n: (p, True) for n, p in model.named_parameters(remove_duplicate=False)}
-    table.update({n: (b, False) for n, b in model.named_buffers(remove_duplicate=False)})
-    return table
-
-
-def _config(module: nn.Module) -> dict[str, object]:
-    """A module's plain configuration attributes (stride, eps, n_head, ...): they must agree between models."""
-    plain = (int, float, str, bool, tuple, type(None))
-    skip = ("training", "num_models")
-    return {
-        k: v
-        for k, v in vars(module).items()
-        if not k.startswith("_") and k not in skip and (isinstance(v, plain) or dataclasses.is_dataclass(v))
-    }
-
-
-def _first_difference(reference: Mapping, other: Mapping) -> str | None:
-    for key in list(reference) + [k for k in other if k not in reference]:
-        if key not in other:
-            return f"'{key}' is missing"
-        if key not in reference:
-            return f"'{key}' is unexpected"
-        if reference[key] != other[key]:
-            return f"'{key}': {other[key]} instead of {reference[key]}"
-    return None
-
-
-def _check_same_architecture(models: Sequence[nn.Module], what: str = "stack", model_dim: bool = False) -> None:
-    """Raise naming the first difference between ``models[i]`` and ``models[0]``.
-
-    ``model_dim``: the models are stacked ones; their tensors' first dimension may differ.
-    """
-    reference = models[0]
-    ref_table = _tensor_table(reference)
-    ref_modules = dict(reference.named_modules(remove_duplicate=False))
-    ref_ties = _tie_groups(reference)
-    for i, model in enumerate(models[1:], start=1):
-        if type(model) is not type(reference):
-            raise TypeError(
-                f"{what}: model {i} is a {type(model).__qualname__}, model 0 a {type(reference).__qualname__}; "
-                "all models must be instances of one architecture"
-            )
-        modules = dict(model.named_modules(remove_duplicate=False))
-        types_ = {k: type(m).__qualname__ for k, m in modules.items()}
-        diff = _first_difference({k: type(m).__qualname__ for k, m in ref_modules.items()}, types_)
-        if diff:
-            raise TypeError(f"{what}: model {i} has a different module structure than model 0: {diff}")
-        table = _tensor_table(model)
-        for key in list(ref_table) + [k for k in table if k not in ref_table]:
-            if key not in table or key not in ref_table:
-                raise ValueError(
-                    f"{what}: model {i} and model 0 have different parameters/buffers: '{key}' is "
-                    f"{'missing in model ' + str(i) if key not in table else 'missing in model 0'}"
-                )
-            (t, is_param), (r, ref_is_param) = table[key], ref_table[key]
-            shape, ref_shape = tuple(t.shape), tuple(r.shape)
-            if model_dim:
-                shape, ref_shape = shape[1:], ref_shape[1:]
-            if shape != ref_shape or is_param != ref_is_param:
-                raise ValueError(
-                    f"{what}: '{key}' has shape {tuple(t.shape)} in model {i} but {tuple(r.shape)} in model 0"
-                )
-            if t.dtype != r.dtype or t.device != r.device:
-                raise ValueError(
-                    f"{what}: '{key}' is {t.dtype} on {t.device} in model {i} but {r.dtype} on {r.device} in "
-                    "model 0; move all models to one device and dtype first (model.to(...))"
-                )
-            if is_param and t.requires_grad != r.requires_grad:
-                raise ValueError(
-                    f"{what}: '{key}' has requires_grad={t.requires_grad} in model {i} but {r.requires_grad} in "
-                    "model 0; a stacked parameter is trained or frozen for all models at once"
-                )
-        if _tie_groups(model) != ref_ties:
-            raise ValueError(f"{what}: model {i} ties its weights differently than model 0")
-        for path, ref_module in ref_modules.items():
-            module = modules[path]
-            where = f"'{path}'" if path else "the model itself"
-            if module.training != ref_module.training:
-                raise ValueError(
-                    f"{what}: {where} is in {'train' if module.training else 'eval'} mode in model {i} but in "
-                    f"{'train' if ref_module.training else 'eval'} mode in model 0; call .train() or .eval() "
-                    "on all models first"
-                )
-            diff = _first_difference(_config(ref_module), _config(module))
-            if diff:
-                raise ValueError(f"{what}: {where} is configured differently in model {i} than in model 0: {diff}")
-
-
-def _tie_groups(model: nn.Module) -> list[list[str]]:
-    groups: dict[int, list[str]] = {}
-    for name, (t, _) in _tensor_table(model).items():
-        groups.setdefault(id(t), []).append(name)
-    return [g for g in groups.values() if len(g) > 1]
-
-
-def _check_models(models: object, what: str) -> list[nn.Module]:
-    if isinstance(models, nn.Module) or not isinstance(models, Iterable):
-        raise TypeError(f"{what}: expected a list of models, got {type(models).__name__}")
-    models = list(models)
-    if not models:
-        raise ValueError(f"{what}: got an empty list of models")
-    for i, m in enumerate(models):
-        if not isinstance(m, nn.Module):
-            raise TypeError(f"{what}: item {i} is a {type(m).__name__}, not an nn.Module")
-    return models
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -302,7 +63,7 @@ def _plan(template: nn.Module) -> tuple[list[tuple[str, nn.Module, _Counterpart]
             return
         seen.add(id(module))
         where = f"'{path}'" if path else "the model itself"
-        counterpart = _counterpart_of(type(module))
+        counterpart = counterpart_of(type(module))
         if counterpart is not None:
             if module._forward_hooks or module._forward_pre_hooks or module._backward_hooks:
                 raise ValueError(
@@ -358,7 +119,7 @@ def _adopt(
 ) -> None:
     """Give ``target`` (freshly built, any device) ``expected(t)`` for every tensor ``t`` of ``source`` with
     the same name; the same source tensor maps to one target tensor (ties)."""
-    target_table, source_table = _tensor_table(target), _tensor_table(source)
+    target_table, source_table = tensor_table(target), tensor_table(source)
     if set(target_table) != set(source_table):
         raise TypeError(
             f"{what}: {type(target).__name__} has parameters/buffers {sorted(target_table)} but "
@@ -425,7 +186,7 @@ def _skeleton(template: nn.Module, num_models: int, device: torch.device | str |
     memo: dict[int, object] = {}
     # The leaves to be swapped keep the template's tensors in the copy instead of copying them for nothing.
     for _, leaf, _ in swaps:
-        for t, _ in _tensor_table(leaf).values():
+        for t, _ in tensor_table(leaf).values():
             memo[id(t)] = t
     root = copy.deepcopy(template, memo)
     replaced: dict[int, object] = {}
@@ -466,7 +227,7 @@ def _canonical(module: nn.Module) -> dict[str, tuple[Tensor, bool]]:
 
 
 def _model_tensors(model: nn.Module) -> dict[str, Tensor]:
-    return {n: t for n, (t, _) in _tensor_table(model).items()}
+    return {n: t for n, (t, _) in tensor_table(model).items()}
 
 
 def stack(models: Sequence[nn.Module]) -> nn.Module:
@@ -502,8 +263,8 @@ def stack(models: Sequence[nn.Module]) -> nn.Module:
         torch.Size([4, 32, 10])
         >>> models = batchlayers.unstack(batched)          # 4 ordinary MyNet again
     """
-    models = _check_models(models, "stack")
-    _check_same_architecture(models)
+    models = check_models(models, "stack")
+    check_same_architecture(models)
     result = _skeleton(models[0], len(models))
     for i, model in enumerate(models):
         result.fill(i, _model_tensors(model), f"model {i}")
@@ -521,7 +282,7 @@ def replicate(factory: Callable[[], nn.Module], num_models: int) -> nn.Module:
     result.fill(0, _model_tensors(first), "model 0")
     for i in range(1, num_models):
         model = factory()
-        _check_same_architecture([first, model], "replicate")
+        check_same_architecture([first, model], "replicate")
         result.fill(i, _model_tensors(model), f"model {i}")
     return result.module
 
@@ -558,7 +319,7 @@ def unstack(batched: nn.Module) -> list[nn.Module]:
     weights, buffers, ``requires_grad``, train/eval mode, device and dtype; tied weights stay tied. They share
     no memory with ``batched``."""
     num_models = _require_stacked(batched, "unstack")
-    _load_builtins()
+    load_builtins()
     stacked = _stacked_tensors(batched)
     models = []
     for i in range(num_models):
@@ -618,10 +379,10 @@ def select(batched: nn.Module, indices: Sequence[int] | Tensor) -> nn.Module:
 
 def concat(models: Sequence[nn.Module]) -> nn.Module:
     """One stacked model holding the models of several stacked models of the same architecture, in order."""
-    models = _check_models(models, "concat")
+    models = check_models(models, "concat")
     for m in models:
         _require_stacked(m, "concat")
-    _check_same_architecture(models, "concat", model_dim=True)
+    check_same_architecture(models, "concat", model_dim=True)
     shared = set(_fold.root_shared_buffers(models[0]))
     tables = [_canonical(m) for m in models]
     for name in shared:
@@ -650,7 +411,7 @@ def stack_state_dicts(state_dicts: Sequence[Mapping[str, Tensor]]) -> dict[str, 
         raise ValueError("stack_state_dicts: got an empty list of state dicts")
     reference = state_dicts[0]
     for i, sd in enumerate(state_dicts[1:], start=1):
-        diff = _first_difference(dict.fromkeys(reference), dict.fromkeys(sd))
+        diff = first_difference(dict.fromkeys(reference), dict.fromkeys(sd))
         if diff:
             raise ValueError(f"stack_state_dicts: state dict {i} has different keys than state dict 0: {diff}")
         for key, ref in reference.items():

@@ -15,8 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from batchlayers.convert import isinstance_torch, stack, unstack
+from batchlayers.convert import stack, unstack
 from batchlayers.linear import BatchedLinear
+from batchlayers.registry import isinstance_torch
 
 
 def _images(lead, dtype=torch.float64):

@@ -9,8 +9,9 @@ from convert_harness import seeded
 from harness import assert_close
 from torch import nn
 
-from batchlayers import convert
-from batchlayers.convert import register, stack
+from batchlayers import convert, registry
+from batchlayers.convert import stack
+from batchlayers.registry import register
 
 
 class _Scale(nn.Module):
@@ -65,14 +66,24 @@ class _MyLinear(nn.Linear):
 
 
 @pytest.fixture
-def registry():
+def restore_registry():
     """Restore the converter's registry after a test registers its own types."""
-    by_torch, by_batched = dict(convert._BY_TORCH), dict(convert._BY_BATCHED)
+    registry.load_builtins()
+    by_torch, by_batched = dict(registry._BY_TORCH), dict(registry._BY_BATCHED)
     yield
-    convert._BY_TORCH.clear()
-    convert._BY_TORCH.update(by_torch)
-    convert._BY_BATCHED.clear()
-    convert._BY_BATCHED.update(by_batched)
+    registry._BY_TORCH.clear()
+    registry._BY_TORCH.update(by_torch)
+    registry._BY_BATCHED.clear()
+    registry._BY_BATCHED.update(by_batched)
+
+
+def test_every_batchlayers_layer_is_registered() -> None:
+    registry.load_builtins()
+    expected = [nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d]
+    expected += [nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.Embedding]
+    for torch_type in expected:
+        batched_type = registry.counterpart_of(torch_type).batched_type
+        assert batched_type.torch_module is torch_type and batched_type.__module__.startswith("batchlayers.")
 
 
 def test_empty_list() -> None:
@@ -142,7 +153,7 @@ def test_raw_parameter_in_forward() -> None:
         stack([_RawParameter()])
 
 
-def test_register_a_user_leaf(registry) -> None:
+def test_register_a_user_leaf(restore_registry) -> None:
     register(_Scale, _BatchedScale)
     models = [seeded(_WithScale, i) for i in range(3)]
     batched = stack(models)
@@ -153,7 +164,7 @@ def test_register_a_user_leaf(registry) -> None:
     assert type(back[2].scale) is _Scale and torch.equal(back[2].scale.scale, models[2].scale.scale)
 
 
-def test_register_checks_the_counterpart(registry) -> None:
+def test_register_checks_the_counterpart(restore_registry) -> None:
     class WrongNames(_BatchedScale):
         def __init__(self, num_models, features, device=None, dtype=None):
             super().__init__(num_models, features, device, dtype)
