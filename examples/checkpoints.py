@@ -96,8 +96,12 @@ def run(
         model = train_one(seed + i, data, epochs, width, batch_size=64, lr=3e-3)
         with torch.no_grad():
             own.append(model(x_test))
-        path = out / (f"digits_{i}.safetensors" if i % 2 else f"digits_{i}.pt")
-        save_model(model, str(path)) if i % 2 else torch.save(model.state_dict(), path)
+        if i % 2:
+            path = out / f"digits_{i}.safetensors"
+            save_model(model, str(path))
+        else:
+            path = out / f"digits_{i}.pt"
+            torch.save(model.state_dict(), path)
         paths.append(path)
         del model
     own_logits = torch.stack(own)

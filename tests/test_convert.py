@@ -91,6 +91,10 @@ def test_unstack_carries_training_state() -> None:
             assert torch.equal(v, state[k][i]), k
         assert model.bn1.running_mean.data_ptr() != state["bn1.running_mean"].data_ptr()
         assert model.bn1.num_batches_tracked.item() == 1
+    # The current dtype (and device) come back, not the original models' ones.
+    back = unstack(batched.float())
+    assert all(p.dtype == torch.float32 for m in back for p in m.parameters())
+    assert back[0].bn1.num_batches_tracked.dtype == torch.long
 
 
 def test_state_dict_keys_are_the_architectures() -> None:
