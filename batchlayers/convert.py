@@ -37,6 +37,7 @@ __all__ = [
     "concat",
     "replicate",
     "select",
+    "shared_buffers",
     "stack",
     "stack_state_dicts",
     "unstack",
@@ -298,9 +299,17 @@ def _require_stacked(module: nn.Module, what: str) -> int:
     return num_models
 
 
+def shared_buffers(batched: nn.Module) -> list[str]:
+    """Names of the buffers a stacked model keeps as one copy for all models (equal in every model when
+    stacked, e.g. a causal mask); every other parameter and buffer has the model dimension first. Code that
+    indexes a stacked model's tensors by model must leave these alone. ``state_dict()`` shows them as a
+    stride-0 ``(M, *)`` expand, like every other entry."""
+    return _fold.root_shared_buffers(batched)
+
+
 def _stacked_tensors(batched: nn.Module) -> dict[int, Tensor]:
     """The ``(M, *)`` tensors of a stacked model (everything but its shared buffers), by id."""
-    shared = set(_fold.root_shared_buffers(batched))
+    shared = set(shared_buffers(batched))
     return {id(t): t for n, (t, _) in _canonical(batched).items() if n not in shared}
 
 

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from batchlayers.convert import stack, unstack
+from batchlayers.convert import shared_buffers, stack, unstack
 from batchlayers.linear import BatchedLinear
 from batchlayers.registry import isinstance_torch
 
@@ -206,6 +206,7 @@ def test_gpt_causal_mask_is_one_shared_buffer() -> None:
     models = [seeded(zoo.GPT, i) for i in range(3)]
     batched = stack(models)
     mask = batched.transformer.h[0].attn.bias
+    assert shared_buffers(batched) == ["transformer.h.0.attn.bias", "transformer.h.1.attn.bias"]
     assert mask.shape == (1, 1, 8, 8)  # the forward slices it as the architecture's own code expects
     state = batched.state_dict()
     assert state["transformer.h.0.attn.bias"].shape == (3, 1, 1, 8, 8)  # saved like every other entry
