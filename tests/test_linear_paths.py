@@ -56,11 +56,12 @@ def test_shared_paths_match_loop(num_models, extra, in_features, out_features, b
         assert_close(xs.grad, xr.grad, msg=f"input gradient ({path})")
 
 
-@pytest.mark.parametrize("extra", [(5,), (2, 3)])
-@pytest.mark.parametrize("in_features, out_features", [(4, 2), (2, 4)], ids=["out<in", "out>in"])
+@pytest.mark.parametrize("extra", [(5,), (2, 5)])
+@pytest.mark.parametrize("in_features, out_features", [(4, 2), (2, 4), (12, 2)], ids=["out<in", "out>in", "narrow-out"])
 @pytest.mark.parametrize("bias", [True, False])
 def test_per_model_path_matches_loop(extra, in_features, out_features, bias):
-    # out < in takes the custom weight-gradient orientation, out >= in plain autograd: both against the loop.
+    # out < in takes the custom weight-gradient orientation (and, for 4 * out <= min(in, rows), the transposed
+    # forward), out >= in plain autograd: all against the loop.
     torch.manual_seed(0)
     x = torch.randn(3, *extra, in_features, dtype=torch.float64)
     weight = torch.randn(3, out_features, in_features, dtype=torch.float64)
@@ -79,12 +80,13 @@ def test_per_model_path_matches_loop(extra, in_features, out_features, bias):
     assert ws.grad.is_contiguous()
 
 
-def test_custom_weight_gradient_twice_differentiable():
+@pytest.mark.parametrize("rows, in_features, out_features", [(3, 4, 2), (9, 8, 2)])
+def test_custom_weight_gradient_twice_differentiable(rows, in_features, out_features):
     torch.manual_seed(0)
     x, weight, bias = _leaves(
-        torch.randn(2, 3, 4, dtype=torch.float64),
-        torch.randn(2, 2, 4, dtype=torch.float64),
-        torch.randn(2, 2, dtype=torch.float64),
+        torch.randn(2, rows, in_features, dtype=torch.float64),
+        torch.randn(2, out_features, in_features, dtype=torch.float64),
+        torch.randn(2, out_features, dtype=torch.float64),
     )
     assert torch.autograd.gradgradcheck(linear, (x, weight, bias))
 
