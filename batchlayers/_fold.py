@@ -127,7 +127,7 @@ class FoldInputs:
 
         args, kwargs = map_tensors(args, fold), map_tensors(kwargs, fold)
         folded = _tensors(args, "") + _tensors(kwargs, "")
-        buffers = dict(root.named_buffers())
+        buffers = dict(root.named_buffers()) if self.shared_buffers else {}
         _calls().append(
             _Call(
                 owner=id(root),
