@@ -31,10 +31,12 @@ from torch import Tensor, nn
 from . import _fold
 from ._architecture import check_models, check_same_architecture, first_difference, tensor_table
 from ._copy import rebind_functions
-from .registry import _BY_BATCHED, _BY_TORCH, _Counterpart, counterpart_of, load_builtins
+from .registry import _BY_BATCHED, _BY_TORCH, _Counterpart, counterpart_of, isinstance_torch, load_builtins, register
 
 __all__ = [
     "concat",
+    "isinstance_torch",  # re-exported from batchlayers.registry
+    "register",  # re-exported from batchlayers.registry
     "replicate",
     "select",
     "shared_buffers",
