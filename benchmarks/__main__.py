@@ -19,7 +19,15 @@ from collections.abc import Sequence
 import torch
 
 from .contenders import CONTENDERS, OPTIMIZER_IMPLS, Runner, Unavailable, build_runner
-from .measure import MEMORY_METHOD, gemm_gflops, held_bytes, median, peak_step_bytes, time_interleaved
+from .measure import (
+    MEMORY_METHOD,
+    gemm_gflops,
+    held_bytes,
+    keep_freed_memory,
+    median,
+    peak_step_bytes,
+    time_interleaved,
+)
 from .report import markdown_table, plot, target_table, write_results
 from .workloads import WORKLOADS, Workload
 
@@ -46,12 +54,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--compile", action="store_true", help="torch.compile each contender's forward")
     parser.add_argument(
-        "--optimizer", choices=OPTIMIZER_IMPLS, default="fused", help="torch.optim.Adam implementation, for all"
+        "--optimizer",
+        choices=OPTIMIZER_IMPLS,
+        default="default",
+        help="torch.optim.Adam implementation, the same for every contender (default: torch's own choice)",
     )
     parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
     parser.add_argument("--contenders", nargs="+", choices=list(CONTENDERS), default=list(CONTENDERS))
     parser.add_argument("--modes", nargs="+", choices=["train", "infer"], default=["train", "infer"])
     parser.add_argument("--loop-max-models", type=int, default=1024, help="skip the Python loop above this many models")
+    parser.add_argument(
+        "--keep-freed-memory",
+        action="store_true",
+        help="glibc: keep freed memory in the process (mallopt) so large tensors do not page-fault every step",
+    )
     parser.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True, help="measure peak memory")
     parser.add_argument("--results-file", type=pathlib.Path, help="default: results/<setup>.<format>")
     parser.add_argument("--format", choices=["csv", "json"], default="csv")
@@ -197,6 +213,7 @@ def run(args: argparse.Namespace) -> tuple[dict, list[dict]]:
 
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype]
+    malloc_tuned = keep_freed_memory() if args.keep_freed_memory else False
     gemm_before = gemm_gflops(device, dtype)
     configs = [
         (WORKLOADS[name], m, mode == "train")
@@ -224,6 +241,7 @@ def run(args: argparse.Namespace) -> tuple[dict, list[dict]]:
         "gemm_gflops": round(gemm, 1),
         "compile": args.compile,
         "optimizer": f"torch.optim.Adam ({args.optimizer})",
+        "keep_freed_memory": malloc_tuned,
         "memory_method": MEMORY_METHOD["cuda" if device.type == "cuda" else "cpu"],
         "command": "python -m benchmarks " + " ".join(sys.argv[1:]) if args.argv is None else " ".join(args.argv),
     }

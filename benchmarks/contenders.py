@@ -21,12 +21,14 @@ from .workloads import Workload, per_model_loss
 __all__ = ["CONTENDERS", "Runner", "Unavailable", "build_runner"]
 
 LR = 1e-3
-OPTIMIZER_IMPLS = ("fused", "foreach", "for-loop")
+OPTIMIZER_IMPLS = ("default", "fused", "foreach", "for-loop")
 
 
 def make_adam(params, impl: str) -> torch.optim.Adam:
     """``torch.optim.Adam`` with the chosen implementation, the same for every contender."""
-    flags = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}[impl]
+    flags = {"default": {}, "fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}[
+        impl
+    ]
     return torch.optim.Adam(params, lr=LR, **flags)
 
 
@@ -221,7 +223,7 @@ def build_runner(
     *,
     train: bool,
     compile: bool = False,
-    optim_impl: str = "fused",
+    optim_impl: str = "default",
 ) -> Runner:
     """Set up contender ``name``; raises :class:`Unavailable` when it cannot run this workload."""
     if name == "batchlayers-copies" and not workload.shared:
