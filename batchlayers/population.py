@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from ._fold import root_shared_buffers
 from .optim._base import PerModelValue
 
 __all__ = ["copy_model_", "index_models_", "keep_models_"]
@@ -39,8 +40,10 @@ Indices = int | Sequence[int] | Tensor
 
 
 def _model_tensors(module: nn.Module, caller: str) -> tuple[list[tuple[str, Tensor]], int]:
-    """Every parameter and buffer (each once) and the number of models they agree on."""
-    named = [*module.named_parameters(), *module.named_buffers()]
+    """Every parameter and buffer (each once) and the number of models they agree on; a stacked model's
+    shared buffers (one copy for all models, e.g. a causal mask) hold no model dimension and are left out."""
+    shared = set(root_shared_buffers(module))
+    named = [(n, t) for n, t in [*module.named_parameters(), *module.named_buffers()] if n not in shared]
     if not named:
         raise ValueError(f"{caller}: {type(module).__name__} has no parameters or buffers")
     sizes = {}

@@ -293,3 +293,21 @@ def test_training_continues_while_an_old_graph_is_still_referenced() -> None:
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert_close(p.grad, q.grad, msg=name)
     assert old_loss.requires_grad  # still alive: the case that used to fail
+
+
+def test_keep_models_on_a_stacked_gpt_leaves_its_shared_mask_alone() -> None:
+    """A converted model keeps buffers equal in every model (the causal mask) as one copy: keeping models
+    must index everything else and then behave like the stack of just those original models."""
+    import models as zoo
+
+    from batchlayers.convert import shared_buffers, stack
+
+    torch.manual_seed(0)
+    originals = [zoo.GPT().double() for _ in range(3)]
+    stacked = stack(originals)
+    assert shared_buffers(stacked), "the GPT's causal mask should be kept as one shared buffer"
+    opt = Adam(stacked.parameters(), lr=1e-3)
+    keep_models_(stacked, opt, [2, 0])
+    expected = stack([originals[2], originals[0]])
+    idx = torch.randint(0, zoo.GPTConfig().vocab_size, (2, B, 8))
+    assert_close(stacked(idx).logits, expected(idx).logits, msg="logits after keep_models_")
