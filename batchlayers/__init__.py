@@ -19,8 +19,6 @@ from .container import Folded
 from .conv import BatchedConv1d, BatchedConv2d, BatchedConv3d
 from .convert import (
     concat,
-    isinstance_torch,
-    register,
     replicate,
     select,
     stack,
@@ -32,6 +30,7 @@ from .data import ModelBatchSampler, ModelTensorLoader, model_data_loader
 from .linear import BatchedLinear
 from .normalization import BatchedGroupNorm, BatchedLayerNorm, BatchedRMSNorm
 from .population import copy_model_, index_models_, keep_models_
+from .registry import isinstance_torch, register
 from .sparse import BatchedEmbedding
 
 __version__ = "0.1.0"
