@@ -10,6 +10,7 @@ from harness import assert_close
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import batchlayers.functional._linear as linear_module
 from batchlayers.functional._linear import SHARED_PATHS, linear
 
 
@@ -56,11 +57,14 @@ def test_shared_paths_match_loop(num_models, extra, in_features, out_features, b
         assert_close(xs.grad, xr.grad, msg=f"input gradient ({path})")
 
 
-@pytest.mark.parametrize("extra", [(5,), (2, 5)])
-@pytest.mark.parametrize("in_features, out_features", [(4, 2), (2, 4), (12, 2)], ids=["out<in", "out>in", "narrow-out"])
+@pytest.mark.parametrize("extra", [(5,), (2, 9)])
+@pytest.mark.parametrize("in_features, out_features", [(4, 2), (2, 4), (20, 2)], ids=["out<in", "out>in", "narrow-out"])
 @pytest.mark.parametrize("bias", [True, False])
-def test_per_model_path_matches_loop(extra, in_features, out_features, bias):
-    # out < in takes the custom weight-gradient orientation (and, for 4 * out <= min(in, rows), the transposed
+@pytest.mark.parametrize("custom", [True, False], ids=["custom-grad", "autograd"])
+def test_per_model_path_matches_loop(extra, in_features, out_features, bias, custom, monkeypatch):
+    # The custom orientation is only used above a work size; force it (or its absence) on tiny tensors.
+    monkeypatch.setattr(linear_module, "OUT_MAJOR_MIN_MACS", 0 if custom else 1 << 62)
+    # out < in takes the custom weight-gradient orientation (and, for 8 * out <= min(in, rows), the transposed
     # forward), out >= in plain autograd: all against the loop.
     torch.manual_seed(0)
     x = torch.randn(3, *extra, in_features, dtype=torch.float64)
@@ -80,8 +84,9 @@ def test_per_model_path_matches_loop(extra, in_features, out_features, bias):
     assert ws.grad.is_contiguous()
 
 
-@pytest.mark.parametrize("rows, in_features, out_features", [(3, 4, 2), (9, 8, 2)])
-def test_custom_weight_gradient_twice_differentiable(rows, in_features, out_features):
+@pytest.mark.parametrize("rows, in_features, out_features", [(3, 4, 2), (17, 16, 2)])
+def test_custom_weight_gradient_twice_differentiable(rows, in_features, out_features, monkeypatch):
+    monkeypatch.setattr(linear_module, "OUT_MAJOR_MIN_MACS", 0)
     torch.manual_seed(0)
     x, weight, bias = _leaves(
         torch.randn(2, rows, in_features, dtype=torch.float64),

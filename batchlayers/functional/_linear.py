@@ -42,7 +42,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, shared: str
     else:
         # (M, *, in) -> (M, N, in): a view, also on a stride-0 expand, so a shared batch stays one copy.
         x3, batch_shape = x.reshape(num_models, -1, in_features), x.shape[1:-1]
-    if _weight_grad_out_major(weight, in_features, out_features):
+    if _weight_grad_out_major(x3, weight):
         y = _AffineWeightGradOutMajor.apply(x3, weight, bias)
     elif bias is None:
         y = torch.bmm(x3, weight.transpose(1, 2))
@@ -51,10 +51,17 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, shared: str
     return y if batch_shape is None else y.view(num_models, *batch_shape, out_features)
 
 
-def _weight_grad_out_major(weight: Tensor, in_features: int, out_features: int) -> bool:
+# Below this many multiply-adds per call the custom Function's Python overhead (about 40 us a step for a
+# 10-20-2 MLP at M=64 on 2 cores) outweighs what its orientation saves.
+OUT_MAJOR_MIN_MACS = 1 << 20
+
+
+def _weight_grad_out_major(x3: Tensor, weight: Tensor) -> bool:
     # Under torch.compile the compiler derives its own backward (and dynamo warns on custom Functions).
+    out_features, in_features = weight.shape[1:]
     return (
         out_features < in_features
+        and x3.numel() * out_features >= OUT_MAJOR_MIN_MACS
         and weight.requires_grad
         and torch.is_grad_enabled()
         and not torch.compiler.is_compiling()
@@ -68,14 +75,15 @@ class _AffineWeightGradOutMajor(torch.autograd.Function):
     Autograd computes ``x^T @ grad`` as ``(M, in, out)`` and copies its transpose into the gradient. When
     ``out < in`` the direct product has the long side last, which small CPU GEMMs run much faster, and the
     transposing copy is gone: measured on a 2-core CPU, whole training steps were 1.26x faster for a
-    784-256-256-10 MLP at M=64 and 1.28x for a 10-20-2 MLP at M=1024 (neutral at M=64). For ``out >= in``
-    autograd's own orientation was as fast or faster, and this class's Python overhead is not worth it.
+    784-256-256-10 MLP at M=64 and 1.0-1.28x (noisy) for a 10-20-2 MLP at M=1024. For ``out >= in``
+    autograd's own orientation was as fast or faster, and below :data:`OUT_MAJOR_MIN_MACS` this class's
+    Python overhead costs more than it saves (10-20-2 at M=64: 0.93x), so plain autograd runs there.
     """
 
     @staticmethod
     def forward(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         out_features, in_features = weight.shape[1:]
-        if 4 * out_features <= min(in_features, x.shape[1]):
+        if 8 * out_features <= min(in_features, x.shape[1]):
             # A narrow output (e.g. 20 -> 2 logits) as (M, out, rows) has its long side last, which small
             # GEMMs run about twice as fast; the copy back to (M, rows, out) is small. Measured: 1.2x for a
             # 10-20-2 training step at M=1024, neutral for 784-256-256-10; it lost for 256 -> 64 layers.
