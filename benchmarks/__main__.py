@@ -269,6 +269,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(markdown_table(rows))
     print("\nTargets (issue 5):\n")
     print(target_table(rows))
+    print("\nWorkloads:\n")
+    for name in args.workloads:
+        workload = WORKLOADS[name]
+        print(f"- {name}: {workload.description}, batch {args.batch_size or workload.batch_size} per model")
     print(f"\nmemory: {setup['memory_method']}; held MB = parameters, gradients, optimizer state and data")
     print(f"results: {path}")
     if args.plot:

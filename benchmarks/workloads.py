@@ -237,59 +237,32 @@ class Workload:
     notes: list[str] = field(default_factory=list)
 
 
+def _mlp_workload(name: str, sizes: tuple[int, ...], batch_size: int, num_models, quick_num_models, shared: bool):
+    layers = "-".join(str(n) for n in sizes)
+    data = "one batch shared by all models" if shared else "per-model data"
+    return Workload(
+        name,
+        f"{layers} MLP, {data}",
+        lambda: mlp(*sizes),
+        _classification_data((sizes[0],), sizes[-1]),
+        batch_size=batch_size,
+        num_models=num_models,
+        quick_num_models=quick_num_models,
+        shared=shared,
+        batched="layers",
+        reference=_mlp_reference,
+        flops=_linear_flops,
+    )
+
+
 WORKLOADS: dict[str, Workload] = {
     w.name: w
     for w in [
-        Workload(
-            "mlp-tiny",
-            "10-20-2 MLP, per-model data (the classic vmap-ensembling question)",
-            lambda: mlp(10, 20, 2),
-            _classification_data((10,), 2),
-            batch_size=64,
-            num_models=(1, 4, 16, 64, 256, 1024, 4096),
-            quick_num_models=(64, 1024),
-            batched="layers",
-            reference=_mlp_reference,
-            flops=_linear_flops,
-        ),
-        Workload(
-            "mlp-tiny-shared",
-            "10-20-2 MLP, one batch shared by all models",
-            lambda: mlp(10, 20, 2),
-            _classification_data((10,), 2),
-            batch_size=64,
-            num_models=(64, 1024),
-            quick_num_models=(64,),
-            shared=True,
-            batched="layers",
-            reference=_mlp_reference,
-            flops=_linear_flops,
-        ),
-        Workload(
-            "mlp-wide",
-            "784-256-256-10 MLP, per-model data",
-            lambda: mlp(784, 256, 256, 10),
-            _classification_data((784,), 10),
-            batch_size=128,
-            num_models=(1, 16, 64),
-            quick_num_models=(64,),
-            batched="layers",
-            reference=_mlp_reference,
-            flops=_linear_flops,
-        ),
-        Workload(
-            "mlp-wide-shared",
-            "784-256-256-10 MLP, one batch shared by all models",
-            lambda: mlp(784, 256, 256, 10),
-            _classification_data((784,), 10),
-            batch_size=128,
-            num_models=(64,),
-            quick_num_models=(64,),
-            shared=True,
-            batched="layers",
-            reference=_mlp_reference,
-            flops=_linear_flops,
-        ),
+        # The 10-20-2 MLP of the classic vmap-ensembling question.
+        _mlp_workload("mlp-tiny", (10, 20, 2), 64, (1, 4, 16, 64, 256, 1024, 4096), (64, 1024), shared=False),
+        _mlp_workload("mlp-tiny-shared", (10, 20, 2), 64, (64, 1024), (64,), shared=True),
+        _mlp_workload("mlp-wide", (784, 256, 256, 10), 128, (1, 16, 64), (64,), shared=False),
+        _mlp_workload("mlp-wide-shared", (784, 256, 256, 10), 128, (64,), (64,), shared=True),
         Workload(
             "cnn",
             "small CNN (conv 3->16, pool, conv 16->32, global pool, linear), 3x32x32, converted with stack",
