@@ -27,14 +27,22 @@ def _leaves(*tensors):
 @settings(max_examples=25, deadline=None)
 @given(
     num_models=st.integers(2, 5),
-    extra=st.lists(st.integers(1, 4), min_size=1, max_size=3),
-    in_features=st.integers(1, 6),
+    extra=st.lists(st.integers(1, 20), min_size=1, max_size=2),
+    in_features=st.integers(1, 20),
     out_features=st.integers(1, 6),
     bias=st.booleans(),
     path=st.sampled_from(SHARED_PATHS),
     input_grad=st.booleans(),
+    custom=st.booleans(),
 )
-def test_shared_paths_match_loop(num_models, extra, in_features, out_features, bias, path, input_grad):
+def test_shared_paths_match_loop(num_models, extra, in_features, out_features, bias, path, input_grad, custom):
+    with pytest.MonkeyPatch.context() as patch:
+        # The custom weight-gradient orientation runs only above a work size; force it or its absence.
+        patch.setattr(linear_module, "OUT_MAJOR_MIN_MACS", 0 if custom else 1 << 62)
+        _check_shared(num_models, extra, in_features, out_features, bias, path, input_grad)
+
+
+def _check_shared(num_models, extra, in_features, out_features, bias, path, input_grad):
     torch.manual_seed(0)
     batch = torch.randn(*extra, in_features, dtype=torch.float64)
     weight = torch.randn(num_models, out_features, in_features, dtype=torch.float64)
