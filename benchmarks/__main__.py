@@ -28,7 +28,7 @@ from .measure import (
     peak_step_bytes,
     time_interleaved,
 )
-from .report import markdown_table, plot, target_table, write_results
+from .report import markdown_table, plot, summary_table, target_table, write_results
 from .workloads import WORKLOADS, Workload
 
 __all__ = ["main", "parse_args", "run"]
@@ -267,6 +267,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print(f"\n{header}\n`{setup['command']}`\n")
     print(markdown_table(rows))
+    print("\nSummary (ms per step; single = one torch.nn model's step):\n")
+    print(summary_table(rows))
     print("\nTargets (issue 5):\n")
     print(target_table(rows))
     print("\nWorkloads:\n")

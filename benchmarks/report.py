@@ -7,7 +7,7 @@ import json
 import pathlib
 from collections.abc import Sequence
 
-__all__ = ["markdown_table", "plot", "target_table", "write_results"]
+__all__ = ["markdown_table", "plot", "summary_table", "target_table", "write_results"]
 
 COLUMNS = [
     ("workload", "workload"),
@@ -42,6 +42,23 @@ def markdown_table(rows: Sequence[dict]) -> str:
     lines = ["| " + " | ".join(h for _, h in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for row in rows:
         lines.append("| " + " | ".join(_fmt(row.get(k)) for k, _ in COLUMNS) + " |")
+    return "\n".join(lines)
+
+
+SUMMARY_CONTENDERS = ["single", "loop", "torch.func", "batchlayers", "reference"]
+
+
+def summary_table(rows: Sequence[dict]) -> str:
+    """One line per (workload, mode, M): each contender's ms per step and batchlayers' speedups."""
+    configs = list(dict.fromkeys((r["workload"], r["mode"], r["num_models"]) for r in rows))
+    head = ["workload", "mode", "M", *(f"{c} ms" for c in SUMMARY_CONTENDERS), "batchlayers x loop", "x torch.func"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for key in configs:
+        by_name = {r["contender"]: r for r in rows if (r["workload"], r["mode"], r["num_models"]) == key}
+        ours = by_name.get("batchlayers", {})
+        cells = [*map(str, key), *(_fmt(by_name.get(c, {}).get("median_ms")) for c in SUMMARY_CONTENDERS)]
+        cells += [_fmt(ours.get("speedup_vs_loop")), _fmt(ours.get("speedup_vs_torch_func"))]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
