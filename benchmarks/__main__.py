@@ -2,7 +2,7 @@
 
 Examples::
 
-    python -m benchmarks --quick                      # the README's table, a few minutes on 2 CPU cores
+    python -m benchmarks --quick                      # the README's table, about a minute on 2 CPU cores
     python -m benchmarks --workloads mlp-tiny --num-models 1 64 1024 4096 --iters 30
     python -m benchmarks --device cuda --dtype bfloat16 --format json
 """
@@ -41,8 +41,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="default: cuda if any")
+    parser.add_argument(
+        "--dtype", default="float32", choices=sorted(DTYPES), help="parameters and data (default float32)"
+    )
     parser.add_argument("--num-models", type=int, nargs="+", help="numbers of models M (default: per workload)")
     parser.add_argument("--batch-size", type=int, help="samples per model and step (default: per workload)")
     parser.add_argument(
@@ -50,7 +52,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--iters", type=int, help="timed rounds per configuration (default 30, quick 10)")
     parser.add_argument(
-        "--budget-s", type=float, help="seconds per configuration before the timed rounds are cut (min 3 rounds)"
+        "--budget-s",
+        type=float,
+        help="seconds of timed rounds per configuration before they are cut (min 3 rounds; default 20, quick 2)",
     )
     parser.add_argument("--compile", action="store_true", help="torch.compile each contender's forward")
     parser.add_argument(
@@ -72,7 +76,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--results-file", type=pathlib.Path, help="default: results/<setup>.<format>")
     parser.add_argument("--format", choices=["csv", "json"], default="csv")
     parser.add_argument("--plot", action=argparse.BooleanOptionalAction, default=True, help="write a PNG plot")
-    parser.add_argument("--quick", action="store_true", help="fewer sizes and rounds: a few minutes on 2 cores")
+    parser.add_argument("--quick", action="store_true", help="fewer sizes and rounds: about a minute on 2 CPU cores")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)

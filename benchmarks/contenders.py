@@ -156,7 +156,8 @@ def _batched_model(workload: Workload, models: Sequence[nn.Module]) -> nn.Module
         layers = []
         for module in models[0]:
             if isinstance(module, nn.Linear):
-                layer = BatchedLinear(len(models), module.in_features, module.out_features)
+                factory = {"device": module.weight.device, "dtype": module.weight.dtype}
+                layer = BatchedLinear(len(models), module.in_features, module.out_features, **factory)
                 idx = list(models[0]).index(module)
                 with torch.no_grad():
                     layer.weight.copy_(torch.stack([m[idx].weight for m in models]))

@@ -26,7 +26,7 @@ def test_every_workload_runs_and_contenders_agree(tmp_path, capsys):
     results = tmp_path / "bench.json"
     _run(tmp_path, "--results-file", str(results), "--format", "json")
     printed = capsys.readouterr().out
-    assert "| workload |" in printed and "Targets" in printed
+    assert "| workload |" in printed and "Summary" in printed and "Targets" in printed
     assert results.with_suffix(".png").stat().st_size > 0
 
     data = json.loads(results.read_text())
