@@ -52,8 +52,9 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, shared: str
 
 
 # Below this many multiply-adds per call the custom Function's Python overhead (about 40 us a step for a
-# 10-20-2 MLP at M=64 on 2 cores) outweighs what its orientation saves.
-OUT_MAJOR_MIN_MACS = 1 << 20
+# 10-20-2 MLP at M=64 on 2 cores, 164k multiply-adds in its 20 -> 2 layer) outweighs what its orientation
+# saves; at M=256 (655k) it already won.
+OUT_MAJOR_MIN_MACS = 1 << 19
 
 
 def _weight_grad_out_major(x3: Tensor, weight: Tensor) -> bool:
@@ -74,10 +75,11 @@ class _AffineWeightGradOutMajor(torch.autograd.Function):
 
     Autograd computes ``x^T @ grad`` as ``(M, in, out)`` and copies its transpose into the gradient. When
     ``out < in`` the direct product has the long side last, which small CPU GEMMs run much faster, and the
-    transposing copy is gone: measured on a 2-core CPU, whole training steps were 1.26x faster for a
-    784-256-256-10 MLP at M=64 and 1.0-1.28x (noisy) for a 10-20-2 MLP at M=1024. For ``out >= in``
-    autograd's own orientation was as fast or faster, and below :data:`OUT_MAJOR_MIN_MACS` this class's
-    Python overhead costs more than it saves (10-20-2 at M=64: 0.93x), so plain autograd runs there.
+    transposing copy is gone: measured on a 2-core CPU (interleaved medians of whole training steps), a
+    784-256-256-10 MLP ran 1.27x faster at M=16 and 1.26x at M=64, a 10-20-2 MLP 1.03x at M=256 and 1024.
+    For ``out >= in`` autograd's own orientation was as fast or faster, and below
+    :data:`OUT_MAJOR_MIN_MACS` this class's Python overhead costs more than it saves (10-20-2 at M=64:
+    0.93x), so plain autograd runs there.
     """
 
     @staticmethod
