@@ -44,11 +44,15 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, shared: str
         x3, batch_shape = x.reshape(num_models, -1, in_features), x.shape[1:-1]
     if _weight_grad_out_major(x3, weight):
         y = _AffineWeightGradOutMajor.apply(x3, weight, bias)
-    elif bias is None:
-        y = torch.bmm(x3, weight.transpose(1, 2))
     else:
-        y = torch.baddbmm(bias.unsqueeze(1), x3, weight.transpose(1, 2))
+        y = _affine(x3, weight, bias)
     return y if batch_shape is None else y.view(num_models, *batch_shape, out_features)
+
+
+def _affine(x3: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    if bias is None:
+        return torch.bmm(x3, weight.transpose(1, 2))
+    return torch.baddbmm(bias.unsqueeze(1), x3, weight.transpose(1, 2))
 
 
 # Below this many multiply-adds per call the custom Function's Python overhead (about 40 us a step for a
@@ -84,17 +88,7 @@ class _AffineWeightGradOutMajor(torch.autograd.Function):
 
     @staticmethod
     def forward(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-        out_features, in_features = weight.shape[1:]
-        if 8 * out_features <= min(in_features, x.shape[1]):
-            # A narrow output (e.g. 20 -> 2 logits) as (M, out, rows) has its long side last, which small
-            # GEMMs run about twice as fast; the copy back to (M, rows, out) is small. Measured: 1.2x for a
-            # 10-20-2 training step at M=1024, neutral for 784-256-256-10; it lost for 256 -> 64 layers.
-            x_t = x.transpose(1, 2)
-            y_t = torch.bmm(weight, x_t) if bias is None else torch.baddbmm(bias.unsqueeze(2), weight, x_t)
-            return y_t.transpose(1, 2).contiguous()
-        if bias is None:
-            return torch.bmm(x, weight.transpose(1, 2))
-        return torch.baddbmm(bias.unsqueeze(1), x, weight.transpose(1, 2))
+        return _affine(x, weight, bias)
 
     @staticmethod
     def setup_context(ctx, inputs, output) -> None:
