@@ -22,11 +22,11 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, shared: str
             ``"bmm"`` (default): ``baddbmm`` on the stride-0 view, M small multiplies.
             ``"gemm"``: one multiply of the batch against all models' weights viewed as
             ``(M * out_features, in_features)``; its weight gradient is one GEMM as well.
-            Measured on a 2-core CPU (torch 2.13, float32, interleaved medians of whole MLP steps, so the next
-            layer's cost of reading the GEMM's ``(*, M, out)`` layout counts): ``"bmm"`` was as fast or faster
-            in every shape tried (10->20 training 1.2x faster at M=8..1024; 784->256 inference 1.7x at M=64;
-            784->256 training equal once the weight gradient is computed out-major, see
-            ``_AffineWeightGradOutMajor``), and ran within noise of per-model copies of the batch.
+            Measured on a 2-core CPU (torch 2.13, float32, 2 threads, interleaved medians of whole MLP steps
+            with a shared first layer, so the next layer's cost of reading the GEMM's ``(*, M, out)`` layout
+            counts), ``"bmm"`` was faster everywhere: 10-20-2 training 1.20x (M=64) and 1.29x (M=1024),
+            inference 1.05x and 1.15x; 784-256-256-10 at M=64 training 1.03x, inference 1.22x. It also ran
+            within noise of per-model copies of the batch.
 
     Returns:
         ``(M, *, out_features)``. For a shared batch computed with ``"gemm"`` the result is a permuted view
