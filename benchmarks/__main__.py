@@ -54,7 +54,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--budget-s",
         type=float,
-        help="seconds of timed rounds per configuration before they are cut (min 3 rounds; default 20, quick 2)",
+        help="seconds of timed rounds per configuration before they are cut (min 3 rounds; default 8, quick 2)",
     )
     parser.add_argument("--compile", action="store_true", help="torch.compile each contender's forward")
     parser.add_argument(
@@ -82,7 +82,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
     args.iters = args.iters if args.iters is not None else (10 if args.quick else 30)
-    args.budget_s = args.budget_s if args.budget_s is not None else (2.0 if args.quick else 20.0)
+    args.budget_s = args.budget_s if args.budget_s is not None else (2.0 if args.quick else 8.0)
     return args
 
 
