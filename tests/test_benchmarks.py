@@ -7,13 +7,8 @@ from __future__ import annotations
 import csv
 import json
 
-import pytest
-
-pytest.importorskip("matplotlib")
-pytest.importorskip("tqdm")
-
-from benchmarks.__main__ import main  # noqa: E402
-from benchmarks.workloads import WORKLOADS  # noqa: E402
+from benchmarks.__main__ import main
+from benchmarks.workloads import WORKLOADS
 
 BUILT_FROM_LAYERS = [name for name, w in WORKLOADS.items() if w.batched == "layers"]
 
