@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from digits_common import load_digits_split, per_model_cross_entropy, predict_shared
+from digits_common import load_digits_split, predict_shared, train_epochs
 from safetensors.torch import save_model
 from torch import Tensor, nn
 
@@ -115,14 +115,9 @@ def run(
 
     # 3. Fine-tune all together: each model on its own shuffled minibatches; summing the per-model mean
     #    losses gives every model exactly its own gradient, and Adam works element by element.
-    batched.train()
     optimizer = torch.optim.Adam(batched.parameters(), lr=1e-3)
     loader = ModelTensorLoader(*data["train"], num_models=num_models, batch_size=64, seed=seed)
-    for _ in range(finetune_epochs):
-        for xb, yb in loader:
-            optimizer.zero_grad()
-            per_model_cross_entropy(batched(xb), yb).sum().backward()
-            optimizer.step()
+    train_epochs(batched, optimizer, loader, finetune_epochs)
     batched.eval()
     finetuned_logits = predict_shared(batched, x_test, num_models)
 

@@ -1,4 +1,4 @@
-"""What the digits examples share: the data split, the per-model loss, the training loop and shared-batch evaluation."""
+"""What the digits examples share: the data split, the training loop and shared-batch evaluation."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from batchlayers.losses import cross_entropy
 
-__all__ = ["load_digits_split", "per_model_cross_entropy", "predict_shared", "save_figure", "train_epochs"]
+__all__ = ["load_digits_split", "predict_shared", "save_figure", "train_epochs"]
 
 
 def load_digits_split(seed: int, image: bool = False) -> dict[str, tuple[Tensor, Tensor]]:
@@ -28,22 +28,15 @@ def load_digits_split(seed: int, image: bool = False) -> dict[str, tuple[Tensor,
     return {name: (x[idx], y[idx]) for name, idx in parts.items()}
 
 
-def per_model_cross_entropy(logits: Tensor, target: Tensor) -> Tensor:
-    """``(M,)``: model m's mean cross entropy over its own ``(M, B, classes)`` logits and ``(M, B)`` labels.
-
-    Sum it, don't average it, over models: the sum gives every model exactly the gradient of its own mean
-    loss, while a mean would divide each model's gradient by M.
-    """
-    return cross_entropy(logits, target)
-
-
 def train_epochs(model: nn.Module, optimizer: torch.optim.Optimizer, loader, epochs: int) -> None:
     """Train every model on its own minibatches from ``loader`` (``(M, B, *)`` inputs, ``(M, B)`` labels)."""
     model.train()
     for _ in range(epochs):
         for x, y in loader:
-            losses = per_model_cross_entropy(model(x), y)
+            losses = cross_entropy(model(x), y)  # (M,): model m's own mean loss
             optimizer.zero_grad()
+            # The sum, not the mean: every model gets exactly the gradient of its own mean loss (a mean
+            # would divide each model's gradient by M).
             losses.sum().backward()
             optimizer.step()
 
