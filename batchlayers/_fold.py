@@ -300,8 +300,15 @@ def attach_root_hooks(root: nn.Module, shared_buffers: Iterable[str]) -> None:
     root.register_forward_pre_hook(FoldInputs(shared_buffers), with_kwargs=True)
     root.register_forward_hook(UnfoldOutputs(), always_call=True)
     if shared_buffers:
-        root.register_state_dict_post_hook(ExpandSharedBuffers(shared_buffers))
-        root.register_load_state_dict_pre_hook(SqueezeSharedBuffers(shared_buffers))
+        # state_dict() saves a buffer under every name it has (a module reused in two places): expand each
+        every_name = _every_name(root, shared_buffers)
+        root.register_state_dict_post_hook(ExpandSharedBuffers(every_name))
+        root.register_load_state_dict_pre_hook(SqueezeSharedBuffers(every_name))
+
+
+def _every_name(root: nn.Module, buffer_names: list[str]) -> list[str]:
+    wanted = {id(root.get_buffer(n)) for n in buffer_names}
+    return [n for n, b in root.named_buffers(remove_duplicate=False) if id(b) in wanted]
 
 
 def attach_leaf_hooks(layer: nn.Module, path: str) -> None:

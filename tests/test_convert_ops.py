@@ -7,6 +7,7 @@ import pytest
 import torch
 from convert_harness import seeded
 from harness import assert_close
+from torch import nn
 
 from batchlayers.convert import (
     concat,
@@ -133,3 +134,42 @@ def test_state_dict_errors() -> None:
         stack_state_dicts([a, {k: v.double() for k, v in a.items()}])
     with pytest.raises(ValueError, match=r"'fc1.bias' has shape \(2,\) but the first entry has M=3"):
         unstack_state_dict({"fc1.weight": torch.zeros(3, 2), "fc1.bias": torch.zeros(2)})
+
+
+class _Scale(nn.Module):
+    """No parameters, one buffer equal in every model: kept as one shared copy in a stacked model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.arange(1.0, 5.0, dtype=torch.float64))
+
+    def forward(self, x):
+        return x * self.scale
+
+
+class _ReusedScale(nn.Module):
+    """The same buffer-holding module under two names (``scale`` and ``after.0``), as a shared rotary
+    embedding is in many transformers: ``state_dict()`` holds its buffer under both names."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = _Scale()
+        self.fc = nn.Linear(4, 4, dtype=torch.float64)
+        self.after = nn.Sequential(self.scale)
+
+    def forward(self, x):
+        return self.after(self.fc(self.scale(x)))
+
+
+def test_shared_buffer_of_a_module_reused_under_two_names() -> None:
+    models = [seeded(_ReusedScale, i) for i in range(3)]
+    batched = stack(models)
+    state = batched.state_dict()
+    assert list(state) == list(models[0].state_dict())
+    for s, m in zip(unstack_state_dict(state), models):
+        for k, v in m.state_dict().items():
+            assert torch.equal(s[k], v), k
+    other = stack([seeded(_ReusedScale, i) for i in range(5, 8)])
+    other.load_state_dict(stack_state_dicts([m.state_dict() for m in models]))
+    x = torch.randn(3, 2, 4, dtype=torch.float64)
+    assert_close(other(x), torch.stack([m(x[i]) for i, m in enumerate(models)]), msg="outputs")
