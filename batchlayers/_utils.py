@@ -39,27 +39,31 @@ def check_input(
     module: nn.Module,
     x: Tensor,
     *,
+    channels: tuple[str, int] | None = None,
     trailing: Sequence[tuple[str, int]] = (),
     ndims: Sequence[int] | None = None,
     min_ndim: int = 2,
     what: str = "input",
     layout: str = "(M, B, *)",
 ) -> None:
-    """Check that ``x`` is ``(M, ...)`` with the given trailing sizes; raise naming the layer otherwise.
+    """Check that ``x`` is ``(M, ...)`` with the given sizes; raise naming the layer otherwise.
 
-    ``trailing`` lists ``(name, size)`` pairs for the last dimensions (e.g. ``[("in_features", 20)]``),
-    ``ndims`` the allowed total numbers of dimensions (``None``: any number >= ``min_ndim``).
+    ``channels`` is the ``(name, size)`` of dimension 2, the channel dimension of ``(M, B, C, *)`` inputs
+    (e.g. ``("C_in", 3)``); ``trailing`` lists ``(name, size)`` pairs for the last dimensions (e.g.
+    ``[("in_features", 20)]``); ``ndims`` the allowed total numbers of dimensions (``None``: any number
+    >= ``min_ndim``).
     """
     if not isinstance(x, Tensor):
         raise TypeError(f"{layer_name(module)}: expected the {what} to be a Tensor, got {type(x).__name__}")
     num_models = module.num_models
-    expected = f"{layout} with M={num_models}" + "".join(f", {n}={s}" for n, s in trailing)
+    named = [channels, *trailing] if channels is not None else list(trailing)
+    expected = f"{layout} with M={num_models}" + "".join(f", {n}={s}" for n, s in named)
     if ndims is not None and x.dim() not in ndims:
         allowed = " or ".join(str(n) for n in ndims)
         raise ValueError(
             f"{layer_name(module)}: expected a {allowed}-D {what} {expected}, got {x.dim()}-D shape {_fmt(x.shape)}"
         )
-    if x.dim() < max(min_ndim, 1 + len(trailing)):
+    if x.dim() < max(min_ndim, 1 + len(trailing), 3 if channels is not None else 0):
         raise ValueError(
             f"{layer_name(module)}: expected {what} {expected}, got too few dimensions: shape {_fmt(x.shape)}"
         )
@@ -67,6 +71,11 @@ def check_input(
         raise ValueError(
             f"{layer_name(module)}: expected {what} {expected}, but dimension 0 (models) is "
             f"{x.shape[0]}, not {num_models}: shape {_fmt(x.shape)}"
+        )
+    if channels is not None and x.shape[2] != channels[1]:
+        raise ValueError(
+            f"{layer_name(module)}: expected {what} {expected}, but dimension 2 (channels) is "
+            f"{x.shape[2]}: shape {_fmt(x.shape)}"
         )
     for k, (name, size) in enumerate(reversed(trailing)):
         dim = x.dim() - 1 - k

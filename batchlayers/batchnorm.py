@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from ._utils import check_input, check_num_models
 from .functional._batchnorm import batch_norm
-from .normalization import check_channels, check_values_per_statistic, register_affine, reset_affine
+from .normalization import check_values_per_statistic, register_affine, reset_affine
 
 __all__ = ["BatchedBatchNorm1d", "BatchedBatchNorm2d", "BatchedBatchNorm3d"]
 
@@ -66,8 +66,7 @@ class _BatchedBatchNorm(nn.Module):
         reset_affine(self)
 
     def forward(self, input: Tensor) -> Tensor:
-        check_input(self, input, ndims=self._input_ndims, layout=self._layout)
-        check_channels(self, input, self.num_features, self._layout)
+        check_input(self, input, channels=("C", self.num_features), ndims=self._input_ndims, layout=self._layout)
         use_batch_stats = self.training or self.running_mean is None
         if use_batch_stats:
             check_values_per_statistic(self, input, input.shape[1] * math.prod(input.shape[3:]))

@@ -128,13 +128,7 @@ class _BatchedConvNd(nn.Module):
     def _check_input(self, input: Tensor) -> None:
         spatial = _SPATIAL_NAMES[self._num_spatial]
         layout = f"(M, B, C_in, {', '.join(spatial)})"
-        check_input(self, input, ndims=[3 + self._num_spatial], layout=layout)
-        expected = f"{layout} with M={self.num_models}, C_in={self.in_channels}"
-        if input.shape[2] != self.in_channels:
-            raise ValueError(
-                f"{layer_name(self)}: expected input {expected}, but dimension 2 (channels) is "
-                f"{input.shape[2]}: shape {_fmt(input.shape)}"
-            )
+        check_input(self, input, channels=("C_in", self.in_channels), ndims=[3 + self._num_spatial], layout=layout)
         # Per spatial dimension, left + right padding (F.pad order is last dimension first).
         pads = self._reversed_padding_repeated_twice
         total_padding = [pads[2 * j] + pads[2 * j + 1] for j in reversed(range(self._num_spatial))]

@@ -16,15 +16,6 @@ from .functional._norm import group_norm, layer_norm, rms_norm
 __all__ = ["BatchedGroupNorm", "BatchedLayerNorm", "BatchedRMSNorm"]
 
 
-def check_channels(module: nn.Module, x: Tensor, num_channels: int, layout: str) -> None:
-    """Dimension 2 of an ``(M, B, C, *)`` input must be ``C``; raise naming the layer otherwise."""
-    if x.shape[2] != num_channels:
-        raise ValueError(
-            f"{layer_name(module)}: expected input {layout} with M={module.num_models}, C={num_channels}, but "
-            f"dimension 2 (channels) is {x.shape[2]}: shape {tuple(x.shape)}"
-        )
-
-
 def check_values_per_statistic(module: nn.Module, x: Tensor, count: int) -> None:
     """Like torch.nn, refuse statistics over a single value (the variance would be 0 / 0)."""
     if count == 1:
@@ -257,9 +248,7 @@ class BatchedGroupNorm(nn.Module):
         reset_affine(self)
 
     def forward(self, input: Tensor) -> Tensor:
-        layout = "(M, B, C, *)"
-        check_input(self, input, min_ndim=3, layout=layout)
-        check_channels(self, input, self.num_channels, layout)
+        check_input(self, input, channels=("C", self.num_channels), layout="(M, B, C, *)")
         # torch.nn checks this per sample group in both modes: batch size times channels per group.
         values = input.shape[1] * (self.num_channels // self.num_groups) * math.prod(input.shape[3:])
         check_values_per_statistic(self, input, values)
