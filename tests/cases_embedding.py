@@ -41,10 +41,10 @@ def _case(id, num, dim, sample_shape=(3,), index_dtype=torch.int64, bad_inputs=F
     )
 
 
-# max_norm renormalises the weight in place during forward, which test_deepcopy_and_pickle does not allow
-# for (it pickles before running the original); tests/test_embedding.py checks max_norm fully instead.
 CASES = [
     _case("Embedding", 11, 4, bad_inputs=True),
     _case("Embedding-pad-int32", 5, 3, sample_shape=(2, 3), index_dtype=torch.int32, padding_idx=1),
     _case("Embedding-freq-pad", 4, 3, sample_shape=(6,), scale_grad_by_freq=True, padding_idx=-1),
+    # max_norm renormalises looked-up rows of the weight in place during forward.
+    _case("Embedding-max-norm", 6, 4, max_norm=1.2, norm_type=1.5),
 ]
