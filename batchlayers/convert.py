@@ -112,9 +112,13 @@ def _set_tensor(module: nn.Module, name: str, value: Tensor) -> None:
         module._buffers[leaf] = value
 
 
-def _new_stacked(t: Tensor, num_models: int, is_param: bool, device: torch.device | None = None) -> Tensor:
-    stacked = torch.empty((num_models, *t.shape), dtype=t.dtype, device=device or t.device)
-    return nn.Parameter(stacked, requires_grad=t.requires_grad) if is_param else stacked
+def _rebuilt(t: Tensor, data: Tensor) -> Tensor:
+    """``data`` as the same kind of tensor as ``t``: a parameter (with its ``requires_grad``) or a buffer."""
+    return nn.Parameter(data, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else data
+
+
+def _new_stacked(t: Tensor, num_models: int) -> Tensor:
+    return _rebuilt(t, torch.empty((num_models, *t.shape), dtype=t.dtype, device=t.device))
 
 
 def _adopt(
@@ -183,7 +187,7 @@ class _Stacked:
                 )
 
 
-def _skeleton(template: nn.Module, num_models: int, device: torch.device | str | None = None) -> _Stacked:
+def _skeleton(template: nn.Module, num_models: int) -> _Stacked:
     """The stacked architecture with empty ``(M, *)`` tensors, from one instance of it."""
     swaps, shared = _plan(template)
     memo: dict[int, object] = {}
@@ -197,17 +201,12 @@ def _skeleton(template: nn.Module, num_models: int, device: torch.device | str |
     for path, leaf, counterpart in swaps:
         what = f"stack: the batched counterpart of '{path or type(template).__name__}'"
         batched = counterpart.to_batched(leaf, num_models)
-        _adopt(batched, leaf, made, what, lambda t: _new_stacked(t, num_models, isinstance(t, nn.Parameter), device))
+        _adopt(batched, leaf, made, what, lambda t: _new_stacked(t, num_models))
         batched.train(leaf.training)
         _fold.attach_leaf_hooks(batched, path)
         replaced[id(memo[id(leaf)])] = batched
     replaced.update(made)
     root = _swap_in(root, replaced)
-    if device is not None:
-        for name in shared:
-            *parents, leaf_name = name.split(".")
-            owner = root.get_submodule(".".join(parents))
-            owner._buffers[leaf_name] = owner._buffers[leaf_name].to(device)
     rebind_functions(root, _translator(memo, replaced))
     if not _fold.is_swapped_leaf(root):
         if "num_models" in vars(root):
@@ -313,10 +312,6 @@ def _stacked_tensors(batched: nn.Module) -> dict[int, Tensor]:
     """The ``(M, *)`` tensors of a stacked model (everything but its shared buffers), by id."""
     shared = set(shared_buffers(batched))
     return {id(t): t for n, (t, _) in _canonical(batched).items() if n not in shared}
-
-
-def _rebuilt(t: Tensor, data: Tensor) -> Tensor:
-    return nn.Parameter(data, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else data
 
 
 def _copy_with(batched: nn.Module, memo: dict[int, object]) -> nn.Module:
