@@ -13,6 +13,8 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor, nn
 
+from ._fold import root_shared_buffers
+
 __all__ = ["clip_grad_norm_", "clip_grad_value_", "clip_grads_with_norm_", "get_total_norm", "nonfinite_models"]
 
 TensorOrTensors = Tensor | Iterable[Tensor]
@@ -215,7 +217,8 @@ def nonfinite_models(
 
     Args:
         losses: ``(M,)`` per-model losses, or any ``(M, *)`` tensor (e.g. outputs).
-        parameters: a batched module (its parameters and buffers are checked) or tensors shaped ``(M, *)``.
+        parameters: a batched module (its parameters and buffers are checked, except a stacked model's
+            shared buffers, which hold no model dimension) or tensors shaped ``(M, *)``.
         grads: also check the parameters' ``.grad``. Default: ``True``.
 
     Returns:
@@ -226,7 +229,13 @@ def nonfinite_models(
         tensors.append(losses)
     if isinstance(parameters, nn.Module):
         params = list(parameters.parameters())
-        tensors += params + [b for b in parameters.buffers() if b.is_floating_point() or b.is_complex()]
+        # A stacked model's shared buffers (one copy for all models, e.g. a causal mask) hold no model dimension.
+        shared = set(root_shared_buffers(parameters))
+        tensors += params + [
+            b
+            for name, b in parameters.named_buffers()
+            if name not in shared and (b.is_floating_point() or b.is_complex())
+        ]
     elif parameters is not None:
         params = _as_list(parameters)
         tensors += params

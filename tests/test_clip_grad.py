@@ -144,6 +144,23 @@ def test_nonfinite_models_reports_losses_params_grads_and_buffers() -> None:
         nonfinite_models(torch.zeros(3), model)
 
 
+def test_nonfinite_models_on_a_stacked_gpt_skips_its_shared_mask() -> None:
+    """A converted model keeps its causal mask as one buffer for all models (no model dimension): it is not a
+    model's number, and must not make the check fail. Each model is judged as its original alone."""
+    import models as zoo
+
+    from batchlayers.convert import shared_buffers, stack
+
+    torch.manual_seed(0)
+    originals = [zoo.GPT().double() for _ in range(3)]
+    with torch.no_grad():
+        originals[1].lm_head.weight[0, 0] = float("nan")
+    stacked = stack(originals)
+    assert shared_buffers(stacked), "the GPT's causal mask should be kept as one shared buffer"
+    expected = [any(not bool(t.isfinite().all()) for t in m.state_dict().values()) for m in originals]
+    assert nonfinite_models(parameters=stacked).tolist() == expected == [False, True, False]
+
+
 @settings(max_examples=25, deadline=None)
 @given(
     num_models=st.integers(1, 4),
