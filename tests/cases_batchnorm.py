@@ -12,8 +12,9 @@ def _case(id, batched_cls, torch_cls, num_features, spatial=(), **kwargs):
     wrong_ndim = (3,) if len(spatial) == 2 else (3, 3)  # a 1d input for 2d/3d, a 5-D one for 1d
     return LayerCase(
         id=id,
-        batched=lambda m, dt: perturbed(batched_cls(m, num_features, **kwargs, dtype=dt)),
-        torch=lambda dt: perturbed(torch_cls(num_features, **kwargs, dtype=dt)),
+        batched=lambda m, dt: batched_cls(m, num_features, **kwargs, dtype=dt),
+        torch=lambda dt: torch_cls(num_features, **kwargs, dtype=dt),
+        prepare=perturbed,
         input=randn_input((num_features, *spatial)),
         steps=3,
         bad_inputs=[

@@ -12,8 +12,7 @@ def perturbed(module):
     """The module with its weight, bias and running statistics moved off their constant init (ones, zeros),
     so that a mix-up between models' parameters or statistics shows in the comparison with the loop.
 
-    Used for both the batched layer and the torch.nn module, so both draw from one distribution; the init
-    itself is checked in test_normalization.py."""
+    The cases' ``prepare``: the init itself is still checked against torch.nn's by the common checks."""
     for name, t in [*module.named_parameters(), *module.named_buffers()]:
         if name == "running_var":
             t.uniform_(0.5, 2.0)
@@ -42,8 +41,9 @@ def _trailing_case(id, batched_cls, torch_cls, normalized_shape, extra_dims=(), 
     wrong = (*ns[:-1], ns[-1] + 1)
     return LayerCase(
         id=id,
-        batched=lambda m, dt: perturbed(batched_cls(m, normalized_shape, **kwargs, dtype=dt)),
-        torch=lambda dt: perturbed(torch_cls(normalized_shape, **kwargs, dtype=dt)),
+        batched=lambda m, dt: batched_cls(m, normalized_shape, **kwargs, dtype=dt),
+        torch=lambda dt: torch_cls(normalized_shape, **kwargs, dtype=dt),
+        prepare=perturbed,
         input=randn_input((*extra_dims, *ns)),
         bad_inputs=[
             shape_row("models", lambda m: (m + 1, 2, *ns), rf"{name}.*dimension 0 \(models\) is 4, not 3"),
@@ -58,8 +58,9 @@ def _group_case(id, num_groups, num_channels, spatial=(), **kwargs):
     name = "BatchedGroupNorm"
     return LayerCase(
         id=id,
-        batched=lambda m, dt: perturbed(BatchedGroupNorm(m, num_groups, num_channels, **kwargs, dtype=dt)),
-        torch=lambda dt: perturbed(nn.GroupNorm(num_groups, num_channels, **kwargs, dtype=dt)),
+        batched=lambda m, dt: BatchedGroupNorm(m, num_groups, num_channels, **kwargs, dtype=dt),
+        torch=lambda dt: nn.GroupNorm(num_groups, num_channels, **kwargs, dtype=dt),
+        prepare=perturbed,
         input=randn_input((num_channels, *spatial)),
         bad_inputs=[
             shape_row("models", lambda m: (m + 1, 2, num_channels, *spatial), rf"{name}.*dimension 0 \(models\) is 4"),

@@ -42,6 +42,10 @@ class LayerCase:
             raise a clear error.
         steps: train-mode steps compared (more than one for layers with running statistics).
         input_requires_grad: whether the input is differentiable (not for index tensors).
+        prepare: applied in place to the batched layer wherever it is compared with something else (the loop,
+            its copies, its compiled self), never where its init is checked: e.g. moving constant inits
+            (ones, zeros) off their values so that a mix-up between models shows. The torch.nn modules of
+            the loop load the prepared layer's state.
     """
 
     id: str
@@ -51,6 +55,14 @@ class LayerCase:
     bad_inputs: list[tuple[str, Callable[[int, torch.dtype], object], type, str]] = field(default_factory=list)
     steps: int = 2
     input_requires_grad: bool = True
+    prepare: Callable[[nn.Module], object] | None = None
+
+    def build(self, num_models: int, dtype: torch.dtype) -> nn.Module:
+        """The batched layer, prepared for comparisons (see ``prepare``)."""
+        layer = self.batched(num_models, dtype)
+        if self.prepare is not None:
+            self.prepare(layer)
+        return layer
 
 
 def unbatch(batched: nn.Module, make_torch: Callable[[], nn.Module]) -> list[nn.Module]:

@@ -34,7 +34,7 @@ case_param = pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 @pytest.mark.parametrize("shared", [False, True], ids=["per_model", "shared"])
 def test_matches_loop(case: LayerCase, num_models: int, dtype: torch.dtype, shared: bool) -> None:
     torch.manual_seed(0)
-    batched = case.batched(num_models, dtype)
+    batched = case.build(num_models, dtype)
     modules = unbatch(batched, lambda: case.torch(dtype))
     compare_with_loop(
         batched,
@@ -58,7 +58,7 @@ def test_state_dict_layout(case: LayerCase) -> None:
 
 @case_param
 def test_deepcopy_and_pickle(case: LayerCase) -> None:
-    batched = case.batched(3, torch.float64)
+    batched = case.build(3, torch.float64)
     # Each clone is made just before its comparison: a forward may change weights (embedding max_norm), so a
     # clone made before the previous comparison ran would no longer match.
     for make_clone in (copy.deepcopy, lambda module: pickle.loads(pickle.dumps(module))):
@@ -71,7 +71,7 @@ def test_deepcopy_and_pickle(case: LayerCase) -> None:
 @case_param
 def test_to_dtype(case: LayerCase) -> None:
     torch.manual_seed(0)
-    batched = case.batched(3, torch.float32).to(torch.float64)
+    batched = case.build(3, torch.float32).to(torch.float64)
     for name, t in [*batched.named_parameters(), *batched.named_buffers()]:
         if t.is_floating_point():
             assert t.dtype == torch.float64, f"{name} stayed {t.dtype}"
@@ -90,7 +90,7 @@ def test_to_dtype(case: LayerCase) -> None:
 def test_compile_fullgraph(case: LayerCase) -> None:
     torch._dynamo.reset()
     torch.manual_seed(0)
-    eager = case.batched(3, torch.float64)
+    eager = case.build(3, torch.float64)
     compiled_copy = copy.deepcopy(eager)
     compiled = torch.compile(compiled_copy, fullgraph=True, backend="aot_eager")
     x = case.input((3, 4), torch.float64)
