@@ -129,8 +129,4 @@ class SGD(BatchedOptimizer):
                 grads = foreach_add_scaled(grads, bufs, broadcast_per_model(momentum, params))
             else:
                 grads = bufs
-        foreach_add_scaled_(params, grads, broadcast_per_model(_negate(lr), params))
-
-
-def _negate(value: Hyperparameter) -> Hyperparameter:
-    return -value
+        foreach_add_scaled_(params, grads, broadcast_per_model(-lr, params))
