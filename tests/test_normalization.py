@@ -45,10 +45,6 @@ def packed_view(batch: int, num_models: int, channels: int, *spatial: int) -> to
     return packed.view(batch, num_models, channels, *spatial).transpose(0, 1)
 
 
-def stacked_modules(batched: nn.Module, make_torch) -> list[nn.Module]:
-    return unbatch(batched, make_torch)
-
-
 def run_modes(batched: nn.Module, modules: list[nn.Module], modes: str, make_input, forward=None) -> None:
     """Forward passes in the given sequence of modes ("t" train, "e" eval); outputs and buffers must match.
     ``forward`` runs the batched layer (default: the layer itself; e.g. a compiled wrapper of it)."""
@@ -172,9 +168,7 @@ def test_cumulative_average_compiles_without_graph_breaks() -> None:
 def test_switching_between_train_and_eval(momentum, track: bool, shared: bool) -> None:
     torch.manual_seed(0)
     batched = perturbed(BatchedBatchNorm1d(3, 4, momentum=momentum, track_running_stats=track, dtype=F64))
-    modules = stacked_modules(
-        batched, lambda: nn.BatchNorm1d(4, momentum=momentum, track_running_stats=track, dtype=F64)
-    )
+    modules = unbatch(batched, lambda: nn.BatchNorm1d(4, momentum=momentum, track_running_stats=track, dtype=F64))
 
     def make_input():
         x = torch.randn(5, 4, 3, dtype=F64) * 3 - 1
@@ -185,7 +179,7 @@ def test_switching_between_train_and_eval(momentum, track: bool, shared: bool) -
 
 def test_eval_accepts_a_single_sample_when_running_stats_are_tracked() -> None:
     batched = perturbed(BatchedBatchNorm1d(3, 4, dtype=F64)).eval()
-    modules = stacked_modules(batched, lambda: nn.BatchNorm1d(4, dtype=F64))
+    modules = unbatch(batched, lambda: nn.BatchNorm1d(4, dtype=F64))
     run_modes(batched, modules, "e", lambda: torch.randn(3, 1, 4, dtype=F64))
     untracked = BatchedBatchNorm1d(3, 4, track_running_stats=False).eval()
     with pytest.raises(ValueError, match="BatchedBatchNorm1d.*more than 1 value per channel"):
@@ -215,7 +209,7 @@ def test_packed_view_input_is_not_copied(make_batched, make_torch) -> None:
     assert y.transpose(0, 1).is_contiguous(), "the output should be the transposed view of the packed result"
     # The same numbers as the loop, gradients and running statistics included, in train and eval mode.
     batched = perturbed(make_batched())
-    modules = stacked_modules(batched, make_torch)
+    modules = unbatch(batched, make_torch)
     compare_with_loop(batched, modules, lambda lead: packed_view(lead[1], lead[0], 4, 3, 3), shared=False, steps=2)
 
 
@@ -328,7 +322,7 @@ def test_property_matches_loop(config, layout: str, batch: int) -> None:
     make_batched, make_torch, num_models, sample_shape, kind = config
     torch.manual_seed(0)
     batched = perturbed(make_batched(num_models))
-    modules = stacked_modules(batched, lambda: perturbed(make_torch()))
+    modules = unbatch(batched, make_torch)  # they load the perturbed layer's state
 
     def make_input(lead):
         if layout == "packed" and kind == "channels" and len(lead) == 2:
