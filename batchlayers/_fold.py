@@ -121,25 +121,26 @@ class FoldInputs:
                     f"{where} has shape {tuple(t.shape)}"
                 )
 
+        folded: list[Tensor] = []
+
         # A shared input (stride-0 expand) is copied here: the user's forward needs one ordinary batch.
         def fold(t: Tensor, where: str) -> Tensor:
-            return t.reshape(num_models * batch, *t.shape[2:])
+            folded.append(t.reshape(num_models * batch, *t.shape[2:]))
+            return folded[-1]
 
         args, kwargs = map_tensors(args, fold), map_tensors(kwargs, fold)
-        folded = _tensors(args, "") + _tensors(kwargs, "")
-        buffers = dict(root.named_buffers()) if self.shared_buffers else {}
+        # Under torch.compile, tensors kept across hooks upset dynamo and version counters are not traceable:
+        # it runs without the ambiguity check's input list (so that check is stricter) and the buffer check.
+        compiling = torch.compiler.is_compiling()
+        buffers = [] if compiling else [(n, root.get_buffer(n)) for n in self.shared_buffers]
         _calls().append(
             _Call(
                 owner=id(root),
                 num_models=num_models,
                 batch=batch,
-                # (under torch.compile, tensors kept across hooks upset dynamo: without them the check is stricter)
-                inputs=[] if torch.compiler.is_compiling() else [t for _, t in folded],
+                inputs=[] if compiling else folded,
                 input_sizes={s for _, t in found for s in t.shape[2:]},
-                # (the version counters are not traceable: torch.compile runs without this check)
-                shared_buffer_versions=[]
-                if torch.compiler.is_compiling()
-                else [(n, buffers[n], buffers[n]._version) for n in self.shared_buffers],
+                shared_buffer_versions=[(n, b, b._version) for n, b in buffers],
             )
         )
         return args, kwargs
