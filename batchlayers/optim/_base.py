@@ -91,6 +91,17 @@ def foreach_add_scaled(tensors: list[Tensor], others: list[Tensor], scale: float
     return torch._foreach_add(tensors, others, alpha=scale)
 
 
+def foreach_addcmul_scaled_(
+    tensors: list[Tensor], factors: list[Tensor], others: list[Tensor], scale: float | list[Tensor]
+) -> None:
+    """``tensors += scale * factors * others`` for a float or per-model ``scale`` (one fused ``addcmul`` for
+    a float, as torch's own optimizers do)."""
+    if isinstance(scale, list):
+        torch._foreach_addcmul_(tensors, torch._foreach_mul(factors, scale), others)
+    else:
+        torch._foreach_addcmul_(tensors, factors, others, value=scale)
+
+
 def new_step_counts(param: Tensor) -> Tensor:
     """Steps taken by each model, ``(M,)``: models may be at different steps (``step(active=...)``)."""
     return torch.zeros(param.shape[0], dtype=torch.float32, device=param.device)

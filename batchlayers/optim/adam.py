@@ -13,6 +13,7 @@ from ._base import (
     broadcast_per_model,
     broadcast_per_parameter,
     foreach_add_scaled,
+    foreach_addcmul_scaled_,
     hyperparameter_dtype,
     is_zero,
     new_step_counts,
@@ -116,12 +117,7 @@ class Adam(BatchedOptimizer):
 
         torch._foreach_lerp_(exp_avgs, grads, broadcast_per_model(1 - beta1, params))
         torch._foreach_mul_(exp_avg_sqs, broadcast_per_model(beta2, params))
-        if isinstance(beta2, Tensor):
-            scaled_grads = torch._foreach_mul(grads, broadcast_per_model(1 - beta2, params))
-            torch._foreach_addcmul_(exp_avg_sqs, scaled_grads, grads)
-            del scaled_grads
-        else:
-            torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+        foreach_addcmul_scaled_(exp_avg_sqs, grads, grads, broadcast_per_model(1 - beta2, params))
         del grads
 
         # Bias corrections from each model's own step count: (parameters, M), in float64 like torch's

@@ -13,6 +13,7 @@ from ._base import (
     broadcast_per_model,
     foreach_add_scaled,
     foreach_add_scaled_,
+    foreach_addcmul_scaled_,
     is_zero,
     new_step_counts,
 )
@@ -96,7 +97,7 @@ class RMSprop(BatchedOptimizer):
             grads = foreach_add_scaled(grads, params, broadcast_per_model(weight_decay, params))
 
         torch._foreach_mul_(square_avgs, broadcast_per_model(alpha, params))
-        foreach_add_scaled_(square_avgs, torch._foreach_mul(grads, grads), broadcast_per_model(1 - alpha, params))
+        foreach_addcmul_scaled_(square_avgs, grads, grads, broadcast_per_model(1 - alpha, params))
         if group["centered"]:
             grad_avgs = [s["grad_avg"] for s in states]
             torch._foreach_lerp_(grad_avgs, grads, broadcast_per_model(1 - alpha, params))
