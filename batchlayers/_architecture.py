@@ -7,14 +7,28 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from torch import Tensor, nn
 
-__all__ = ["check_models", "check_same_architecture", "first_difference", "tensor_table"]
+__all__ = ["check_models", "check_same_architecture", "first_difference", "names_by_tensor", "tensor_table"]
 
 
-def tensor_table(model: nn.Module) -> dict[str, tuple[Tensor, bool]]:
-    """Every parameter and buffer under every name it has (tied ones under each), in registration order."""
-    table = {n: (p, True) for n, p in model.named_parameters(remove_duplicate=False)}
-    table.update({n: (b, False) for n, b in model.named_buffers(remove_duplicate=False)})
-    return table
+def tensor_table(model: nn.Module, remove_duplicate: bool = False) -> dict[str, Tensor]:
+    """Every parameter, then every buffer, under every name it has (tied ones under each; with
+    ``remove_duplicate`` once, under its first name), in registration order."""
+    return {
+        **dict(model.named_parameters(remove_duplicate=remove_duplicate)),
+        **dict(model.named_buffers(remove_duplicate=remove_duplicate)),
+    }
+
+
+def names_by_tensor(model: nn.Module) -> list[list[str]]:
+    """All names of each parameter and buffer, one list per tensor (a tied tensor has several)."""
+    groups: dict[int, list[str]] = {}
+    for name, t in tensor_table(model).items():
+        groups.setdefault(id(t), []).append(name)
+    return list(groups.values())
+
+
+def _param_names(model: nn.Module) -> set[str]:
+    return {n for n, _ in model.named_parameters(remove_duplicate=False)}
 
 
 def _config(module: nn.Module) -> dict[str, object]:
@@ -45,7 +59,7 @@ def check_same_architecture(models: Sequence[nn.Module], what: str = "stack", mo
     ``model_dim``: the models are stacked ones; their tensors' first dimension may differ.
     """
     reference = models[0]
-    ref_table = tensor_table(reference)
+    ref_table, ref_params = tensor_table(reference), _param_names(reference)
     ref_modules = dict(reference.named_modules(remove_duplicate=False))
     ref_ties = _tie_groups(reference)
     for i, model in enumerate(models[1:], start=1):
@@ -59,18 +73,18 @@ def check_same_architecture(models: Sequence[nn.Module], what: str = "stack", mo
         diff = first_difference({k: type(m).__qualname__ for k, m in ref_modules.items()}, types_)
         if diff:
             raise TypeError(f"{what}: model {i} has a different module structure than model 0: {diff}")
-        table = tensor_table(model)
+        table, params = tensor_table(model), _param_names(model)
         for key in list(ref_table) + [k for k in table if k not in ref_table]:
             if key not in table or key not in ref_table:
                 raise ValueError(
                     f"{what}: model {i} and model 0 have different parameters/buffers: '{key}' is "
                     f"{'missing in model ' + str(i) if key not in table else 'missing in model 0'}"
                 )
-            (t, is_param), (r, ref_is_param) = table[key], ref_table[key]
+            t, r, is_param = table[key], ref_table[key], key in params
             shape, ref_shape = tuple(t.shape), tuple(r.shape)
             if model_dim:
                 shape, ref_shape = shape[1:], ref_shape[1:]
-            if shape != ref_shape or is_param != ref_is_param:
+            if shape != ref_shape or is_param != (key in ref_params):
                 raise ValueError(
                     f"{what}: '{key}' has shape {tuple(t.shape)} in model {i} but {tuple(r.shape)} in model 0"
                 )
@@ -101,10 +115,7 @@ def check_same_architecture(models: Sequence[nn.Module], what: str = "stack", mo
 
 
 def _tie_groups(model: nn.Module) -> list[list[str]]:
-    groups: dict[int, list[str]] = {}
-    for name, (t, _) in tensor_table(model).items():
-        groups.setdefault(id(t), []).append(name)
-    return [g for g in groups.values() if len(g) > 1]
+    return [g for g in names_by_tensor(model) if len(g) > 1]
 
 
 def check_models(models: object, what: str) -> list[nn.Module]:

@@ -9,8 +9,8 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor, nn
 
-from ._architecture import check_models
-from .convert import _model_tensors, _skeleton
+from ._architecture import check_models, names_by_tensor, tensor_table
+from .convert import _skeleton
 
 __all__ = ["load_checkpoint", "stack_checkpoints"]
 
@@ -69,8 +69,9 @@ def stack_checkpoints(
     if not paths:
         raise ValueError("stack_checkpoints: got an empty list of checkpoint files")
     expected = model.state_dict()
-    defaults = _model_tensors(model)
-    aliases = _aliases(model)
+    defaults = tensor_table(model)
+    # every other name of a tied tensor: safetensors files keep only one of them
+    aliases = {n: [a for a in names if a != n] for names in names_by_tensor(model) for n in names}
     result = _skeleton(model, len(paths))
     for i, path in enumerate(paths):
         state = load_checkpoint(path, map_location=map_location, weights_only=weights_only, mmap=mmap)
@@ -103,11 +104,3 @@ def stack_checkpoints(
         del state, tensors
         gc.collect()  # an unpickled checkpoint can sit in reference cycles: free it before reading the next
     return result.module
-
-
-def _aliases(model: nn.Module) -> dict[str, list[str]]:
-    """For tied tensors, every other name each name goes by (safetensors files keep only one of them)."""
-    groups: dict[int, list[str]] = {}
-    for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
-        groups.setdefault(id(t), []).append(name)
-    return {n: [a for a in g if a != n] for g in groups.values() for n in g}

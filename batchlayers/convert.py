@@ -132,11 +132,11 @@ def _adopt(
             f"{what}: {type(target).__name__} has parameters/buffers {sorted(target_table)} but "
             f"{type(source).__name__} has {sorted(source_table)}; they must carry the same names"
         )
-    for name, (t, _) in source_table.items():
+    for name, t in source_table.items():
         if id(t) not in made:
             made[id(t)] = expected(t)
         value = made[id(t)]
-        built = target_table[name][0]
+        built = target_table[name]
         if built.shape != value.shape:
             raise TypeError(
                 f"{what}: {type(target).__name__} builds '{name}' with shape {tuple(built.shape)}, expected "
@@ -193,7 +193,7 @@ def _skeleton(template: nn.Module, num_models: int) -> _Stacked:
     memo: dict[int, object] = {}
     # The leaves to be swapped keep the template's tensors in the copy instead of copying them for nothing.
     for _, leaf, _ in swaps:
-        for t, _ in tensor_table(leaf).values():
+        for t in tensor_table(leaf).values():
             memo[id(t)] = t
     root = copy.deepcopy(template, memo)
     replaced: dict[int, object] = {}
@@ -217,19 +217,8 @@ def _skeleton(template: nn.Module, num_models: int) -> _Stacked:
         root.num_models = num_models
         _fold.attach_root_hooks(root, shared)
     buffers = dict(root.named_buffers())
-    stacked = {n: t for n, (t, _) in _canonical(root).items() if n not in shared}
+    stacked = {n: t for n, t in tensor_table(root, remove_duplicate=True).items() if n not in shared}
     return _Stacked(root, stacked, {n: buffers[n] for n in shared}, num_models)
-
-
-def _canonical(module: nn.Module) -> dict[str, tuple[Tensor, bool]]:
-    """Each parameter and buffer once, under its first name."""
-    table = {n: (p, True) for n, p in module.named_parameters()}
-    table.update({n: (b, False) for n, b in module.named_buffers()})
-    return table
-
-
-def _model_tensors(model: nn.Module) -> dict[str, Tensor]:
-    return {n: t for n, (t, _) in tensor_table(model).items()}
 
 
 def stack(models: Sequence[nn.Module]) -> nn.Module:
@@ -269,7 +258,7 @@ def stack(models: Sequence[nn.Module]) -> nn.Module:
     check_same_architecture(models)
     result = _skeleton(models[0], len(models))
     for i, model in enumerate(models):
-        result.fill(i, _model_tensors(model), f"model {i}")
+        result.fill(i, tensor_table(model), f"model {i}")
     return result.module
 
 
@@ -281,11 +270,11 @@ def replicate(factory: Callable[[], nn.Module], num_models: int) -> nn.Module:
         raise ValueError(f"replicate: num_models must be a positive int, got {num_models!r}")
     first = factory()
     result = _skeleton(first, num_models)
-    result.fill(0, _model_tensors(first), "model 0")
+    result.fill(0, tensor_table(first), "model 0")
     for i in range(1, num_models):
         model = factory()
         check_same_architecture([first, model], "replicate")
-        result.fill(i, _model_tensors(model), f"model {i}")
+        result.fill(i, tensor_table(model), f"model {i}")
     return result.module
 
 
@@ -311,7 +300,7 @@ def shared_buffers(batched: nn.Module) -> list[str]:
 def _stacked_tensors(batched: nn.Module) -> dict[int, Tensor]:
     """The ``(M, *)`` tensors of a stacked model (everything but its shared buffers), by id."""
     shared = set(shared_buffers(batched))
-    return {id(t): t for n, (t, _) in _canonical(batched).items() if n not in shared}
+    return {id(t): t for n, t in tensor_table(batched, remove_duplicate=True).items() if n not in shared}
 
 
 def _copy_with(batched: nn.Module, memo: dict[int, object]) -> nn.Module:
@@ -390,15 +379,15 @@ def concat(models: Sequence[nn.Module]) -> nn.Module:
         _require_stacked(m, "concat")
     check_same_architecture(models, "concat", model_dim=True)
     shared = set(_fold.root_shared_buffers(models[0]))
-    tables = [_canonical(m) for m in models]
+    tables = [tensor_table(m, remove_duplicate=True) for m in models]
     for name in shared:
         for i, table in enumerate(tables[1:], start=1):
-            if not torch.equal(table[name][0], tables[0][name][0]):
+            if not torch.equal(table[name], tables[0][name]):
                 raise ValueError(f"concat: the shared buffer '{name}' differs between stacked model {i} and 0")
     memo: dict[int, object] = {}
-    for name, (t, _) in tables[0].items():
+    for name, t in tables[0].items():
         if name not in shared:
-            data = torch.cat([table[name][0].detach() for table in tables])
+            data = torch.cat([table[name].detach() for table in tables])
             memo[id(t)] = _rebuilt(t, data)
     result = _copy_with(models[0], memo)
     _set_num_models(result, sum(m.num_models for m in models))
