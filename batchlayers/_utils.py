@@ -16,11 +16,12 @@ __all__ = [
 ]
 
 
-def layer_name(module: nn.Module) -> str:
-    """The name used in error messages: the module path when the layer knows it, else its class."""
+def layer_name(module: nn.Module, name: str | None = None) -> str:
+    """The name used in error messages: ``name`` (default: the class name), with the module path when the
+    layer knows it."""
     path = getattr(module, "_batchlayers_path", None)
-    cls = type(module).__name__
-    return f"{cls} at '{path}'" if path else cls
+    name = type(module).__name__ if name is None else name
+    return f"{name} at '{path}'" if path else name
 
 
 def check_num_models(num_models: int, cls: type) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from ._utils import is_shared
+from ._utils import is_shared, layer_name
 
 __all__ = ["Folded"]
 
@@ -78,9 +78,7 @@ class Folded(nn.Module):
         self.module = module
 
     def _name(self) -> str:
-        path = getattr(self, "_batchlayers_path", None)
-        name = f"Folded({type(self.module).__name__})"
-        return f"{name} at '{path}'" if path else name
+        return layer_name(self, f"Folded({type(self.module).__name__})")
 
     def forward(self, input: Tensor) -> Tensor:
         if not isinstance(input, Tensor):
