@@ -154,7 +154,8 @@ class ModelBatchSampler(Sampler[Tensor]):
         survivors exactly the batches they would have seen without the drop. Takes effect at the next
         ``iter()`` (the next epoch); an epoch already started goes on with the models it started with.
         """
-        index = torch.as_tensor(indices)
+        # On the CPU, where model_ids is: survivors are often picked from scores on the models' device.
+        index = torch.as_tensor(indices).cpu()
         name = type(self).__name__
         if index.dtype == torch.bool:
             if index.shape != (self.num_models,):

@@ -163,6 +163,21 @@ def test_tensor_loader_batches_on_the_tensors_device(device: str, mode: str) -> 
         assert (xb.stride(0) == 0) == (mode == "shared")
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_keep_models_takes_indices_from_the_models_device(device: str) -> None:
+    """Survivors are picked from scores computed where the models run (the README's successive halving)."""
+    x = torch.randn(20, 3)
+    loader = ModelTensorLoader(x.to(device), num_models=3, batch_size=6, seed=13)
+    reference = ModelTensorLoader(x, num_models=3, batch_size=6, seed=13)
+    scores = torch.tensor([0.1, 0.9, 0.5], device=device)
+    loader.keep_models_(scores.argsort(descending=True)[:2])
+    reference.keep_models_([1, 2])
+    loader.keep_models_(torch.tensor([False, True], device=device))
+    reference.keep_models_([1])
+    for (xb,), (xr,) in zip(loader, reference, strict=True):
+        assert torch.equal(xb.cpu(), xr)
+
+
 class DictDataset(Dataset):
     """Samples as dicts of a tensor and an int, read one at a time (no ``__getitems__``)."""
 
