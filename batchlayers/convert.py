@@ -22,7 +22,7 @@ Limits, by design:
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -342,6 +342,8 @@ def _indices(indices: object, num_models: int) -> list[int]:
         if indices.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8) or indices.dim() != 1:
             raise TypeError(f"select: indices must be a 1-D integer tensor or a list of ints, got {indices!r}")
         indices = indices.tolist()
+    elif not isinstance(indices, Iterable):
+        raise TypeError(f"select: indices must be a 1-D integer tensor or a list of ints, got {indices!r}")
     indices = list(indices)
     if not indices:
         raise ValueError("select: got no indices; a stacked model holds at least one model")

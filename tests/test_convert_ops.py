@@ -63,6 +63,8 @@ def test_select_bad_indices() -> None:
         select(batched, [])
     with pytest.raises(TypeError, match="indices must be ints"):
         select(batched, [0.5])
+    with pytest.raises(TypeError, match="select: indices must be a 1-D integer tensor or a list of ints, got 1"):
+        select(batched, 1)
     with pytest.raises(TypeError, match="expected a stacked model"):
         select(zoo.MLP(), [0])
     assert select(batched, torch.tensor([-1])).num_models == 1
