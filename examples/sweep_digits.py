@@ -86,7 +86,8 @@ def run_sweep(
     start = time.perf_counter()
 
     model = make_mlp(num_models, hidden)
-    optimizer = AdamW(model.parameters(), lr=result.learning_rates.clone(), weight_decay=result.weight_decays.clone())
+    # The optimizer keeps its own copies: keep_models_ below narrows those, not the sweep's record.
+    optimizer = AdamW(model.parameters(), lr=result.learning_rates, weight_decay=result.weight_decays)
     loader = ModelTensorLoader(*data["train"], num_models=num_models, batch_size=batch_size, seed=seed)
     model_ids = torch.arange(num_models)  # which sweep member each slice is
     epochs = first_epochs
