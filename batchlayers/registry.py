@@ -118,6 +118,11 @@ def counterpart_of(torch_type: type) -> _Counterpart | None:
     return _BY_TORCH.get(torch_type)
 
 
+def counterpart_of_batched(batched_type: type) -> _Counterpart | None:
+    load_builtins()
+    return _BY_BATCHED.get(batched_type)
+
+
 def isinstance_torch(module: nn.Module, classinfo: type | tuple[type, ...]) -> bool:
     """``isinstance`` that also counts a batched layer as an instance of the torch.nn type it stands for.
 
@@ -126,6 +131,12 @@ def isinstance_torch(module: nn.Module, classinfo: type | tuple[type, ...]) -> b
     group builders) would silently compute wrong things on ``(M, out, in)`` weights. In a stacked model
     ``isinstance(m, nn.Linear)`` is therefore ``False``; code that only needs to know what a module is (e.g.
     to put its weight in a weight-decay group) uses ``isinstance_torch(m, nn.Linear)`` instead.
+
+    A batched layer stands for the type it was registered for (:func:`register`), else for the type named
+    by its class's ``torch_module`` attribute.
     """
-    torch_type = getattr(type(module), "torch_module", None)
-    return isinstance(module, classinfo) or (torch_type is not None and issubclass(torch_type, classinfo))
+    if isinstance(module, classinfo):
+        return True
+    registered = counterpart_of_batched(type(module))
+    torch_type = registered.torch_type if registered else getattr(type(module), "torch_module", None)
+    return torch_type is not None and issubclass(torch_type, classinfo)

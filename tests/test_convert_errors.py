@@ -11,7 +11,7 @@ from torch import nn
 
 from batchlayers import convert, registry
 from batchlayers.convert import stack
-from batchlayers.registry import register
+from batchlayers.registry import isinstance_torch, register
 
 
 class _Scale(nn.Module):
@@ -240,3 +240,13 @@ def test_output_without_batch_dimension_first() -> None:
     batched = stack([_FlatOutput(), _FlatOutput()])
     with pytest.raises(ValueError, match=r"output has shape \(30,\).*not the folded batch M\*B = 2\*5 = 10"):
         batched(torch.randn(2, 5, 4))
+
+
+def test_isinstance_torch_knows_a_registered_counterpart(restore_registry) -> None:
+    class BatchedScaleWithoutAttribute(_BatchedScale):
+        torch_module = None  # register(...) alone says what it stands for
+
+    register(_Scale, BatchedScaleWithoutAttribute)
+    batched = stack([_WithScale(), _WithScale()])
+    assert isinstance_torch(batched.scale, _Scale) and not isinstance_torch(batched.scale, nn.Linear)
+    assert isinstance_torch(batched.fc, nn.Linear)
