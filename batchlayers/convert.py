@@ -55,6 +55,19 @@ def _join(path: str, name: str) -> str:
     return f"{path}.{name}" if path else name
 
 
+# Every kind of hook a module can hold; none can be moved onto the batched layer that replaces it.
+_HOOK_DICTS = (
+    "_forward_pre_hooks",
+    "_forward_hooks",
+    "_backward_pre_hooks",
+    "_backward_hooks",
+    "_state_dict_pre_hooks",
+    "_state_dict_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
+
+
 def _plan(template: nn.Module) -> tuple[list[tuple[str, nn.Module, _Counterpart]], list[str]]:
     """Which modules to swap for batched layers, and which buffers stay one copy shared by all models."""
     swaps: list[tuple[str, nn.Module, _Counterpart]] = []
@@ -68,7 +81,7 @@ def _plan(template: nn.Module) -> tuple[list[tuple[str, nn.Module, _Counterpart]
         where = f"'{path}'" if path else "the model itself"
         counterpart = counterpart_of(type(module))
         if counterpart is not None:
-            if module._forward_hooks or module._forward_pre_hooks or module._backward_hooks:
+            if any(getattr(module, hooks) for hooks in _HOOK_DICTS):
                 raise ValueError(
                     f"stack: {where} ({type(module).__name__}) has hooks registered on it; they cannot be carried "
                     "over to its batched counterpart. Remove them before stacking"

@@ -184,6 +184,24 @@ def test_hooks_on_a_swapped_leaf() -> None:
         stack([model])
 
 
+@pytest.mark.parametrize(
+    "register_hook",
+    [
+        lambda m: m.register_full_backward_pre_hook(lambda m, g: g),
+        lambda m: m.register_full_backward_hook(lambda m, gi, go: gi),
+        lambda m: m.register_state_dict_post_hook(lambda m, sd, prefix, meta: None),
+        lambda m: m.register_load_state_dict_post_hook(lambda m, keys: None),
+    ],
+    ids=["backward-pre", "backward", "state-dict", "load-state-dict"],
+)
+def test_every_kind_of_hook_on_a_swapped_leaf(register_hook) -> None:
+    """A hook the batched layer would not carry is refused, never dropped silently."""
+    model = zoo.MLP()
+    register_hook(model.fc2)
+    with pytest.raises(ValueError, match="'fc2' .*has hooks"):
+        stack([model])
+
+
 def test_buffer_that_differs_between_models() -> None:
     a, b = zoo.GPT(), zoo.GPT()
     b.transformer.h[1].attn.bias.zero_()
