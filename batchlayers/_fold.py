@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from ._utils import layer_name
+
 __all__ = [
     "attach_leaf_hooks",
     "attach_root_hooks",
@@ -233,7 +235,7 @@ class FoldLeafOutput:
             expected = (num_models, 1 if broadcast else batch)
             if tuple(t.shape[:2]) != expected:
                 raise ValueError(
-                    f"{_name(layer)}: expected the batched layer's output{where} to start with {expected}, "
+                    f"{layer_name(layer)}: expected the batched layer's output{where} to start with {expected}, "
                     f"got shape {tuple(t.shape)}"
                 )
             if broadcast:
@@ -242,11 +244,6 @@ class FoldLeafOutput:
             return t.reshape(num_models * batch, *t.shape[2:]).contiguous()
 
         return map_tensors(output, fold)
-
-
-def _name(layer: nn.Module) -> str:
-    path = getattr(layer, "_batchlayers_path", None)
-    return f"{type(layer).__name__} at '{path}'" if path else type(layer).__name__
 
 
 def _refuse_ambiguous(layer: nn.Module, t: Tensor, call: _Call) -> None:
@@ -259,7 +256,7 @@ def _refuse_ambiguous(layer: nn.Module, t: Tensor, call: _Call) -> None:
         and not any(t is x for x in call.inputs)
     ):
         raise ValueError(
-            f"{_name(layer)}: a 1-D input of length {folded} is ambiguous here: it may be one value per sample "
+            f"{layer_name(layer)}: a 1-D input of length {folded} is ambiguous here: it may be one value per sample "
             f"of the folded batch (M*B = {call.num_models}*{call.batch}) or a sequence of that length shared by "
             "all samples (e.g. position indices torch.arange(T)). Give a shared sequence a leading dimension of "
             "1 (torch.arange(T).unsqueeze(0)), or use a batch size with M*B different from the sequence length"
