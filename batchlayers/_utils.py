@@ -13,6 +13,8 @@ __all__ = [
     "init_per_model_",
     "is_shared",
     "layer_name",
+    "model_count_holders",
+    "set_num_models_",
 ]
 
 
@@ -102,3 +104,18 @@ def init_per_model_(tensor: Tensor, init_fn: Callable[[Tensor], object]) -> Tens
     for model_slice in tensor.unbind(0):
         init_fn(model_slice)
     return tensor
+
+
+def model_count_holders(module: nn.Module) -> list[nn.Module]:
+    """``module`` and its submodules that record how many models they hold (an int ``num_models``)."""
+    return [
+        m
+        for m in module.modules()
+        if isinstance(getattr(m, "num_models", None), int) and not isinstance(m.num_models, bool)
+    ]
+
+
+def set_num_models_(module: nn.Module, num_models: int) -> None:
+    """Record a new number of models on every submodule that keeps one, after its tensors were indexed."""
+    for m in model_count_holders(module):
+        m.num_models = num_models

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from . import _fold
 from ._architecture import check_models, check_same_architecture, first_difference, tensor_table
 from ._copy import rebind_functions
+from ._utils import set_num_models_
 from .registry import _BY_BATCHED, _BY_TORCH, _Counterpart, counterpart_of, isinstance_torch, load_builtins, register
 
 __all__ = [
@@ -368,12 +369,6 @@ def _indices(indices: object, num_models: int) -> list[int]:
     return [i % num_models for i in indices]
 
 
-def _set_num_models(module: nn.Module, num_models: int) -> None:
-    for m in module.modules():
-        if isinstance(getattr(m, "num_models", None), int):
-            m.num_models = num_models
-
-
 def select(batched: nn.Module, indices: Sequence[int] | Tensor) -> nn.Module:
     """A stacked model with the models ``indices`` of ``batched``, in that order (repeats allowed), sharing
     nothing mutable with it (gradients are not copied)."""
@@ -383,7 +378,7 @@ def select(batched: nn.Module, indices: Sequence[int] | Tensor) -> nn.Module:
         k: _rebuilt(t, t.detach().index_select(0, index.to(t.device))) for k, t in _stacked_tensors(batched).items()
     }
     result = _copy_with(batched, memo)
-    _set_num_models(result, len(index))
+    set_num_models_(result, len(index))
     return result
 
 
@@ -405,7 +400,7 @@ def concat(models: Sequence[nn.Module]) -> nn.Module:
             data = torch.cat([table[name].detach() for table in tables])
             memo[id(t)] = _rebuilt(t, data)
     result = _copy_with(models[0], memo)
-    _set_num_models(result, sum(m.num_models for m in models))
+    set_num_models_(result, sum(m.num_models for m in models))
     return result
 
 

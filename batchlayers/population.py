@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from ._fold import root_shared_buffers
+from ._utils import model_count_holders, set_num_models_
 from .optim._base import PerModelValue
 
 __all__ = ["copy_model_", "index_models_", "keep_models_"]
@@ -53,7 +54,7 @@ def _model_tensors(module: nn.Module, caller: str) -> tuple[list[tuple[str, Tens
                 f"{caller}: every parameter and buffer needs the model dimension first, but '{name}' is 0-d"
             )
         sizes.setdefault(t.shape[0], name)
-    declared = {m.num_models for m in module.modules() if _has_num_models(m)}
+    declared = {m.num_models for m in model_count_holders(module)}
     if len(sizes) != 1 or len(declared - set(sizes)) > 0:
         found = ", ".join(f"'{n}' has {s}" for s, n in sizes.items())
         raise ValueError(
@@ -61,11 +62,6 @@ def _model_tensors(module: nn.Module, caller: str) -> tuple[list[tuple[str, Tens
             f"modules' num_models {sorted(declared)}; {found}"
         )
     return named, next(iter(sizes))
-
-
-def _has_num_models(module: nn.Module) -> bool:
-    value = getattr(module, "num_models", None)
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _as_indices(indices: Indices, num_models: int, what: str, caller: str, allow_mask: bool = False) -> Tensor:
@@ -129,9 +125,7 @@ def index_models_(module: nn.Module, indices: Indices) -> nn.Module:
         t.set_(_take(t.detach(), index))
         if t.grad is not None:
             t.grad = _take(t.grad, index)
-    for m in module.modules():
-        if _has_num_models(m):
-            m.num_models = index.numel()
+    set_num_models_(module, index.numel())
     return module
 
 
