@@ -5,9 +5,11 @@ its tensor outputs back; each batched layer swapped in for a torch.nn leaf views
 ``(M, B, *)`` and folds its output again. Everything is wired with forward (pre-)hooks held by small
 picklable objects, so a stacked model deep-copies, pickles and saves its ``state_dict`` like any module.
 
-The root records ``M`` and ``B`` for the duration of the call, so that an input of a batched layer that has
-no batch dimension (position indices ``(1, T)`` or ``(T,)`` looked up in an embedding) gives each model its
-own rows, broadcast over that model's ``B`` samples.
+Which tensors carry the models' samples is known, not guessed from sizes: the root tags its folded inputs
+and runs ``forward`` under a ``batchlayers._provenance.Tracker``, which follows every torch call (see that
+module). A batched layer views a tagged input back to ``(M, n, *)``; an untagged input has no samples
+(position indices ``(1, T)`` or ``(T,)`` looked up in an embedding) and gives each model its own rows,
+broadcast over that model's ``B`` samples; an input whose layout was lost is refused with the reason.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from ._provenance import Lost, Tracker, get_tag, set_tag
 from ._utils import layer_name
 
 __all__ = [
@@ -41,12 +44,10 @@ class _Call:
     owner: int  # id() of the root that made this call
     num_models: int
     batch: int
-    # The folded root inputs and the sizes of their non-batch dimensions, used to refuse a 1-D layer input
-    # whose length is both M*B and a sequence length (batched or not: ambiguous).
-    inputs: list[Tensor]
-    input_sizes: set[int]
+    tracker: Tracker
     shared_buffer_versions: list[tuple[str, Tensor, int]]
-    leaf_broadcast: dict[int, bool] = field(default_factory=dict)
+    # per swapped layer being called: (broadcast, model dimension of its inputs), a stack for re-entry
+    leaves: dict[int, list[tuple[bool, int]]] = field(default_factory=dict)
 
 
 def _calls() -> list[_Call]:
@@ -123,29 +124,45 @@ class FoldInputs:
                     f"{where} has shape {tuple(t.shape)}"
                 )
 
-        folded: list[Tensor] = []
-
         # A shared input (stride-0 expand) is copied here: the user's forward needs one ordinary batch.
         def fold(t: Tensor, where: str) -> Tensor:
-            folded.append(t.reshape(num_models * batch, *t.shape[2:]))
-            return folded[-1]
+            folded = t.reshape(num_models * batch, *t.shape[2:])
+            if folded is t:
+                folded = t.view(t.shape)  # a new tensor object to tag, never the caller's own
+            set_tag(folded, 0)
+            return folded
 
         args, kwargs = map_tensors(args, fold), map_tensors(kwargs, fold)
-        # Under torch.compile, tensors kept across hooks upset dynamo and version counters are not traceable:
-        # it runs without the ambiguity check's input list (so that check is stricter) and the buffer check.
+        # Under torch.compile version counters are not traceable: it runs without the shared-buffer check.
         compiling = torch.compiler.is_compiling()
         buffers = [] if compiling else [(n, _buffer(root, n)) for n in self.shared_buffers]
+        _unwind_stale_calls(root)
+        tracker = Tracker(num_models, num_models * batch)
         _calls().append(
             _Call(
                 owner=id(root),
                 num_models=num_models,
                 batch=batch,
-                inputs=[] if compiling else folded,
-                input_sizes={s for _, t in found for s in t.shape[2:]},
+                tracker=tracker,
                 shared_buffer_versions=[(n, b, b._version) for n, b in buffers],
             )
         )
+        tracker.__enter__()
         return args, kwargs
+
+
+def _unwind_stale_calls(root: nn.Module) -> None:
+    """Drop what an earlier call of ``root`` left behind when it was interrupted by an exception that skipped
+    the hooks (``KeyboardInterrupt``, ``SystemExit``): its call record and its tracker on torch's mode stack.
+    A stacked root never calls itself, so a record of it still open here is stale."""
+    calls = _calls()
+    while any(c.owner == id(root) for c in calls):
+        stale = calls.pop()
+        modes = torch.overrides._get_current_function_mode_stack()
+        if stale.tracker in modes:
+            while torch.overrides._get_current_function_mode() is not stale.tracker:
+                torch.overrides._pop_mode()
+            torch.overrides._pop_mode()
 
 
 def _buffer(root: nn.Module, name: str) -> Tensor:
@@ -159,108 +176,166 @@ def _buffer(root: nn.Module, name: str) -> Tensor:
 
 
 class UnfoldOutputs:
-    """Forward hook of the stacked root (always called): ``(M * B, *)`` tensor outputs become ``(M, B, *)``."""
+    """Forward hook of the stacked root (always called): tensor outputs that carry the models' samples on
+    dimension ``d`` become ``(M, *)`` with that dimension split per model; an output with no samples is
+    the same for every model, a stride-0 ``(M, *)`` expand."""
 
     def __call__(self, root: nn.Module, args: tuple, output: object) -> object:
         calls = _calls()
         if not calls or calls[-1].owner != id(root):
             return None  # the pre-hook refused the input; nothing to unwind
         call = calls.pop()
+        call.tracker.__exit__(None, None, None)
         if output is None:
             return None
-        num_models, batch = call.num_models, call.batch
+        num_models = call.num_models
+        name = f"stacked {type(root).__name__}"
         for path, buf, version in call.shared_buffer_versions:
             if buf._version != version:
                 raise RuntimeError(
-                    f"stacked {type(root).__name__}: forward modified the buffer '{path}' in place, but it is one "
+                    f"{name}: forward modified the buffer '{path}' in place, but it is one "
                     "copy shared by all models (it was equal in every model). Register a batched counterpart "
                     "for the module that owns it with batchlayers.register(...)"
                 )
 
         def unfold(t: Tensor, where: str) -> Tensor:
-            if t.dim() == 0:
-                return t  # e.g. a loss: already reduced over every model (see stack's docs on scaling)
-            if t.shape[0] != num_models * batch:
+            tag = get_tag(t)
+            if isinstance(tag, Lost) and num_models == 1 and t.dim() > 0:
+                tag = 0  # one model: every row is its own
+            if isinstance(tag, int):
+                return t.unflatten(tag, (num_models, t.shape[tag] // num_models)).movedim(tag, 0)
+            if isinstance(tag, Lost):
+                if tag.reduced and t.dim() == 0:
+                    return t  # e.g. a loss: already reduced over every model (see stack's docs on scaling)
                 raise ValueError(
-                    f"stacked {type(root).__name__}: output{where} has shape {tuple(t.shape)}, whose first dimension "
-                    f"is not the folded batch M*B = {num_models}*{batch} = {num_models * batch}, so the rows cannot "
-                    "be assigned to models. Return outputs with the batch dimension first, as torch.nn layers do"
+                    f"{name}: output{where} (shape {tuple(t.shape)}) was computed from the models' samples by "
+                    f"{tag.reason}, so its rows cannot be assigned to models. Return outputs that keep each "
+                    "sample's rows apart (the batch dimension first, as torch.nn layers do)"
                 )
-            return t.reshape(num_models, batch, *t.shape[1:])
+            if t.dim() == 0:
+                return t
+            _refuse_batch_sized(name, f"output{where}", t, call, anywhere=True)
+            return t.expand(num_models, *t.shape)  # the same value for every model
 
         return map_tensors(output, unfold)
 
 
-class UnfoldLeafInputs:
-    """Forward pre-hook of a swapped-in batched layer: ``(M * B, *)`` inputs become ``(M, B, *)``.
+def _refuse_batch_sized(name: str, what: str, t: Tensor, call: _Call, anywhere: bool) -> None:
+    """A tensor without the models' samples whose size is the folded M*B may have been sized from the batch
+    (``torch.arange(x.size(0))``) or be a sequence of that length: refuse it rather than guess."""
+    folded = call.num_models * call.batch
+    sizes = t.shape if anywhere else t.shape[:1]
+    if call.num_models > 1 and call.tracker.size_read and folded in sizes:
+        raise ValueError(
+            f"{name}: {what} is ambiguous: it has shape {tuple(t.shape)}, with the folded batch size M*B = "
+            f"{call.num_models}*{call.batch} = {folded}, but was not computed from the models' samples, so it may be "
+            "sized from the batch (e.g. torch.arange(x.size(0))) or be a sequence of that length; batchlayers does "
+            "not guess which. Build batch-sized tensors from the inputs (torch.zeros_like(x), x.new_zeros(...)); "
+            "give a sequence shared by all samples a leading dimension of 1 (torch.arange(T).unsqueeze(0)), or use a "
+            "batch size with M*B different from its length"
+        )
 
-    An input without the folded batch dimension is the same for every sample of a model: it becomes
-    ``(M, 1, *)`` (a ``(1, *)`` input) or ``(M, 1, *input)`` (any other), an expand, never a copy.
-    """
+
+class UnfoldLeafInputs:
+    """Forward pre-hook of a swapped-in batched layer: inputs that carry the models' samples become
+    ``(M, n, *)``; one without samples is the same for every sample of a model: it becomes ``(M, 1, *)`` (a
+    ``(1, *)`` input) or ``(M, 1, *input)`` (any other), an expand, never a copy."""
 
     def __call__(self, layer: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         call = _current_call()
         if call is None:
             return None  # called on its own: an ordinary batched layer taking (M, B, *)
-        num_models, folded = call.num_models, call.num_models * call.batch
+        call.tracker.pause()  # from here to the end of FoldLeafOutput: batchlayers' own code, not tracked
+        try:
+            return self._unfold(layer, args, kwargs, call)
+        except BaseException:
+            call.tracker.resume()
+            raise
+
+    def _unfold(self, layer: nn.Module, args: tuple, kwargs: dict, call: _Call) -> tuple[tuple, dict]:
+        num_models = call.num_models
         tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, Tensor) and t.dim() > 0]
+        dims = set()
         for t in tensors:
-            _refuse_ambiguous(layer, t, call)
-        broadcast = all(t.shape[0] != folded for t in tensors)
-        call.leaf_broadcast[id(layer)] = broadcast
+            tag = get_tag(t)
+            if isinstance(tag, Lost) and num_models > 1:
+                raise ValueError(
+                    f"{layer_name(layer)}: its input (shape {tuple(t.shape)}) was computed from the models' samples "
+                    f"by {tag.reason}, so batchlayers cannot tell which model each row belongs to"
+                )
+            if tag is None:
+                _refuse_batch_sized(layer_name(layer), "its input", t, call, anywhere=False)
+            else:
+                dims.add(0 if isinstance(tag, Lost) else tag)
+        if len(dims) > 1:
+            raise ValueError(f"{layer_name(layer)}: its inputs hold the models' samples on different dimensions")
+        dim = dims.pop() if dims else 0
+        if dim:
+            trailing = getattr(layer, "_rowwise_trailing_dims", None)
+            too_far = any(dim >= t.dim() - trailing for t in tensors) if trailing is not None else True
+            if too_far:
+                raise ValueError(
+                    f"{layer_name(layer)}: its input has the models' samples on dimension {dim} (e.g. time-major), "
+                    f"but {type(layer).__name__} needs them on dimension 0, as the batch dimension"
+                )
+        broadcast = not any(get_tag(t) is not None for t in tensors)
+        per_model = None
+        if not broadcast:
+            per_model = next(t.shape[dim] for t in tensors if get_tag(t) is not None) // num_models
+        call.leaves.setdefault(id(layer), []).append((broadcast, dim))
 
         def unfold(t: object) -> object:
             if not isinstance(t, Tensor) or t.dim() == 0:
                 return t
-            if t.shape[0] == folded:
-                return t.reshape(num_models, call.batch, *t.shape[1:])
-            rest = t.shape[1:] if t.shape[0] == 1 else t.shape
+            if get_tag(t) is not None:
+                t = t.movedim(dim, 0) if dim else t
+                return t.reshape(num_models, t.shape[0] // num_models, *t.shape[1:])
+            # (1, *): the leading 1 is the batch dimension it is broadcast over, as in (1, T) positions; a 1-D
+            # (T,) keeps its one dimension (T may be 1)
+            rest = t.shape[1:] if t.dim() >= 2 and t.shape[0] == 1 else t.shape
             shared = t.reshape(1, 1, *rest).expand(num_models, 1, *rest)
-            return shared if broadcast else shared.expand(num_models, call.batch, *rest)
+            return shared if broadcast else shared.expand(num_models, per_model, *rest)
 
         return tuple(unfold(a) for a in args), {k: unfold(v) for k, v in kwargs.items()}
 
 
 class FoldLeafOutput:
-    """Forward hook of a swapped-in batched layer: its ``(M, B, *)`` output becomes ``(M * B, *)``."""
+    """Forward hook of a swapped-in batched layer (always called): its ``(M, n, *)`` output becomes
+    ``(M * n, *)`` (with the model dimension back where its input had it), tagged as holding the samples."""
 
     def __call__(self, layer: nn.Module, args: tuple, output: object) -> object:
         call = _current_call()
         if call is None:
             return None
+        stack = call.leaves.get(id(layer))
+        if not stack:
+            return None  # the pre-hook refused the input
+        broadcast, dim = stack.pop()
+        try:
+            return None if output is None else self._fold(layer, output, call, broadcast, dim)
+        finally:
+            call.tracker.resume()
+
+    def _fold(self, layer: nn.Module, output: object, call: _Call, broadcast: bool, dim: int) -> object:
         num_models, batch = call.num_models, call.batch
-        broadcast = call.leaf_broadcast.pop(id(layer), False)
 
         def fold(t: Tensor, where: str) -> Tensor:
-            expected = (num_models, 1 if broadcast else batch)
-            if tuple(t.shape[:2]) != expected:
+            if t.dim() < 2 or t.shape[0] != num_models or (broadcast and t.shape[1] != 1):
+                expected = f"({num_models}, 1, *)" if broadcast else f"({num_models}, n, *)"
                 raise ValueError(
-                    f"{layer_name(layer)}: expected the batched layer's output{where} to start with {expected}, "
+                    f"{layer_name(layer)}: expected the batched layer's output{where} to be {expected}, "
                     f"got shape {tuple(t.shape)}"
                 )
             if broadcast:
                 t = t.expand(num_models, batch, *t.shape[2:])
             # contiguous: user code calls .view on layer outputs, which torch.nn layers allow
-            return t.reshape(num_models * batch, *t.shape[2:]).contiguous()
+            t = t.reshape(num_models * t.shape[1], *t.shape[2:]).contiguous()
+            if dim:
+                t = t.movedim(0, dim)
+            set_tag(t, dim)
+            return t
 
         return map_tensors(output, fold)
-
-
-def _refuse_ambiguous(layer: nn.Module, t: Tensor, call: _Call) -> None:
-    folded = call.num_models * call.batch
-    if (
-        t.dim() == 1
-        and call.num_models > 1
-        and t.shape[0] == folded
-        and folded in call.input_sizes
-        and not any(t is x for x in call.inputs)
-    ):
-        raise ValueError(
-            f"{layer_name(layer)}: a 1-D input of length {folded} is ambiguous here: it may be one value per sample "
-            f"of the folded batch (M*B = {call.num_models}*{call.batch}) or a sequence of that length shared by "
-            "all samples (e.g. position indices torch.arange(T)). Give a shared sequence a leading dimension of "
-            "1 (torch.arange(T).unsqueeze(0)), or use a batch size with M*B different from the sequence length"
-        )
 
 
 class ExpandSharedBuffers:
@@ -322,7 +397,7 @@ def _every_name(root: nn.Module, buffer_names: list[str]) -> list[str]:
 def attach_leaf_hooks(layer: nn.Module, path: str) -> None:
     layer._batchlayers_path = path
     layer.register_forward_pre_hook(UnfoldLeafInputs(), with_kwargs=True)
-    layer.register_forward_hook(FoldLeafOutput())
+    layer.register_forward_hook(FoldLeafOutput(), always_call=True)
 
 
 def is_swapped_leaf(module: nn.Module) -> bool:

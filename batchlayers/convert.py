@@ -13,8 +13,11 @@ Limits, by design:
   the M per-model losses: each model gets ``1/M`` of its own gradient. Multiply that loss by
   ``model.num_models`` before ``backward`` (exact for mean-reduced losses), or compute per-model losses from
   the ``(M, B, *)`` outputs with ``batchlayers.losses`` and sum them.
-- Code inside ``forward`` that mixes samples of a batch (``x.mean(0)``, a functional batch norm) mixes the
-  models' samples too; torch.nn layers that do so (BatchNorm) are swapped for batched counterparts.
+- Which tensors carry the models' samples is followed through every torch call of ``forward``, not guessed
+  from sizes (``batchlayers._provenance``). Code that would mix the models' samples (``x.mean(0)``, a
+  functional batch norm in training mode, an op without a rule) is refused where its result reaches a
+  batched layer or an output, naming the operation; torch.nn layers that mix a batch (BatchNorm) are swapped
+  for batched counterparts.
 - A shared input (a stride-0 expand) is copied to ``M * B`` samples on entry: the architecture's own code
   needs one ordinary batch. Batched layers used directly never copy it.
 """

@@ -48,6 +48,9 @@ class BatchedLinear(nn.Module):
 
     __constants__ = ["num_models", "in_features", "out_features"]
     torch_module = nn.Linear
+    # In a stacked model, each row is computed on its own: the models' samples may sit on any dimension
+    # but the last (batchlayers._fold).
+    _rowwise_trailing_dims = 1
 
     def __init__(
         self,

@@ -60,6 +60,8 @@ class _BatchedTrailingNorm(nn.Module):
         if isinstance(normalized_shape, numbers.Integral):
             normalized_shape = (normalized_shape,)
         self.normalized_shape = tuple(normalized_shape)
+        # each row is normalised on its own over the trailing dimensions (see BatchedLinear)
+        self._rowwise_trailing_dims = len(self.normalized_shape)
         self.eps = eps
         self.elementwise_affine = elementwise_affine
         register_affine(self, (num_models, *self.normalized_shape), elementwise_affine, bias, factory_kwargs)

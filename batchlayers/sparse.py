@@ -75,6 +75,7 @@ class BatchedEmbedding(nn.Module):
         "sparse",
     ]
     torch_module = nn.Embedding
+    _rowwise_trailing_dims = 0  # each index is looked up on its own (see BatchedLinear)
 
     def __init__(
         self,

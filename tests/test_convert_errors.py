@@ -245,21 +245,6 @@ def test_bad_inputs_to_the_stacked_model() -> None:
     assert batched(torch.randn(2, 5, 6)).shape == (2, 5, 3)
 
 
-class _FlatOutput(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(4, 3)
-
-    def forward(self, x):
-        return self.fc(x).reshape(-1)
-
-
-def test_output_without_batch_dimension_first() -> None:
-    batched = stack([_FlatOutput(), _FlatOutput()])
-    with pytest.raises(ValueError, match=r"output has shape \(30,\).*not the folded batch M\*B = 2\*5 = 10"):
-        batched(torch.randn(2, 5, 4))
-
-
 def test_isinstance_torch_knows_a_registered_counterpart(restore_registry) -> None:
     class BatchedScaleWithoutAttribute(_BatchedScale):
         torch_module = None  # register(...) alone says what it stands for

@@ -1,0 +1,814 @@
+"""Knowing, not guessing, which tensors carry the models' samples inside a stacked model's ``forward``.
+
+A stacked model runs the architecture's own ``forward`` on one folded batch of ``M * B`` samples (see
+``batchlayers._fold``). A batched layer inside must tell whether an input holds the models' samples (and
+view it back to ``(M, n, *)``) or is a value that every sample shares (position indices, a mask built from
+constants), which it broadcasts. Guessing that from sizes is wrong whenever sizes coincide (a sequence
+length equal to ``M * B``), so batchlayers follows where every tensor came from:
+
+- **Provenance tags.** While a stacked ``forward`` runs, a ``TorchFunctionMode`` sees every torch call of
+  the architecture's code (not the batched layers' own math: the mode is paused inside them). Each tensor
+  made from the models' samples carries a tag, ``tensor._batchlayers_models``:
+
+  * an ``int`` ``d``: dimension ``d`` is *model-major*: its indices split into M equal consecutive blocks,
+    block ``i`` holding model ``i``'s data, and the model of an element depends on that index alone. The
+    folded inputs are tagged ``0``; so is every batched layer's output. This is independent of ``B``: a
+    flattened ``(M * B * T, C)`` view of a ``(M * B, T, C)`` tensor is model-major on dimension 0 too, and
+    a time-major ``(T, M * B, C)`` one on dimension 1.
+  * a :class:`Lost`: made from the samples by an operation whose layout batchlayers does not follow (or one
+    that mixes the models, e.g. a mean over the folded batch), with the operation's name as the reason.
+  * no tag: the value does not depend on the samples (constants, ``arange``, shared buffers, anything made
+    only from them), the same for every model.
+
+- **Rules.** Every torch function that may see a tagged tensor has a rule saying where the model dimension
+  of its output is: broadcasting elementwise ops align dimensions from the right; reshapes keep a model-major
+  dimension wherever a prefix of the shape has the same product and the new dimension divides by M;
+  permutations move it; reductions, ``cat``/``split`` along it, indexing into it lose it. A function without
+  a rule makes its outputs :class:`Lost`. So a tag is never a guess: either the rule proves the layout or the
+  tensor is marked as unknown.
+
+- **At the boundaries.** A batched layer takes a tagged input by its tag (model dimension first; row-wise
+  layers such as Linear also take it on another dimension), broadcasts an untagged one, and refuses a
+  :class:`Lost` one with the reason. The stacked root unfolds tagged outputs and refuses lost ones (a
+  0-dim value reduced over every model, e.g. a loss, is returned as it is).
+
+- **Sizes.** ``B = x.size(0)`` puts ``M * B`` into plain ints. The mode notes when the folded size of a
+  tagged tensor is read; from then on, tensors created with that size are known to be batch-sized: those
+  with equal (``zeros``, ``ones``, ``full``, ``empty``) or independent random values (``rand``, ``randn``)
+  are model-major on that dimension (every split of equal values is right). Any other untagged tensor of
+  that size (``arange``, ``eye``) may be a sequence or per-sample indices of the folded batch: combined
+  with samples along the model dimension it is checked to be the same along it (else :class:`Lost`), and a
+  batched layer or the stacked root refuses it as ambiguous when the folded size leads its shape.
+
+The tags are plain Python attributes and the mode is an ordinary ``TorchFunctionMode``, so ``torch.compile``
+traces both into one graph (the tags decide at trace time, like any Python control flow).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["Lost", "Tracker", "get_tag", "set_tag"]
+
+_ATTR = "_batchlayers_models"
+
+
+@dataclass(frozen=True)
+class Lost:
+    """A tensor made from the models' samples whose layout is not known (``reduced``: reduced over all
+    models' samples, which a 0-dim output such as a loss may be)."""
+
+    reason: str
+    reduced: bool = False
+
+
+Tag = int | Lost | None
+
+
+def get_tag(t: Tensor) -> Tag:
+    return getattr(t, _ATTR, None)
+
+
+def set_tag(t: Tensor, tag: Tag) -> None:
+    # Attribute syntax, not setattr(): torch.compile traces a store to a tensor attribute, not the builtin.
+    if tag is not None:
+        t._batchlayers_models = tag
+    elif getattr(t, _ATTR, None) is not None:
+        del t._batchlayers_models
+
+
+class Tracker(TorchFunctionMode):
+    """The mode active during one stacked call (see the module docstring)."""
+
+    def __init__(self, num_models: int, folded: int) -> None:
+        super().__init__()
+        self.num_models = num_models
+        self.folded = folded  # M * B of the call
+        self.paused = 0  # > 0: passing calls through (under torch.compile; see pause())
+        self.popped = 0  # > 0: off torch's mode stack (eager; see pause())
+        self.size_read = False  # the folded size of a tagged tensor was read into an int
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if kwargs is None:
+            kwargs = {}
+        if self.paused:
+            return func(*args, **kwargs)
+        tagged = _tagged(args, kwargs)
+        if not tagged:
+            out = func(*args, **kwargs)
+            if self.size_read and func in _CREATORS:
+                _CREATORS[func](self, out)
+            return out
+        out = func(*args, **kwargs)
+        if isinstance(out, (tuple, list)) and torch.compiler.is_compiling():
+            # torch.compile cannot store an attribute on the outputs of a multi-output op (split, sort): tag
+            # views of them instead.
+            out = type(out)([o.view(o.shape) if isinstance(o, Tensor) else o for o in out])
+        entry = _RULES.get(func)
+        if entry is None:
+            lost = _first_lost(tagged) if all(isinstance(i.tag, Lost) for i in tagged) else None
+            _tag_all(out, lost or Lost(f"{_name(func)} (batchlayers has no rule for it)"))
+        else:
+            entry[0](self, entry[1], args, kwargs, out, tagged)
+        return out
+
+    def pause(self) -> None:
+        """Stop tracking until :meth:`resume`: batchlayers' own code (fold hooks, batched layers) runs
+        untracked. In eager mode the mode leaves torch's mode stack, so that code pays nothing per op (an
+        intercepted call costs about 1 us even when it only passes through); torch.compile, which cannot
+        trace the stack being changed, gets a counter instead."""
+        if self.popped:
+            self.popped += 1
+        elif torch.compiler.is_compiling() or torch.overrides._get_current_function_mode() is not self:
+            self.paused += 1  # (also when user code pushed a mode of its own above this one)
+        else:
+            torch.overrides._pop_mode()
+            self.popped = 1
+
+    def resume(self) -> None:
+        if self.popped:
+            self.popped -= 1
+            if not self.popped:
+                torch.overrides._push_mode(self)
+        else:
+            self.paused -= 1
+
+
+@dataclass
+class _In:
+    """A tagged tensor argument, with its shape before the call (in-place ops change it)."""
+
+    tensor: Tensor
+    tag: int | Lost
+    shape: torch.Size
+
+
+def _tagged(args: Sequence, kwargs: dict) -> list[_In]:
+    found = []
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, Tensor):
+            tag = getattr(a, _ATTR, None)
+            if tag is not None:
+                found.append(_In(a, tag, a.shape))
+        elif isinstance(a, (list, tuple)):
+            for b in a:
+                if isinstance(b, Tensor):
+                    tag = getattr(b, _ATTR, None)
+                    if tag is not None:
+                        found.append(_In(b, tag, b.shape))
+    return found
+
+
+def _name(func: Callable) -> str:
+    name = getattr(func, "__name__", None) or repr(func)
+    if name == "__get__":  # a property: its getter is a method of the descriptor
+        return f"Tensor.{getattr(getattr(func, '__self__', None), '__name__', '?')}"
+    owner = getattr(func, "__objclass__", None) or getattr(func, "__self__", None)
+    if isinstance(owner, type) and "Tensor" in owner.__name__:
+        return f"Tensor.{name}"
+    module = getattr(func, "__module__", None) or ""
+    return f"{'F' if 'functional' in module else 'torch'}.{name}"
+
+
+def _outputs(out: object) -> list[Tensor]:
+    if isinstance(out, Tensor):
+        return [out]
+    if isinstance(out, (list, tuple)):
+        return [o for o in out if isinstance(o, Tensor)]
+    return []
+
+
+def _tag_all(out: object, tag: Tag) -> None:
+    for o in _outputs(out):
+        set_tag(o, tag)
+
+
+def _first_lost(tagged: list[_In]) -> Lost | None:
+    lost = [i.tag for i in tagged if isinstance(i.tag, Lost)]
+    if not lost:
+        return None
+    return next((t for t in lost if not t.reduced), lost[0])
+
+
+def _norm(dim: int, ndim: int) -> int:
+    return dim + ndim if dim < 0 else dim
+
+
+def _arg(args: Sequence, kwargs: dict, index: int, name: str, default: object = None) -> object:
+    if name in kwargs:
+        return kwargs[name]
+    return args[index] if len(args) > index else default
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Rules: each sets the tags of ``out`` from the tagged inputs
+
+
+def _broadcast_tag(ctx: Tracker, what: str, tensors: Sequence, out_shape: Sequence[int]) -> Tag:
+    """The model dimension of a broadcasting combination of ``tensors`` (or probes) with result shape
+    ``out_shape``."""
+    n, dim = len(out_shape), None
+    reduced = None
+    for t in tensors:
+        tag = _tag_any(t)
+        if tag is None:
+            continue
+        if isinstance(tag, Lost):
+            if not tag.reduced:
+                return tag
+            reduced = tag
+            continue
+        d = tag + n - t.dim()
+        if not 0 <= d < n or out_shape[d] != t.shape[tag]:
+            return Lost(f"{what} moves the models' samples to a dimension batchlayers cannot follow")
+        if dim is None:
+            dim = d
+        elif dim != d:
+            return Lost(f"{what} combines the models' samples along two different dimensions")
+    if reduced is not None:
+        return reduced if dim is None else Lost(f"{what}, which combines samples with {reduced.reason}")
+    if dim is None:
+        return None
+    # An untagged operand that spans the model dimension (not broadcast over it) must be the same for every
+    # sample along it, as a batch-sized constant is; otherwise each model would get another model's part.
+    for t in tensors:
+        if isinstance(t, Tensor) and get_tag(t) is None:
+            k = dim - (n - t.dim())
+            if k >= 0 and t.shape[k] != 1 and not _uniform(t, k):
+                return Lost(f"{what} combines the models' samples with a value that differs along the models")
+    return dim
+
+
+def _uniform(t: Tensor, dim: int) -> bool:
+    if t.stride(dim) == 0:
+        return True
+    return bool(torch.equal(t, t.narrow(dim, 0, 1).expand_as(t)))
+
+
+def _elementwise(ctx, name, args, kwargs, out, tagged) -> None:
+    outs = _outputs(out)
+    if not outs:
+        return
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)]
+    tag = _broadcast_tag(ctx, name, tensors, outs[0].shape)
+    _tag_all(out, tag)
+
+
+def _like_self(ctx, name, args, kwargs, out, tagged) -> None:
+    """Same shape as the tensor it is called on (casts, copies, unary functions, ``*_like``): the same tag."""
+    x = args[0] if args and isinstance(args[0], Tensor) else kwargs.get("input", tagged[0].tensor)
+    _tag_all(out, get_tag(x))
+
+
+def _dim_rule(position: int, key: str, default: int | None) -> Callable:
+    """Ops along one ``dim`` keeping every other dimension (softmax, cumsum, sort, flip, ...)."""
+
+    def rule(ctx, name, args, kwargs, out, tagged) -> None:
+        first = tagged[0]
+        lost = _first_lost(tagged)
+        if lost is not None:
+            return _tag_all(out, lost)
+        dims = _arg(args, kwargs, position, key, default)
+        if key == "dims" and len(args) > position + 1:  # x.flip(0, 1)
+            dims = args[position:]
+        if dims is None:
+            return _tag_all(out, Lost(f"{name} over every dimension"))
+        dims = [dims] if isinstance(dims, int) else list(dims)
+        if first.tag in {_norm(d, len(first.shape)) for d in dims}:
+            return _tag_all(out, Lost(f"{name} along the dimension that holds the models' samples"))
+        if any(i.tag != first.tag or len(i.shape) != len(first.shape) for i in tagged):
+            return _tag_all(out, Lost(f"{name} of tensors with the models on different dimensions"))
+        _tag_all(out, first.tag)
+
+    return rule
+
+
+def _reduction(ctx, name, args, kwargs, out, tagged) -> None:
+    first = tagged[0]
+    if len(args) > 1 and isinstance(args[1], Tensor):  # torch.max(a, b) and the like: elementwise
+        return _elementwise(ctx, name, args, kwargs, out, tagged)
+    if isinstance(first.tag, Lost):
+        return _tag_all(out, first.tag)
+    ndim = len(first.shape)
+    position = 2 if name.endswith("norm") else 1  # norm(p, dim, ...), every other one (dim, ...)
+    dims = _arg(args, kwargs, position, "dim", None)
+    if dims is None or (isinstance(dims, (list, tuple)) and not dims):
+        reduced = set(range(ndim))
+    else:
+        reduced = {_norm(d, ndim) for d in ([dims] if isinstance(dims, int) else dims)}
+    d = first.tag
+    if d in reduced:
+        return _tag_all(out, Lost(f"{name} over the models' samples", reduced=True))
+    outs = _outputs(out)
+    keepdim = bool(outs) and outs[0].dim() == ndim
+    _tag_all(out, d if keepdim else d - sum(r < d for r in reduced))
+
+
+def _trailing(count: Callable[[Sequence, dict], int]) -> Callable:
+    """Ops on the last ``count`` dimensions of ``args[0]`` (layer_norm, linear, pad, ...), the others kept as
+    batch dimensions; other tensor arguments (weights) must not carry samples."""
+
+    def rule(ctx, name, args, kwargs, out, tagged) -> None:
+        x = args[0]
+        tag = get_tag(x) if isinstance(x, Tensor) else None
+        if any(i.tensor is not x for i in tagged):
+            return _tag_all(out, Lost(f"{name} with weights computed from the models' samples"))
+        if isinstance(tag, Lost):
+            return _tag_all(out, tag)
+        if tag is None or tag >= x.dim() - count(args, kwargs):
+            return _tag_all(out, Lost(f"{name} over the dimension that holds the models' samples"))
+        _tag_all(out, tag)
+
+    return rule
+
+
+def _batch_first(ctx, name, args, kwargs, out, tagged) -> None:
+    """Convolutions, pooling, resampling: dimension 0 is the batch; every other tensor argument must be a
+    weight (untagged) or hold the same samples on dimension 0 (a grid, a target)."""
+    lost = _first_lost(tagged)
+    if lost is not None:
+        return _tag_all(out, lost)
+    x = args[0] if args and isinstance(args[0], Tensor) else tagged[0].tensor
+    if get_tag(x) != 0 or any(i.tag != 0 for i in tagged):
+        return _tag_all(out, Lost(f"{name} needs the models' samples on dimension 0 (the batch)"))
+    _tag_all(out, 0)
+
+
+def _batch_norm(ctx, name, args, kwargs, out, tagged) -> None:
+    training = _arg(args, kwargs, 5, "training", False)
+    if training or any(i.tensor is not args[0] for i in tagged):
+        return _tag_all(out, Lost("F.batch_norm in training mode mixes the samples of every model"))
+    _batch_first(ctx, name, args, kwargs, out, tagged)
+
+
+def _matmul(ctx, name, args, kwargs, out, tagged) -> None:
+    outs = _outputs(out)
+    if not outs:
+        return
+    name, n = name, outs[0].dim()
+    operands = [a for a in args if isinstance(a, Tensor)]
+    extra = None
+    if name.split(".")[-1] in ("addmm", "baddbmm", "addbmm", "addmv"):
+        extra, operands = operands[0], operands[1:]
+    if len(operands) != 2:
+        return _tag_all(out, Lost(f"{name} (batchlayers has no rule for this form)"))
+    a, b = operands
+    dims = []
+    for t, role in ((a, "a"), (b, "b")):
+        tag = get_tag(t)
+        if tag is None:
+            continue
+        if isinstance(tag, Lost):
+            return _tag_all(out, tag)
+        if t.dim() < 2:
+            return _tag_all(out, Lost(f"{name} of a 1-D tensor holding the models' samples"))
+        contracted = t.dim() - 1 if role == "a" else t.dim() - 2
+        if tag == contracted:
+            return _tag_all(out, Lost(f"{name} contracts the dimension that holds the models' samples"))
+        if b.dim() == 1 and role == "a":
+            dims.append(tag)  # (..., n, k) @ (k,) -> (..., n)
+        else:
+            dims.append(tag + n - t.dim())
+        # an untagged partner that spans the model dimension as a batch dimension is not broadcast over it
+    if len(set(dims)) > 1:
+        return _tag_all(out, Lost(f"{name} combines the models' samples along two different dimensions"))
+    dim = dims[0] if dims else None
+    for t in (a, b):
+        if get_tag(t) is None and dim is not None and dim < n - 2:
+            k = dim - (n - t.dim())
+            if k >= 0 and t.shape[k] != 1 and not _uniform(t, k):
+                return _tag_all(out, Lost(f"{name} combines the models' samples with a value that differs along them"))
+    if extra is not None:
+        combined = _broadcast_tag(ctx, name, [extra, _Probe(outs[0], dim)], outs[0].shape)
+        return _tag_all(out, combined)
+    _tag_all(out, dim)
+
+
+class _Probe:
+    """Stands for an intermediate result with a known tag in :func:`_broadcast_tag`."""
+
+    def __init__(self, like: Tensor, tag: Tag) -> None:
+        self.shape, self._tag = like.shape, tag
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+
+def _tag_any(t: object) -> Tag:
+    return t._tag if isinstance(t, _Probe) else get_tag(t)
+
+
+def _sdpa(ctx, name, args, kwargs, out, tagged) -> None:
+    """scaled_dot_product_attention: every dimension but the last two is a batch dimension."""
+    tensors = [a for a in (*args[:4], kwargs.get("attn_mask")) if isinstance(a, Tensor)]
+    for i in tagged:
+        if isinstance(i.tag, int) and i.tag >= i.tensor.dim() - 2:
+            return _tag_all(out, Lost("F.scaled_dot_product_attention over the dimension that holds the samples"))
+    _tag_all(out, _broadcast_tag(ctx, "F.scaled_dot_product_attention", tensors, _outputs(out)[0].shape))
+
+
+def _reshape(ctx, name, args, kwargs, out, tagged) -> None:
+    """Row-major reshapes keep the order of elements: a model-major dimension ``d`` (M blocks of
+    ``K = shape[d] * prod(shape[d+1:])`` consecutive elements, ``prod(shape[:d])`` times) is model-major in
+    the result at the dimension ``d'`` whose prefix has the same product and whose size divides by M."""
+    first = tagged[0]
+    outs = _outputs(out)
+    if first.tensor is not args[0] or not outs:
+        return _tag_all(out, None if first.tensor is not args[0] else first.tag)
+    if isinstance(first.tag, Lost):
+        return _tag_all(out, first.tag)
+    _tag_all(out, _reshaped(first.tag, first.shape, outs[0].shape, ctx.num_models, name))
+
+
+def _reshaped(d: int, before: Sequence[int], after: Sequence[int], num_models: int, what: str) -> Tag:
+    outer = math.prod(before[:d])
+    prefix = 1
+    for k, size in enumerate(after):
+        if prefix == outer and size % num_models == 0 and size > 0:
+            return k
+        prefix *= size
+        if prefix > outer:
+            break
+    return Lost(f"{what} to {tuple(after)} splits the models' samples across dimensions")
+
+
+def _permutation(perm_of: Callable[[Sequence, dict, int], list[int]]) -> Callable:
+    def rule(ctx, name, args, kwargs, out, tagged) -> None:
+        first = tagged[0]
+        if first.tensor is not args[0] or isinstance(first.tag, Lost):
+            return _tag_all(out, first.tag)
+        perm = perm_of(args, kwargs, len(first.shape))
+        _tag_all(out, perm.index(first.tag))
+
+    return rule
+
+
+def _transpose_perm(args, kwargs, ndim) -> list[int]:
+    a, b = _norm(_arg(args, kwargs, 1, "dim0"), ndim), _norm(_arg(args, kwargs, 2, "dim1"), ndim)
+    perm = list(range(ndim))
+    perm[a], perm[b] = perm[b], perm[a]
+    return perm
+
+
+def _permute_perm(args, kwargs, ndim) -> list[int]:
+    dims = args[1:] if len(args) > 2 or (len(args) == 2 and isinstance(args[1], int)) else _arg(args, kwargs, 1, "dims")
+    return [_norm(d, ndim) for d in dims]
+
+
+def _movedim_perm(args, kwargs, ndim) -> list[int]:
+    src, dst = _arg(args, kwargs, 1, "source"), _arg(args, kwargs, 2, "destination")
+    src = [src] if isinstance(src, int) else list(src)
+    dst = [dst] if isinstance(dst, int) else list(dst)
+    src, dst = [_norm(s, ndim) for s in src], [_norm(s, ndim) for s in dst]
+    rest = iter([k for k in range(ndim) if k not in src])
+    placed = dict(zip(dst, src))
+    return [placed[k] if k in placed else next(rest) for k in range(ndim)]
+
+
+def _last_two_perm(args, kwargs, ndim) -> list[int]:
+    perm = list(range(ndim))
+    if ndim >= 2:
+        perm[-1], perm[-2] = perm[-2], perm[-1]
+    return perm
+
+
+def _reverse_perm(args, kwargs, ndim) -> list[int]:
+    return list(range(ndim))[::-1]
+
+
+def _expand(ctx, name, args, kwargs, out, tagged) -> None:
+    """expand, broadcast_to, repeat, tile: the input aligned to the right; repeating the model dimension
+    would tile the models."""
+    first = tagged[0]
+    outs = _outputs(out)
+    if first.tensor is not args[0] or not outs:
+        return _tag_all(out, None)
+    if isinstance(first.tag, Lost):
+        return _tag_all(out, first.tag)
+    d = first.tag + outs[0].dim() - len(first.shape)
+    if outs[0].shape[d] != first.shape[first.tag] and ctx.num_models > 1:
+        return _tag_all(out, Lost(f"{name} repeats the models' samples"))
+    _tag_all(out, d)
+
+
+def _repeat_interleave(ctx, name, args, kwargs, out, tagged) -> None:
+    first = tagged[0]
+    dim = _arg(args, kwargs, 2, "dim", None)
+    repeats = _arg(args, kwargs, 1, "repeats", None)
+    if isinstance(first.tag, Lost) or first.tensor is not args[0]:
+        return _tag_all(out, first.tag if isinstance(first.tag, Lost) else Lost("Tensor.repeat_interleave"))
+    if dim is None or isinstance(repeats, Tensor):
+        return _tag_all(out, Lost(f"{name} without dim or with per-element repeats"))
+    _tag_all(out, first.tag)  # repeating rows in place keeps each model's block contiguous
+
+
+def _split(position: int, default: int) -> Callable:
+    def rule(ctx, name, args, kwargs, out, tagged) -> None:
+        first = tagged[0]
+        if isinstance(first.tag, Lost) or first.tensor is not args[0]:
+            return _tag_all(out, first.tag if isinstance(first.tag, Lost) else Lost(name))
+        ndim = len(first.shape)
+        dim = _norm(_arg(args, kwargs, position, "dim", default), ndim)
+        if dim == first.tag:
+            return _tag_all(out, Lost(f"{name} along the dimension that holds the models' samples"))
+        removes = name.endswith(("unbind", "select"))
+        _tag_all(out, first.tag - (removes and dim < first.tag))
+
+    return rule
+
+
+def _index_dim(ctx, name, args, kwargs, out, tagged) -> None:
+    """index_select / gather / take_along_dim / scatter along ``dim`` (argument 1): the model dimension must
+    be another one, and an index that carries samples must carry them on the same dimension."""
+    first = get_tag(args[0])
+    dim = _arg(args, kwargs, 1, "dim")
+    lost = _first_lost(tagged)
+    if lost is not None:
+        return _tag_all(out, lost)
+    if first is None:
+        return _tag_all(out, Lost(f"{name} of a shared tensor by the models' samples"))
+    if _norm(dim, args[0].dim()) == first or any(i.tag != first for i in tagged):
+        return _tag_all(out, Lost(f"{name} along the dimension that holds the models' samples"))
+    _tag_all(out, first)
+
+
+def _cat(ctx, name, args, kwargs, out, tagged) -> None:
+    tensors = list(_arg(args, kwargs, 0, "tensors"))
+    dim = _arg(args, kwargs, 1, "dim", 0)
+    outs = _outputs(out)
+    lost = _first_lost(tagged)
+    if lost is not None:
+        return _tag_all(out, lost)
+    name = name
+    stacking = name.endswith("stack")
+    dim = _norm(dim, outs[0].dim())
+    tags = {get_tag(t) for t in tensors if get_tag(t) is not None}
+    if len(tags) > 1:
+        return _tag_all(out, Lost(f"{name} of tensors with the models on different dimensions"))
+    (d,) = tags
+    if dim == d and not stacking:
+        return _tag_all(out, Lost(f"{name} along the dimension that holds the models' samples"))
+    for t in tensors:
+        if get_tag(t) is None and t.dim() > d and t.shape[d] != 1 and not _uniform(t, d):
+            return _tag_all(out, Lost(f"{name} joins the models' samples with a value that differs along them"))
+    _tag_all(out, d + (stacking and dim <= d))
+
+
+def _getitem(ctx, name, args, kwargs, out, tagged) -> None:
+    x, index = args[0], args[1]
+    lost = _first_lost(tagged)
+    if lost is not None:
+        return _tag_all(out, lost)
+    d = get_tag(x)
+    if d is None:  # a shared table looked up by a tensor that carries samples: table[idx]
+        if isinstance(index, Tensor) and index.dtype != torch.bool and get_tag(index) is not None:
+            return _tag_all(out, get_tag(index))
+        return _tag_all(out, Lost("indexing a shared tensor with values computed from the models' samples"))
+    if any(i.tensor is not x for i in tagged):
+        return _tag_all(out, Lost("indexing by values computed from the models' samples"))
+    _tag_all(out, _index_position(x, index, d))
+
+
+def _index_position(x: Tensor, index: object, d: int) -> Tag:
+    """Where dimension ``d`` of ``x`` goes in ``x[index]``, or Lost if it is indexed into."""
+    items = index if isinstance(index, tuple) else (index,)
+
+    def advanced(it: object) -> bool:
+        return isinstance(it, (list, Tensor)) and not (isinstance(it, Tensor) and it.dim() == 0)
+
+    if sum(advanced(it) for it in items) > 1:
+        return Lost("indexing a tensor holding the models' samples with several index tensors")
+    consumed = sum(
+        (it.dim() if isinstance(it, Tensor) and it.dtype == torch.bool else 1)
+        for it in items
+        if it is not None and it is not Ellipsis
+    )
+    in_dim = out_dim = 0
+    for it in items:
+        if it is Ellipsis:
+            skip = x.dim() - consumed
+            if in_dim <= d < in_dim + skip:
+                return out_dim + d - in_dim
+            in_dim += skip
+            out_dim += skip
+        elif it is None:
+            out_dim += 1
+        elif isinstance(it, slice):
+            if in_dim == d:
+                full = it.step in (None, 1) and it.start in (None, 0) and (it.stop is None or it.stop >= x.shape[d])
+                return out_dim if full else Lost("slicing into the dimension that holds the models' samples")
+            in_dim += 1
+            out_dim += 1
+        elif advanced(it):  # one index tensor, list or mask: its result dimensions replace the ones it indexes
+            width = it.dim() if isinstance(it, Tensor) and it.dtype == torch.bool else 1
+            if in_dim <= d < in_dim + width:
+                return Lost("advanced indexing into the dimension that holds the models' samples")
+            in_dim += width
+            out_dim += 1 if isinstance(it, Tensor) and it.dtype == torch.bool else torch.as_tensor(it).dim()
+        else:  # an int (or a 0-dim tensor) removes the dimension
+            if in_dim == d:
+                return Lost("indexing into the dimension that holds the models' samples")
+            in_dim += 1
+    return out_dim + d - in_dim  # dimensions after the index are kept in order
+
+
+def _setitem(ctx, name, args, kwargs, out, tagged) -> None:
+    x, index, value = args[0], args[1], args[2]
+    d = get_tag(x)
+    vtag = get_tag(value) if isinstance(value, Tensor) else None
+    if isinstance(d, Lost):
+        return
+    if d is None:
+        if vtag is not None:
+            set_tag(x, Lost("writing the models' samples into a tensor shared by all models"))
+        return
+    position = _index_position(x, index, d)
+    if isinstance(position, Lost):
+        return set_tag(x, Lost("writing into part of the models' samples (x[i] = ...)"))
+    if isinstance(vtag, Lost) or (isinstance(vtag, int) and isinstance(value, Tensor)):
+        view = x[index]
+        tag = _broadcast_tag(ctx, "Tensor.__setitem__", [_Probe(view, position), value], view.shape)
+        if tag != position:
+            set_tag(x, tag if isinstance(tag, Lost) else Lost("writing samples of other models (x[...] = y)"))
+
+
+def _inplace_elementwise(ctx, name, args, kwargs, out, tagged) -> None:
+    """``x.add_(y)``, ``x += y``, ``x.copy_(y)``: ``x`` gets the combined tag."""
+    x = args[0]
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)]
+    if name.endswith("copy_"):
+        tensors = [_Probe(x, None), *tensors[1:]]
+    set_tag(x, _broadcast_tag(ctx, name, tensors, x.shape))
+
+
+def _size(ctx, name, args, kwargs, out, tagged) -> None:
+    """``x.size()``, ``x.shape``, ``len(x)``: note when a size that holds the batch leaves a tagged tensor
+    as an int (see "Sizes" in the module docstring)."""
+    x = args[0]
+    d = get_tag(x)
+    if not isinstance(d, int):
+        return
+    which = 0 if name.endswith("__len__") else _arg(args, kwargs, 1, "dim", None)
+    if which is None or _norm(which, x.dim()) == d:
+        ctx.size_read = True
+
+
+# Where ``reduction`` sits among the positional arguments of each loss function.
+_REDUCTION_POSITION = {
+    "cross_entropy": 6, "nll_loss": 6, "mse_loss": 4, "l1_loss": 4, "smooth_l1_loss": 4, "huber_loss": 2,
+    "binary_cross_entropy": 5, "binary_cross_entropy_with_logits": 5, "kl_div": 4, "soft_margin_loss": 4,
+    "poisson_nll_loss": 7, "gaussian_nll_loss": 5,
+}  # fmt: skip
+
+
+def _loss(ctx, name, args, kwargs, out, tagged) -> None:
+    short = name.split(".")[-1]
+    reduction = _arg(args, kwargs, _REDUCTION_POSITION[short], "reduction", "mean")
+    lost = _first_lost(tagged)
+    if lost is not None:
+        return _tag_all(out, lost)
+    if reduction != "none":
+        return _tag_all(out, Lost(f"{name} with reduction='{reduction}'", reduced=True))
+    if short in ("cross_entropy", "nll_loss"):
+        return _batch_first(ctx, name, args, kwargs, out, tagged)
+    _elementwise(ctx, name, args[:2], {}, out, tagged)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Creation of batch-sized tensors after the folded size was read
+
+
+def _uniform_creator(ctx: Tracker, out: object) -> None:
+    if isinstance(out, Tensor) and ctx.num_models > 1 and ctx.folded in out.shape:
+        set_tag(out, list(out.shape).index(ctx.folded))
+
+
+_CREATORS: dict[Callable, Callable] = {}
+for _n in ("zeros", "ones", "full", "empty", "rand", "randn", "randint", "normal"):
+    _CREATORS[getattr(torch, _n)] = _uniform_creator
+
+
+def _new_creator(ctx, name, args, kwargs, out, tagged) -> None:
+    """``x.new_zeros(size)`` and friends: a new tensor, not x's samples (batch-sized ones as above)."""
+    set_tag(out, None)
+    if ctx.size_read:
+        _uniform_creator(ctx, out)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The table
+
+_RULES: dict[Callable, Callable] = {}
+
+
+def _add(rule: Callable, names: str, *, torch_: bool = True, method: bool = True, functional: bool = True) -> None:
+    owners = ((torch, "torch", torch_), (torch.Tensor, "Tensor", method), (F, "F", functional))
+    owners += ((torch.special, "torch.special", torch_),)
+    for name in names.split():
+        for owner, prefix, ok in owners:
+            fn = getattr(owner, name, None) if ok else None
+            if fn is not None and callable(fn):
+                _RULES.setdefault(fn, (rule, f"{prefix}.{name}"))
+
+
+_ELEMENTWISE = """
+add sub subtract mul multiply div divide true_divide floor_divide remainder fmod pow float_power where
+maximum minimum fmax fmin masked_fill clamp clip clamp_min clamp_max lerp addcmul addcdiv hypot atan2 logaddexp
+eq ne lt le gt ge equal greater less greater_equal less_equal not_equal logical_and logical_or logical_xor
+bitwise_and bitwise_or bitwise_xor bitwise_not copysign xlogy heaviside isclose nan_to_num
+__add__ __radd__ __sub__ __rsub__ __mul__ __rmul__ __truediv__ __rtruediv__ __div__ __rdiv__ __floordiv__
+__rfloordiv__ __mod__ __rmod__ __pow__ __rpow__ __and__ __rand__ __or__ __ror__ __xor__ __rxor__
+__eq__ __ne__ __lt__ __le__ __gt__ __ge__
+"""
+_UNARY = """
+neg negative abs absolute exp exp2 expm1 log log2 log10 log1p sqrt rsqrt square reciprocal sign sgn signbit sin cos
+tan asin acos atan sinh cosh tanh asinh acosh atanh sigmoid logit erf erfc erfinv floor ceil round trunc frac
+isnan isinf isfinite isneginf isposinf logical_not relu relu6 gelu silu mish elu selu celu leaky_relu hardtanh
+hardswish hardsigmoid hardshrink softshrink tanhshrink softsign softplus logsigmoid threshold rrelu
+dropout alpha_dropout feature_alpha_dropout contiguous clone detach to type type_as float double half bfloat16
+int long short bool byte char cpu cuda requires_grad_ detach_ zero_ fill_ normal_ uniform_ bernoulli bernoulli_
+zeros_like ones_like empty_like full_like rand_like randn_like randint_like pin_memory __neg__ __pos__ __abs__
+__invert__ positive conj resolve_conj resolve_neg __deepcopy__ exponential_ geometric_ cauchy_ log_normal_ random_
+nan_to_num_ clamp_ clip_ relu_ sigmoid_ tanh_ elu_ leaky_relu_ hardtanh_ silu_ gelu_ softplus_
+"""
+_INPLACE = """
+add_ sub_ mul_ div_ pow_ masked_fill_ copy_ lerp_ addcmul_ addcdiv_ maximum_ minimum_ where_ floor_divide_
+remainder_ fmod_ logical_and_ logical_or_ __iadd__ __isub__ __imul__ __itruediv__ __idiv__ __ipow__ __iand__
+__ior__ __ixor__ __ifloordiv__ __imod__
+"""
+_add(_elementwise, _ELEMENTWISE)
+_add(_like_self, _UNARY)
+_add(_inplace_elementwise, _INPLACE)
+_add(_reduction, "sum nansum mean nanmean prod amax amin max min argmax argmin std var norm logsumexp all any")
+_add(_reduction, "count_nonzero median nanmedian mode aminmax std_mean var_mean")
+_add(_dim_rule(1, "dim", None), "softmax log_softmax softmin cumsum cumprod cummax cummin logcumsumexp")
+_add(_dim_rule(1, "dim", -1), "sort argsort msort")
+_add(_dim_rule(1, "dims", None), "flip")
+_add(_dim_rule(2, "dim", -1), "topk kthvalue")
+_add(_dim_rule(2, "dim", 1), "normalize")
+_add(_dim_rule(1, "dim", -1), "glu")
+_add(_dim_rule(2, "dims", None), "roll")
+_add(_dim_rule(4, "dim", -1), "gumbel_softmax")
+_add(_trailing(lambda a, k: 1), "linear")
+_add(_trailing(lambda a, k: len(_arg(a, k, 1, "normalized_shape"))), "layer_norm rms_norm")
+_add(_trailing(lambda a, k: 2), "triu tril triu_ tril_")
+_add(_trailing(lambda a, k: len(_arg(a, k, 1, "pad")) // 2), "pad")
+_add(_trailing(lambda a, k: 0), "one_hot")
+_add(
+    _batch_first,
+    """
+conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d max_pool1d max_pool2d max_pool3d
+avg_pool1d avg_pool2d avg_pool3d adaptive_avg_pool1d adaptive_avg_pool2d adaptive_avg_pool3d adaptive_max_pool1d
+adaptive_max_pool2d adaptive_max_pool3d lp_pool1d lp_pool2d lp_pool3d max_pool1d_with_indices
+max_pool2d_with_indices max_pool3d_with_indices adaptive_max_pool1d_with_indices adaptive_max_pool2d_with_indices
+interpolate upsample upsample_nearest upsample_bilinear grid_sample affine_grid pixel_shuffle pixel_unshuffle
+channel_shuffle native_channel_shuffle fold group_norm instance_norm local_response_norm dropout1d
+dropout2d dropout3d
+""",
+    method=False,
+)
+_add(_batch_norm, "batch_norm", method=False, torch_=False)
+_add(_matmul, "matmul mm bmm addmm baddbmm __matmul__ mv addmv")
+_add(_sdpa, "scaled_dot_product_attention")
+_add(_reshape, "view reshape flatten unflatten view_as reshape_as squeeze unsqueeze squeeze_ unsqueeze_ ravel")
+_add(_permutation(_transpose_perm), "transpose swapaxes swapdims transpose_")
+_add(_permutation(_permute_perm), "permute")
+_add(_permutation(_movedim_perm), "movedim moveaxis")
+_add(_permutation(_last_two_perm), "t t_")
+_add(_expand, "expand expand_as broadcast_to repeat tile")
+_add(_repeat_interleave, "repeat_interleave")
+_add(_split(2, 0), "split chunk tensor_split split_with_sizes unsafe_split")
+_add(_split(1, 0), "unbind")
+_add(_split(1, None), "select narrow")
+_add(_index_dim, "index_select gather scatter scatter_add scatter_reduce index_add index_copy")
+_add(_cat, "cat concat concatenate stack")
+_add(_loss, "cross_entropy nll_loss mse_loss l1_loss smooth_l1_loss huber_loss binary_cross_entropy", method=False)
+_add(_loss, "binary_cross_entropy_with_logits kl_div soft_margin_loss poisson_nll_loss gaussian_nll_loss", method=False)
+_add(_new_creator, "new_zeros new_ones new_full new_empty new_tensor", torch_=False, functional=False)
+_add(_size, "size __len__", torch_=False, functional=False)
+_RULES[torch.Tensor.shape.__get__] = (_size, "Tensor.shape")
+_RULES[torch.Tensor.__getitem__] = (_getitem, "Tensor.__getitem__")
+_RULES[torch.Tensor.__setitem__] = (_setitem, "Tensor.__setitem__")
+_RULES[torch.Tensor.mT.__get__] = (_permutation(_last_two_perm), "Tensor.mT")
+_RULES[torch.Tensor.T.__get__] = (_permutation(_reverse_perm), "Tensor.T")
+_RULES[torch.Tensor.data.__get__] = (_like_self, "Tensor.data")
+_RULES[F.embedding] = (_trailing(lambda a, k: 0), "F.embedding")
+# Reading properties that are not tensors, and methods that return no tensor: nothing to tag.
+for _fn in (torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.stride, torch.Tensor.is_contiguous,
+            torch.Tensor.dtype.__get__, torch.Tensor.device.__get__, torch.Tensor.requires_grad.__get__,
+            torch.Tensor.ndim.__get__, torch.Tensor.is_floating_point, torch.Tensor.element_size,
+            torch.Tensor.data_ptr, torch.Tensor.__hash__, torch.Tensor.__repr__, torch.Tensor.__format__,
+            torch.Tensor.register_hook, torch.Tensor.retain_grad, torch.Tensor.grad.__get__,
+            torch.Tensor.is_leaf.__get__, torch.Tensor.layout.__get__, torch.Tensor.untyped_storage,
+            torch.Tensor.storage_offset, torch.Tensor.nelement, torch.Tensor.get_device,
+            torch.Tensor.is_cuda.__get__, torch.Tensor.grad_fn.__get__,
+            torch.Tensor.__bool__, torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__int__,
+            torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.backward):  # fmt: skip
+    _RULES.setdefault(_fn, (lambda *a: None, ""))

@@ -1,0 +1,238 @@
+"""The trap suite: code patterns where a tensor's size says nothing about whether it carries the models'
+samples. Each must be exact against the N original models, or refused with a clear error: never a silent
+wrong result (batchlayers._provenance knows which tensors carry samples instead of guessing from sizes)."""
+
+from __future__ import annotations
+
+import threading
+
+import models as zoo
+import pytest
+import torch
+import torch.nn.functional as F
+from convert_harness import compare_training, seeded
+from harness import assert_close
+from torch import nn
+
+from batchlayers.convert import stack
+
+
+class RelativeBias(nn.Module):
+    """A batchless (T, T) relative-position index looked up in an embedding (Swin, T5-style bias)."""
+
+    def __init__(self, seq: int = 6, features: int = 4, read_sizes: bool = False) -> None:
+        super().__init__()
+        self.proj = nn.Linear(features, features)
+        self.table = nn.Embedding(2 * seq - 1, 1)
+        index = torch.arange(seq)[:, None] - torch.arange(seq)[None, :] + seq - 1
+        self.register_buffer("rel_index", index)
+        self.read_sizes = read_sizes
+
+    def forward(self, x):
+        if self.read_sizes:
+            B, T, C = x.shape  # noqa: F841 (the folded batch size now lives in plain ints)
+        scores = self.proj(x) @ x.transpose(1, 2)
+        bias = self.table(self.rel_index).squeeze(-1)
+        return torch.softmax(scores + bias, -1) @ x
+
+
+class FlatTokens(nn.Module):
+    """Tokens flattened to (B*T, C) around the layers, as HF's Conv1D and many MLP blocks do."""
+
+    def __init__(self, features: int = 4) -> None:
+        super().__init__()
+        self.fc = nn.Linear(features, 2 * features)
+        self.norm = nn.LayerNorm(2 * features)
+        self.emb = nn.Embedding(5, 2 * features)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        ids = (x.detach().reshape(-1, C)[:, 0] > 0).long()  # (B*T,) ids computed from the samples
+        h = self.norm(self.fc(x.reshape(-1, C)) + self.emb(ids))
+        return h.view(B, T, -1)
+
+
+class TimeMajor(nn.Module):
+    """Layers applied to a time-major (T, B, C) view, the seq2seq / RNN-era layout."""
+
+    def __init__(self, features: int = 4) -> None:
+        super().__init__()
+        self.fc = nn.Linear(features, features)
+        self.norm = nn.LayerNorm(features)
+
+    def forward(self, x):
+        h = x.transpose(0, 1)  # (T, B, C)
+        h = self.norm(self.fc(h) + h)
+        return h.transpose(0, 1)
+
+
+def _sequences(seq: int):
+    return lambda lead: torch.randn(*lead, seq, 4, dtype=torch.float64)
+
+
+# (factory, input maker, batch): M=2 models throughout, so M*B = 6 equals the sequence length 6 where B=3.
+EXACT = {
+    "relative-index T == M*B": (RelativeBias, _sequences(6), 3),
+    "relative-index T != M*B": (RelativeBias, _sequences(6), 2),
+    "flattened tokens": (FlatTokens, _sequences(5), 3),
+    "flattened tokens T == M*B": (FlatTokens, _sequences(6), 3),
+    "time-major": (TimeMajor, _sequences(5), 3),
+    "time-major T == M*B": (TimeMajor, _sequences(6), 3),
+    "GPT length-1 sequence, (T,) positions": (lambda: zoo.GPT(zoo.GPTConfig(position_indices="T")), None, 3),
+    "GPT length-1 sequence, (1, T) positions": (lambda: zoo.GPT(zoo.GPTConfig(position_indices="1T")), None, 3),
+}
+
+
+@pytest.mark.parametrize("case", list(EXACT))
+def test_exact_where_sizes_coincide(case: str) -> None:
+    factory, make_input, batch = EXACT[case]
+    kwargs = {}
+    if make_input is None:  # the GPTs: one token per sequence
+        make_input, kwargs = (lambda lead: torch.randint(0, 11, (*lead, 1))), {"logits": lambda out: out.logits}
+    models = [seeded(factory, i) for i in range(2)]
+    compare_training(stack(models), [seeded(factory, i) for i in range(2)], make_input, batch=batch, **kwargs)
+
+
+def _refused(model: nn.Module, x: torch.Tensor, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        model(x)
+    assert torch.overrides._get_current_function_mode_stack() == []
+
+
+def test_batchless_index_of_the_folded_size_after_reading_sizes_is_refused() -> None:
+    """Once ``x.shape`` put M*B into plain ints, a (T, T) index with T == M*B may be batch-sized: refused,
+    naming the layer; with T != M*B the same model is exact."""
+    factory = lambda: RelativeBias(read_sizes=True)  # noqa: E731
+    batched = stack([seeded(factory, i) for i in range(2)])
+    _refused(batched, torch.randn(2, 3, 6, 4, dtype=torch.float64), r"table.*ambiguous.*\(6, 6\).*M\*B = 2\*3 = 6")
+    compare_training(batched, [seeded(factory, i) for i in range(2)], _sequences(6), batch=2)
+
+
+class _Mixes(nn.Module):
+    """Forward code that mixes or loses the models' rows before a layer or at the output."""
+
+    def __init__(self, pattern: str) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.pattern = pattern
+
+    def forward(self, x):
+        B = x.size(0)
+        if self.pattern == "mean over the batch":
+            return self.fc(x - x.mean(0))
+        if self.pattern == "roll over the batch":
+            return self.fc(torch.roll(x, 1, 0))
+        if self.pattern == "first sample for everyone":
+            return self.fc(x[0].expand_as(x))
+        if self.pattern == "per-sample arange":
+            return self.fc(x + torch.arange(B, dtype=x.dtype)[:, None])
+        if self.pattern == "batch-sized arange output":
+            return self.fc(x), torch.arange(B)
+        if self.pattern == "gather last token by arange":
+            return self.fc(x)[torch.arange(B), 0]
+        if self.pattern == "time-major flattened":
+            return self.fc(x.unsqueeze(0).transpose(0, 1).reshape(-1, 4))
+        if self.pattern == "unknown op":
+            return self.fc(torch.fft.fft(x).real)
+        raise AssertionError(self.pattern)
+
+
+REFUSED = {
+    "mean over the batch": r"fc.*Tensor.sub, which combines samples with Tensor.mean over the models. samples",
+    "roll over the batch": r"fc.*torch.roll along the dimension that holds the models' samples",
+    "first sample for everyone": r"fc.*indexing into the dimension that holds the models' samples",
+    "per-sample arange": r"fc.*combines the models' samples with a value that differs along the models",
+    "batch-sized arange output": r"output\[1\] is ambiguous.*\(6,\)",
+    "gather last token by arange": r"output.*advanced indexing into the dimension",
+    "unknown op": r"fc.*torch.fft.fft \(batchlayers has no rule for it\)",
+}
+
+
+@pytest.mark.parametrize("pattern", list(REFUSED))
+def test_refused_where_rows_cannot_be_assigned(pattern: str) -> None:
+    batched = stack([_Mixes(pattern), _Mixes(pattern)])
+    _refused(batched, torch.randn(2, 3, 4), REFUSED[pattern])
+
+
+def test_refused_patterns_are_exact_for_one_model() -> None:
+    """With M=1 every row is the one model's: nothing to assign, so nothing is refused."""
+    for pattern in ("mean over the batch", "roll over the batch", "first sample for everyone"):
+        model = _Mixes(pattern).double()
+        x = torch.randn(1, 3, 4, dtype=torch.float64)
+        assert_close(stack([model])(x), model(x[0]).unsqueeze(0), msg=pattern)
+
+
+class _Interrupted(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(4, 4)
+        self.fc2 = nn.Linear(4, 4)
+        self.error: BaseException | None = None
+
+    def forward(self, x):
+        h = self.fc1(x)
+        if self.error is not None:
+            raise self.error
+        return self.fc2(h)
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt(), RuntimeError("boom")], ids=lambda e: type(e).__name__)
+def test_an_interrupted_forward_leaves_nothing_behind(error: BaseException) -> None:
+    models = [seeded(_Interrupted, i) for i in range(2)]
+    batched = stack(models)
+    batched.error = error
+    with pytest.raises(type(error)):
+        batched(torch.randn(2, 3, 4, dtype=torch.float64))
+    batched.error = None
+    x = torch.randn(2, 3, 4, dtype=torch.float64)
+    assert_close(batched(x), torch.stack([m(xi) for m, xi in zip(models, x)]), msg="output after the interruption")
+    assert torch.overrides._get_current_function_mode_stack() == []
+
+
+def test_threads_each_run_their_own_call() -> None:
+    factory = lambda: zoo.GPT(zoo.GPTConfig(position_indices="1T"))  # noqa: E731
+    models = [seeded(factory, i) for i in range(2)]
+    batched = stack(models)
+    inputs = [torch.randint(0, 11, (2, b, 8)) for b in (1, 2, 3, 4)]
+    results: dict[int, torch.Tensor] = {}
+
+    def run(k: int) -> None:
+        for _ in range(5):
+            results[k] = batched(inputs[k]).logits
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(len(inputs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for k, x in enumerate(inputs):
+        expected = torch.stack([m(xi).logits for m, xi in zip(models, x)])
+        assert_close(results[k], expected, msg=f"thread {k}")
+
+
+def test_flat_output_is_split_per_model() -> None:
+    """An output flattened to (M*B*out,) is model-major: model i's own flattened output."""
+    models = [seeded(lambda: nn.Sequential(nn.Linear(4, 3), nn.Flatten(0)), i) for i in range(2)]
+    x = torch.randn(2, 5, 4, dtype=torch.float64)
+    out = stack(models)(x)
+    assert out.shape == (2, 15)
+    assert_close(out, torch.stack([m(xi) for m, xi in zip(models, x)]), msg="flattened output")
+
+
+def test_loss_reduced_over_every_model_is_returned_as_it_is() -> None:
+    """A 0-dim value reduced over all samples (a loss) passes; a non-0-dim one mixing models is refused."""
+    batched = stack([nn.Linear(4, 2), nn.Linear(4, 2)])
+    x = torch.randn(2, 3, 4)
+    assert batched(x).shape == (2, 3, 2)
+
+    class LossOut(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 2)
+
+        def forward(self, x, y):
+            return F.mse_loss(self.fc(x), y), self.fc(x).sum(0)
+
+    loss_model = stack([LossOut(), LossOut()])
+    with pytest.raises(ValueError, match=r"output\[1\].*Tensor.sum over the models' samples"):
+        loss_model(x, torch.randn(2, 3, 2))
