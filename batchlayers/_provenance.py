@@ -116,7 +116,9 @@ class Tracker(TorchFunctionMode):
             lost = _first_lost(tagged) if all(isinstance(i.tag, Lost) for i in tagged) else None
             _tag_all(out, lost or Lost(f"{_name(func)} (batchlayers has no rule for it)"))
         else:
-            entry[0](self, entry[1], args, kwargs, out, tagged)
+            replaced = entry[0](self, entry[1], args, kwargs, out, tagged)
+            if replaced is not None:  # a rule that computes the op per model (in-forward losses)
+                return replaced
         return out
 
     def pause(self) -> None:
@@ -674,11 +676,41 @@ def _loss(ctx, name, args, kwargs, out, tagged) -> None:
     lost = _first_lost(tagged)
     if lost is not None:
         return _tag_all(out, lost)
+    if reduction == "mean" and short in ("cross_entropy", "nll_loss"):
+        return _mean_of_model_means(ctx, name, args, kwargs, tagged)
     if reduction != "none":
         return _tag_all(out, Lost(f"{name} with reduction='{reduction}'", reduced=True))
     if short in ("cross_entropy", "nll_loss"):
         return _batch_first(ctx, name, args, kwargs, out, tagged)
     _elementwise(ctx, name, args[:2], {}, out, tagged)
+
+
+def _mean_of_model_means(ctx, name, args, kwargs, tagged) -> Tensor | None:
+    """``F.cross_entropy``/``F.nll_loss`` with ``reduction='mean'`` over the folded batch, as the mean of the
+    M per-model losses. torch's mean divides by the number of valid targets (or their summed class weights)
+    of the whole folded batch; with ``ignore_index`` or class weights those differ between models, and that
+    global mean would give each model a wrongly scaled gradient. Per model, each is divided by its own."""
+    x, target = args[0], args[1]
+    weight = _arg(args, kwargs, 2, "weight", None)
+    ignore_index = _arg(args, kwargs, 4, "ignore_index", -100)
+    smoothing = _arg(args, kwargs, 7, "label_smoothing", 0.0) if name.endswith("cross_entropy") else 0.0
+    if target.dtype.is_floating_point:  # class probabilities: every row counts, the same number per model
+        return None
+    if get_tag(x) != 0 or get_tag(target) != 0 or (smoothing and weight is not None):
+        raise ValueError(
+            f"{name} with reduction='mean' inside a stacked forward: its rows cannot be assigned to models (the "
+            "logits and targets must hold the models' samples on dimension 0), or label smoothing is combined "
+            "with class weights; compute per-model losses from the outputs with batchlayers.losses instead"
+        )
+    fn = F.cross_entropy if name.endswith("cross_entropy") else F.nll_loss
+    extra = {"label_smoothing": smoothing} if smoothing else {}
+    per_row = fn(x, target, weight=weight, ignore_index=ignore_index, reduction="none", **extra)
+    valid = target != ignore_index
+    counts = valid if weight is None else weight[torch.where(valid, target, 0)] * valid
+    m = ctx.num_models
+    loss = (per_row.reshape(m, -1).sum(1) / counts.reshape(m, -1).sum(1)).mean()
+    set_tag(loss, Lost(f"{name} with reduction='mean' (the mean of the per-model losses)", reduced=True))
+    return loss
 
 
 # ----------------------------------------------------------------------------------------------------------

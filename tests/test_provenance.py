@@ -236,3 +236,35 @@ def test_loss_reduced_over_every_model_is_returned_as_it_is() -> None:
     loss_model = stack([LossOut(), LossOut()])
     with pytest.raises(ValueError, match=r"output\[1\].*Tensor.sum over the models' samples"):
         loss_model(x, torch.randn(2, 3, 2))
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "class-weights"])
+def test_in_forward_loss_with_ignore_index_is_the_mean_of_per_model_losses(weighted: bool) -> None:
+    """With ignore_index (and class weights) the models have different numbers of valid targets: the loss
+    is still the mean of the per-model losses, so loss * M gives each model exactly its own gradient."""
+
+    class Classifier(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 3)
+            self.register_buffer("class_weight", torch.tensor([1.0, 2.0, 0.5]) if weighted else None)
+
+        def forward(self, x, y):
+            logits = self.fc(x)
+            return F.cross_entropy(logits.view(-1, 3), y.view(-1), weight=self.class_weight, ignore_index=-1)
+
+    models = [seeded(Classifier, i) for i in range(3)]
+    references = [seeded(Classifier, i) for i in range(3)]
+    batched = stack(models)
+    x = torch.randn(3, 4, 5, 4, dtype=torch.float64)
+    y = torch.randint(0, 3, (3, 4, 5))
+    y[0, :3] = -1  # model 0: 5 valid targets, model 1: 17, model 2: 20
+    y[1, 0, :3] = -1
+    loss = batched(x, y)
+    ref_losses = [r(x[i], y[i]) for i, r in enumerate(references)]
+    assert_close(loss, torch.stack(ref_losses).mean(), msg="loss")
+    (loss * batched.num_models).backward()
+    torch.stack(ref_losses).sum().backward()
+    for name, p in batched.named_parameters():
+        ref = torch.stack([dict(r.named_parameters())[name].grad for r in references])
+        assert_close(p.grad, ref, msg=f"gradient of {name}")
