@@ -255,33 +255,34 @@ class UnfoldLeafInputs:
     def _unfold(self, layer: nn.Module, args: tuple, kwargs: dict, call: _Call) -> tuple[tuple, dict]:
         num_models = call.num_models
         tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, Tensor) and t.dim() > 0]
-        dims = set()
+        layouts = set()  # (model dimension, its size) of each input that carries samples
         for t in tensors:
             tag = get_tag(t)
-            if isinstance(tag, Lost) and num_models > 1:
-                raise ValueError(
-                    f"{layer_name(layer)}: its input (shape {tuple(t.shape)}) was computed from the models' samples "
-                    f"by {tag.reason}, so batchlayers cannot tell which model each row belongs to"
-                )
+            if isinstance(tag, Lost):
+                if num_models > 1:
+                    raise ValueError(
+                        f"{layer_name(layer)}: its input (shape {tuple(t.shape)}) was computed from the models' "
+                        f"samples by {tag.reason}, so batchlayers cannot tell which model each row belongs to"
+                    )
+                tag = 0  # one model: every row is its own
             if tag is None:
                 _refuse_batch_sized(layer_name(layer), "its input", t, call, anywhere=False)
             else:
-                dims.add(0 if isinstance(tag, Lost) else tag)
-        if len(dims) > 1:
-            raise ValueError(f"{layer_name(layer)}: its inputs hold the models' samples on different dimensions")
-        dim = dims.pop() if dims else 0
+                layouts.add((tag, t.shape[tag]))
+        if len(layouts) > 1:
+            raise ValueError(
+                f"{layer_name(layer)}: its inputs hold the models' samples on different dimensions or in different "
+                f"numbers: (dimension, size) {sorted(layouts)}"
+            )
+        dim, size = layouts.pop() if layouts else (0, None)
         if dim:
             trailing = getattr(layer, "_rowwise_trailing_dims", None)
-            too_far = any(dim >= t.dim() - trailing for t in tensors) if trailing is not None else True
-            if too_far:
+            if trailing is None or any(dim >= t.dim() - trailing for t in tensors):
                 raise ValueError(
                     f"{layer_name(layer)}: its input has the models' samples on dimension {dim} (e.g. time-major), "
                     f"but {type(layer).__name__} needs them on dimension 0, as the batch dimension"
                 )
-        broadcast = not any(get_tag(t) is not None for t in tensors)
-        per_model = None
-        if not broadcast:
-            per_model = next(t.shape[dim] for t in tensors if get_tag(t) is not None) // num_models
+        broadcast = size is None
         call.leaves.setdefault(id(layer), []).append((broadcast, dim))
 
         def unfold(t: object) -> object:
@@ -294,7 +295,7 @@ class UnfoldLeafInputs:
             # (T,) keeps its one dimension (T may be 1)
             rest = t.shape[1:] if t.dim() >= 2 and t.shape[0] == 1 else t.shape
             shared = t.reshape(1, 1, *rest).expand(num_models, 1, *rest)
-            return shared if broadcast else shared.expand(num_models, per_model, *rest)
+            return shared if broadcast else shared.expand(num_models, size // num_models, *rest)
 
         return tuple(unfold(a) for a in args), {k: unfold(v) for k, v in kwargs.items()}
 

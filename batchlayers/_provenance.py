@@ -240,18 +240,17 @@ def _broadcast_tag(ctx: Tracker, what: str, tensors: Sequence, out_shape: Sequen
         return None
     # An untagged operand that spans the model dimension (not broadcast over it) must be the same for every
     # sample along it, as a batch-sized constant is; otherwise each model would get another model's part.
-    for t in tensors:
-        if isinstance(t, Tensor) and get_tag(t) is None:
-            k = dim - (n - t.dim())
-            if k >= 0 and t.shape[k] != 1 and not _uniform(t, k):
-                return Lost(f"{what} combines the models' samples with a value that differs along the models")
+    if any(isinstance(t, Tensor) and _differs_along(t, dim - (n - t.dim())) for t in tensors):
+        return Lost(f"{what} combines the models' samples with a value that differs along the models")
     return dim
 
 
-def _uniform(t: Tensor, dim: int) -> bool:
-    if t.stride(dim) == 0:
-        return True
-    return bool(torch.equal(t, t.narrow(dim, 0, 1).expand_as(t)))
+def _differs_along(t: Tensor, dim: int) -> bool:
+    """An untagged ``t`` spans dimension ``dim`` (not broadcast over it) with values that are not the same
+    all along it. A batch-sized constant does not; a sequence or per-sample indices of that length do."""
+    if get_tag(t) is not None or not 0 <= dim < t.dim() or t.shape[dim] == 1 or t.stride(dim) == 0:
+        return False
+    return not torch.equal(t, t.narrow(dim, 0, 1).expand_as(t))
 
 
 def _elementwise(ctx, name, args, kwargs, out, tagged) -> None:
@@ -354,7 +353,7 @@ def _matmul(ctx, name, args, kwargs, out, tagged) -> None:
     outs = _outputs(out)
     if not outs:
         return
-    name, n = name, outs[0].dim()
+    n = outs[0].dim()
     operands = [a for a in args if isinstance(a, Tensor)]
     extra = None
     if name.split(".")[-1] in ("addmm", "baddbmm", "addbmm", "addmv"):
@@ -378,15 +377,12 @@ def _matmul(ctx, name, args, kwargs, out, tagged) -> None:
             dims.append(tag)  # (..., n, k) @ (k,) -> (..., n)
         else:
             dims.append(tag + n - t.dim())
-        # an untagged partner that spans the model dimension as a batch dimension is not broadcast over it
     if len(set(dims)) > 1:
         return _tag_all(out, Lost(f"{name} combines the models' samples along two different dimensions"))
     dim = dims[0] if dims else None
-    for t in (a, b):
-        if get_tag(t) is None and dim is not None and dim < n - 2:
-            k = dim - (n - t.dim())
-            if k >= 0 and t.shape[k] != 1 and not _uniform(t, k):
-                return _tag_all(out, Lost(f"{name} combines the models' samples with a value that differs along them"))
+    # an untagged partner that spans the model dimension as a batch dimension must be the same all along it
+    if dim is not None and dim < n - 2 and any(_differs_along(t, dim - (n - t.dim())) for t in (a, b)):
+        return _tag_all(out, Lost(f"{name} combines the models' samples with a value that differs along them"))
     if extra is not None:
         combined = _broadcast_tag(ctx, name, [extra, _Probe(outs[0], dim)], outs[0].shape)
         return _tag_all(out, combined)
@@ -421,11 +417,11 @@ def _reshape(ctx, name, args, kwargs, out, tagged) -> None:
     ``K = shape[d] * prod(shape[d+1:])`` consecutive elements, ``prod(shape[:d])`` times) is model-major in
     the result at the dimension ``d'`` whose prefix has the same product and whose size divides by M."""
     first = tagged[0]
-    outs = _outputs(out)
-    if first.tensor is not args[0] or not outs:
-        return _tag_all(out, None if first.tensor is not args[0] else first.tag)
+    if first.tensor is not args[0]:  # x.view_as(y) with only y tagged: x's values, y's shape
+        return _tag_all(out, None)
     if isinstance(first.tag, Lost):
         return _tag_all(out, first.tag)
+    outs = _outputs(out)
     _tag_all(out, _reshaped(first.tag, first.shape, outs[0].shape, ctx.num_models, name))
 
 
@@ -527,7 +523,7 @@ def _split(position: int, default: int) -> Callable:
 
 
 def _index_dim(ctx, name, args, kwargs, out, tagged) -> None:
-    """index_select / gather / take_along_dim / scatter along ``dim`` (argument 1): the model dimension must
+    """index_select / gather / scatter / index_add along ``dim`` (argument 1): the model dimension must
     be another one, and an index that carries samples must carry them on the same dimension."""
     first = get_tag(args[0])
     dim = _arg(args, kwargs, 1, "dim")
@@ -548,7 +544,6 @@ def _cat(ctx, name, args, kwargs, out, tagged) -> None:
     lost = _first_lost(tagged)
     if lost is not None:
         return _tag_all(out, lost)
-    name = name
     stacking = name.endswith("stack")
     dim = _norm(dim, outs[0].dim())
     tags = {get_tag(t) for t in tensors if get_tag(t) is not None}
@@ -557,9 +552,8 @@ def _cat(ctx, name, args, kwargs, out, tagged) -> None:
     (d,) = tags
     if dim == d and not stacking:
         return _tag_all(out, Lost(f"{name} along the dimension that holds the models' samples"))
-    for t in tensors:
-        if get_tag(t) is None and t.dim() > d and t.shape[d] != 1 and not _uniform(t, d):
-            return _tag_all(out, Lost(f"{name} joins the models' samples with a value that differs along them"))
+    if any(_differs_along(t, d) for t in tensors):
+        return _tag_all(out, Lost(f"{name} joins the models' samples with a value that differs along them"))
     _tag_all(out, d + (stacking and dim <= d))
 
 
@@ -585,13 +579,9 @@ def _index_position(x: Tensor, index: object, d: int) -> Tag:
     def advanced(it: object) -> bool:
         return isinstance(it, (list, Tensor)) and not (isinstance(it, Tensor) and it.dim() == 0)
 
-    if sum(advanced(it) for it in items) > 1:
+    consumed = sum(_index_width(it) for it in items if it is not Ellipsis)
+    if sum(advanced(it) for it in items) > 1:  # several may move their result dimensions to the front
         return Lost("indexing a tensor holding the models' samples with several index tensors")
-    consumed = sum(
-        (it.dim() if isinstance(it, Tensor) and it.dtype == torch.bool else 1)
-        for it in items
-        if it is not None and it is not Ellipsis
-    )
     in_dim = out_dim = 0
     for it in items:
         if it is Ellipsis:
@@ -609,7 +599,7 @@ def _index_position(x: Tensor, index: object, d: int) -> Tag:
             in_dim += 1
             out_dim += 1
         elif advanced(it):  # one index tensor, list or mask: its result dimensions replace the ones it indexes
-            width = it.dim() if isinstance(it, Tensor) and it.dtype == torch.bool else 1
+            width = _index_width(it)
             if in_dim <= d < in_dim + width:
                 return Lost("advanced indexing into the dimension that holds the models' samples")
             in_dim += width
@@ -619,6 +609,13 @@ def _index_position(x: Tensor, index: object, d: int) -> Tag:
                 return Lost("indexing into the dimension that holds the models' samples")
             in_dim += 1
     return out_dim + d - in_dim  # dimensions after the index are kept in order
+
+
+def _index_width(it: object) -> int:
+    """How many dimensions of the indexed tensor one index item consumes."""
+    if it is None:
+        return 0
+    return it.dim() if isinstance(it, Tensor) and it.dtype == torch.bool else 1
 
 
 def _setitem(ctx, name, args, kwargs, out, tagged) -> None:
@@ -634,7 +631,7 @@ def _setitem(ctx, name, args, kwargs, out, tagged) -> None:
     position = _index_position(x, index, d)
     if isinstance(position, Lost):
         return set_tag(x, Lost("writing into part of the models' samples (x[i] = ...)"))
-    if isinstance(vtag, Lost) or (isinstance(vtag, int) and isinstance(value, Tensor)):
+    if isinstance(value, Tensor):
         view = x[index]
         tag = _broadcast_tag(ctx, "Tensor.__setitem__", [_Probe(view, position), value], view.shape)
         if tag != position:
@@ -677,7 +674,7 @@ def _loss(ctx, name, args, kwargs, out, tagged) -> None:
     if lost is not None:
         return _tag_all(out, lost)
     if reduction == "mean" and short in ("cross_entropy", "nll_loss"):
-        return _mean_of_model_means(ctx, name, args, kwargs, tagged)
+        return _mean_of_model_means(ctx, name, args, kwargs, out)
     if reduction != "none":
         return _tag_all(out, Lost(f"{name} with reduction='{reduction}'", reduced=True))
     if short in ("cross_entropy", "nll_loss"):
@@ -685,7 +682,7 @@ def _loss(ctx, name, args, kwargs, out, tagged) -> None:
     _elementwise(ctx, name, args[:2], {}, out, tagged)
 
 
-def _mean_of_model_means(ctx, name, args, kwargs, tagged) -> Tensor | None:
+def _mean_of_model_means(ctx, name, args, kwargs, out) -> Tensor | None:
     """``F.cross_entropy``/``F.nll_loss`` with ``reduction='mean'`` over the folded batch, as the mean of the
     M per-model losses. torch's mean divides by the number of valid targets (or their summed class weights)
     of the whole folded batch; with ``ignore_index`` or class weights those differ between models, and that
@@ -695,7 +692,7 @@ def _mean_of_model_means(ctx, name, args, kwargs, tagged) -> Tensor | None:
     ignore_index = _arg(args, kwargs, 4, "ignore_index", -100)
     smoothing = _arg(args, kwargs, 7, "label_smoothing", 0.0) if name.endswith("cross_entropy") else 0.0
     if target.dtype.is_floating_point:  # class probabilities: every row counts, the same number per model
-        return None
+        return _tag_all(out, Lost(f"{name} with reduction='mean'", reduced=True))
     if get_tag(x) != 0 or get_tag(target) != 0 or (smoothing and weight is not None):
         raise ValueError(
             f"{name} with reduction='mean' inside a stacked forward: its rows cannot be assigned to models (the "
@@ -765,14 +762,15 @@ tan asin acos atan sinh cosh tanh asinh acosh atanh sigmoid logit erf erfc erfin
 isnan isinf isfinite isneginf isposinf logical_not relu relu6 gelu silu mish elu selu celu leaky_relu hardtanh
 hardswish hardsigmoid hardshrink softshrink tanhshrink softsign softplus logsigmoid threshold rrelu
 dropout alpha_dropout feature_alpha_dropout contiguous clone detach to type type_as float double half bfloat16
-int long short bool byte char cpu cuda requires_grad_ detach_ zero_ fill_ normal_ uniform_ bernoulli bernoulli_
+int long short bool byte char cpu cuda requires_grad_ detach_ zero_ normal_ uniform_ bernoulli bernoulli_
 zeros_like ones_like empty_like full_like rand_like randn_like randint_like pin_memory __neg__ __pos__ __abs__
 __invert__ positive conj resolve_conj resolve_neg __deepcopy__ exponential_ geometric_ cauchy_ log_normal_ random_
-nan_to_num_ clamp_ clip_ relu_ sigmoid_ tanh_ elu_ leaky_relu_ hardtanh_ silu_ gelu_ softplus_
+relu_ sigmoid_ tanh_ elu_ leaky_relu_ hardtanh_ silu_ gelu_ softplus_
 """
 _INPLACE = """
 add_ sub_ mul_ div_ pow_ masked_fill_ copy_ lerp_ addcmul_ addcdiv_ maximum_ minimum_ where_ floor_divide_
-remainder_ fmod_ logical_and_ logical_or_ __iadd__ __isub__ __imul__ __itruediv__ __idiv__ __ipow__ __iand__
+remainder_ fmod_ logical_and_ logical_or_ clamp_ clip_ nan_to_num_ fill_
+__iadd__ __isub__ __imul__ __itruediv__ __idiv__ __ipow__ __iand__
 __ior__ __ixor__ __ifloordiv__ __imod__
 """
 _add(_elementwise, _ELEMENTWISE)

@@ -134,6 +134,15 @@ class _Mixes(nn.Module):
             return self.fc(x.unsqueeze(0).transpose(0, 1).reshape(-1, 4))
         if self.pattern == "unknown op":
             return self.fc(torch.fft.fft(x).real)
+        if self.pattern == "per-sample arange written into samples":
+            x = x.clone()
+            x[:, 0] = torch.arange(B, dtype=x.dtype)
+            return self.fc(x)
+        if self.pattern == "shared tensor clamped in place by all models' max":
+            floor = torch.zeros(4, dtype=x.dtype).clamp_(min=x.max())
+            return self.fc(x + floor)
+        if self.pattern == "scaled by a soft-target loss over all models":
+            return self.fc(x * F.cross_entropy(x, x.detach().softmax(-1)))
         raise AssertionError(self.pattern)
 
 
@@ -145,6 +154,9 @@ REFUSED = {
     "batch-sized arange output": r"output\[1\] is ambiguous.*\(6,\)",
     "gather last token by arange": r"output.*advanced indexing into the dimension",
     "unknown op": r"fc.*torch.fft.fft \(batchlayers has no rule for it\)",
+    "per-sample arange written into samples": r"fc.*__setitem__ combines the models' samples with a value that differs",
+    "shared tensor clamped in place by all models' max": r"fc.*Tensor.add, which combines samples with Tensor.max",
+    "scaled by a soft-target loss over all models": r"fc.*combines samples with F.cross_entropy with reduction",
 }
 
 
@@ -268,3 +280,75 @@ def test_in_forward_loss_with_ignore_index_is_the_mean_of_per_model_losses(weigh
     for name, p in batched.named_parameters():
         ref = torch.stack([dict(r.named_parameters())[name].grad for r in references])
         assert_close(p.grad, ref, msg=f"gradient of {name}")
+
+
+class BatchSized(nn.Module):
+    """Tensors made from the batch size read out of the input (BERT's ``token_type_ids = zeros(B, T)``,
+    padding by ``x.new_zeros``) and samples written in place."""
+
+    def __init__(self, features: int = 4) -> None:
+        super().__init__()
+        self.types = nn.Embedding(2, features)
+        self.fc = nn.Linear(features, features)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        token_types = torch.zeros(B, T, dtype=torch.long)
+        h = self.fc(x) + self.types(token_types)
+        h = torch.cat([h, x.new_zeros(B, 1, C)], dim=1)  # one padding position
+        h[:, -1] = h[:, 0] * 2
+        return h + torch.ones(B, T + 1, 1, dtype=x.dtype)
+
+
+@pytest.mark.parametrize("seq", [5, 6], ids=["T != M*B", "T == M*B"])
+def test_batch_sized_constants_and_writes_are_exact(seq: int) -> None:
+    models = [seeded(BatchSized, i) for i in range(2)]
+    compare_training(stack(models), [seeded(BatchSized, i) for i in range(2)], _sequences(seq), batch=3)
+
+
+class _WithConstant(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+        self.register_buffer("scale", torch.tensor([0.5, 2.0, 3.0]))
+
+    def forward(self, x):
+        return self.fc(x), self.scale
+
+
+def test_output_without_samples_is_the_same_for_every_model() -> None:
+    models = [seeded(_WithConstant, i) for i in range(2)]
+    x = torch.randn(2, 3, 4, dtype=torch.float64)
+    out, scale = stack(models)(x)
+    assert_close(out, torch.stack([m(xi)[0] for m, xi in zip(models, x)]), msg="output")
+    assert_close(scale, torch.stack([m(xi)[1] for m, xi in zip(models, x)]), msg="constant output")
+    assert scale.stride(0) == 0  # an expand, not M copies
+
+
+INDICES = [
+    (slice(None),), (slice(None), 0), (Ellipsis, 1), (None, slice(None)), (slice(None), torch.tensor([2, 0])),
+    (slice(None), slice(None), [1, 1, 0]), (0,), (slice(1, None),), (torch.tensor([1, 0]),),
+    (slice(None), 1, slice(None), torch.tensor([0, 1])), (torch.tensor(1), slice(None)),
+    (slice(None), torch.tensor([[True, False, True, True, False]] * 3)), (Ellipsis, None, 0),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("d", range(4))
+@pytest.mark.parametrize("index", INDICES, ids=range(len(INDICES)))
+def test_index_rule_never_names_a_wrong_dimension(d: int, index: tuple) -> None:
+    """``x[index]`` of a tensor whose dimension ``d`` (size 6) is model-major: the rule's answer, if not
+    Lost, is the dimension of the result along which the values are still ``d``'s indices."""
+    from batchlayers._provenance import Lost, _index_position
+
+    shape = [3, 5, 4, 2]
+    shape[d] = 6
+    marker = torch.arange(6).reshape([6 if k == d else 1 for k in range(4)]).expand(shape)
+    try:
+        out = marker[index]
+    except (IndexError, RuntimeError):
+        return  # not a valid index for this shape
+    where = _index_position(marker, index, d)
+    if isinstance(where, Lost):
+        return
+    expected = torch.arange(6).reshape([6 if k == where else 1 for k in range(out.dim())]).expand(out.shape)
+    assert torch.equal(out, expected), (index, d, where)
