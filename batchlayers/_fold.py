@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from ._provenance import Lost, Tracker, get_tag, set_tag
+from ._provenance import Lost, PerModel, Tracker, get_tag, set_tag
 from ._utils import layer_name
 
 __all__ = [
@@ -97,8 +97,12 @@ def _tensors(obj: object, where: str) -> list[tuple[str, Tensor]]:
 class FoldInputs:
     """Forward pre-hook of the stacked root: ``(M, B, *)`` tensor inputs become ``(M * B, *)``."""
 
-    def __init__(self, shared_buffers: Iterable[str] = ()) -> None:
+    def __init__(
+        self, shared_buffers: Iterable[str] = (), per_model: Iterable[str] = (), own_code: Iterable[str] = ()
+    ) -> None:
         self.shared_buffers = list(shared_buffers)
+        self.per_model = list(per_model)  # every (M, *) parameter and buffer, by name
+        self.own_code = list(own_code)  # those of them that the architecture's own code uses (not a batched layer)
 
     def __call__(self, root: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         num_models = root.num_models
@@ -133,11 +137,13 @@ class FoldInputs:
             return folded
 
         args, kwargs = map_tensors(args, fold), map_tensors(kwargs, fold)
+        self.tag_per_model(root)
         # Under torch.compile version counters are not traceable: it runs without the shared-buffer check.
         compiling = torch.compiler.is_compiling()
-        buffers = [] if compiling else [(n, _buffer(root, n)) for n in self.shared_buffers]
+        buffers = [] if compiling else [(n, _tensor(root, n)) for n in self.shared_buffers]
         _unwind_stale_calls(root)
         tracker = Tracker(num_models, num_models * batch)
+        tracker.eager_only = bool(getattr(self, "own_code", ()))
         _calls().append(
             _Call(
                 owner=id(root),
@@ -149,6 +155,31 @@ class FoldInputs:
         )
         tracker.__enter__()
         return args, kwargs
+
+    def tag_per_model(self, root: nn.Module) -> None:
+        """Tag the ``(M, *)`` tensors as per-model: the architecture's code reads them as one model's (see
+        ``batchlayers._per_model``). Checked on every call, as ``.to()`` and ``load_state_dict(assign=True)``
+        replace tensors; torch.compile cannot trace the tagging of a parameter, so there it only checks."""
+        compiling = torch.compiler.is_compiling()
+        if compiling and getattr(self, "own_code", ()):
+            # torch.compile does not pass size reads (x.shape) to the tracker: the architecture's own code
+            # would see the stored (M, *) sizes of its per-model tensors. Raising here (and in the tracker,
+            # for frames compiled on their own) makes torch.compile run those frames eagerly.
+            raise RuntimeError(
+                f"stacked {type(root).__name__}: its own code uses per-model tensors such as '{self.own_code[0]}'; "
+                "it runs without compiling"
+            )
+        for path in getattr(self, "per_model", ()):
+            t = _tensor(root, path)
+            if getattr(t, "_batchlayers_models", None) is PerModel:
+                continue
+            if compiling:
+                raise RuntimeError(
+                    f"stacked {type(root).__name__}: '{path}' was replaced since the model was last called (by "
+                    ".to() or load_state_dict(assign=True)); call the stacked model once without torch.compile "
+                    "before compiling it"
+                )
+            set_tag(t, PerModel)
 
 
 def _unwind_stale_calls(root: nn.Module) -> None:
@@ -165,14 +196,15 @@ def _unwind_stale_calls(root: nn.Module) -> None:
             torch.overrides._pop_mode()
 
 
-def _buffer(root: nn.Module, name: str) -> Tensor:
+def _tensor(root: nn.Module, name: str) -> Tensor:
     # A walk through the module dicts: Module.get_buffer costs ~7 us a name (hasattr/getattr per atom), on
-    # every forward of a stacked model with shared buffers.
+    # every forward of a stacked model.
     *path, leaf = name.split(".")
     module = root
     for atom in path:
         module = module._modules[atom]
-    return module._buffers[leaf]
+    found = module._parameters.get(leaf)
+    return module._buffers[leaf] if found is None else found
 
 
 class UnfoldOutputs:
@@ -204,6 +236,8 @@ class UnfoldOutputs:
                 tag = 0  # one model: every row is its own
             if isinstance(tag, int):
                 return t.unflatten(tag, (num_models, t.shape[tag] // num_models)).movedim(tag, 0)
+            if tag is PerModel:
+                return t  # stored (M, *) already
             if isinstance(tag, Lost):
                 if tag.reduced and t.dim() == 0:
                     return t  # e.g. a loss: already reduced over every model (see stack's docs on scaling)
@@ -267,7 +301,7 @@ class UnfoldLeafInputs:
                 tag = 0  # one model: every row is its own
             if tag is None:
                 _refuse_batch_sized(layer_name(layer), "its input", t, call, anywhere=False)
-            else:
+            elif tag is not PerModel:
                 layouts.add((tag, t.shape[tag]))
         if len(layouts) > 1:
             raise ValueError(
@@ -277,25 +311,36 @@ class UnfoldLeafInputs:
         dim, size = layouts.pop() if layouts else (0, None)
         if dim:
             trailing = getattr(layer, "_rowwise_trailing_dims", None)
-            if trailing is None or any(dim >= t.dim() - trailing for t in tensors):
+            if trailing is None or any(dim >= t.dim() - trailing for t in tensors if isinstance(get_tag(t), int)):
                 raise ValueError(
                     f"{layer_name(layer)}: its input has the models' samples on dimension {dim} (e.g. time-major), "
                     f"but {type(layer).__name__} needs them on dimension 0, as the batch dimension"
                 )
-        broadcast = size is None
-        call.leaves.setdefault(id(layer), []).append((broadcast, dim))
+        # Without samples (positions, a per-model table) the layer computes one value per model: its output
+        # is per-model, shaped as the one model's would be: (1, *) stays (1, *), (T,) gives (T, *).
+        leading_one = None
+        if size is None and tensors:
+            first = tensors[0]
+            shape = first.shape[1:] if get_tag(first) is PerModel else first.shape
+            leading_one = len(shape) >= 2 and shape[0] == 1
+        call.leaves.setdefault(id(layer), []).append((size is None, dim, leading_one))
 
         def unfold(t: object) -> object:
             if not isinstance(t, Tensor) or t.dim() == 0:
                 return t
-            if get_tag(t) is not None:
+            tag = get_tag(t)
+            if tag is not None and tag is not PerModel:
                 t = t.movedim(dim, 0) if dim else t
                 return t.reshape(num_models, t.shape[0] // num_models, *t.shape[1:])
             # (1, *): the leading 1 is the batch dimension it is broadcast over, as in (1, T) positions; a 1-D
             # (T,) keeps its one dimension (T may be 1)
-            rest = t.shape[1:] if t.dim() >= 2 and t.shape[0] == 1 else t.shape
-            shared = t.reshape(1, 1, *rest).expand(num_models, 1, *rest)
-            return shared if broadcast else shared.expand(num_models, size // num_models, *rest)
+            own = t.shape[1:] if tag is PerModel else t.shape
+            rest = own[1:] if len(own) >= 2 and own[0] == 1 else own
+            if tag is PerModel:
+                shared = t.reshape(num_models, 1, *rest)
+            else:
+                shared = t.reshape(1, 1, *rest).expand(num_models, 1, *rest)
+            return shared if size is None else shared.expand(num_models, size // num_models, *rest)
 
         return tuple(unfold(a) for a in args), {k: unfold(v) for k, v in kwargs.items()}
 
@@ -311,14 +356,16 @@ class FoldLeafOutput:
         stack = call.leaves.get(id(layer))
         if not stack:
             return None  # the pre-hook refused the input
-        broadcast, dim = stack.pop()
+        broadcast, dim, leading_one = stack.pop()
         try:
-            return None if output is None else self._fold(layer, output, call, broadcast, dim)
+            return None if output is None else self._fold(layer, output, call, broadcast, dim, leading_one)
         finally:
             call.tracker.resume()
 
-    def _fold(self, layer: nn.Module, output: object, call: _Call, broadcast: bool, dim: int) -> object:
-        num_models, batch = call.num_models, call.batch
+    def _fold(
+        self, layer: nn.Module, output: object, call: _Call, broadcast: bool, dim: int, leading_one: bool | None
+    ) -> object:
+        num_models = call.num_models
 
         def fold(t: Tensor, where: str) -> Tensor:
             if t.dim() < 2 or t.shape[0] != num_models or (broadcast and t.shape[1] != 1):
@@ -328,7 +375,14 @@ class FoldLeafOutput:
                     f"got shape {tuple(t.shape)}"
                 )
             if broadcast:
-                t = t.expand(num_models, batch, *t.shape[2:])
+                if torch.compiler.is_compiling():
+                    # torch.compile does not pass size reads to the tracker, so a per-model value would show its
+                    # stored (M, *) sizes to the architecture's code: the value goes to every sample instead.
+                    t = t.expand(num_models, call.batch, *t.shape[2:])
+                else:  # one value per model: per-model, in the one model's shape
+                    t = t if leading_one or leading_one is None else t.reshape(num_models, *t.shape[2:])
+                    set_tag(t, PerModel)
+                    return t
             # contiguous: user code calls .view on layer outputs, which torch.nn layers allow
             t = t.reshape(num_models * t.shape[1], *t.shape[2:]).contiguous()
             if dim:
@@ -379,15 +433,24 @@ class SqueezeSharedBuffers:
 _HOOK_TYPES = (FoldInputs, UnfoldOutputs, UnfoldLeafInputs, FoldLeafOutput, ExpandSharedBuffers, SqueezeSharedBuffers)
 
 
-def attach_root_hooks(root: nn.Module, shared_buffers: Iterable[str]) -> None:
+def attach_root_hooks(
+    root: nn.Module, shared_buffers: Iterable[str], per_model: Iterable[str] = (), own_code: Iterable[str] = ()
+) -> None:
     shared_buffers = list(shared_buffers)
-    root.register_forward_pre_hook(FoldInputs(shared_buffers), with_kwargs=True)
+    root.register_forward_pre_hook(FoldInputs(shared_buffers, per_model, own_code), with_kwargs=True)
     root.register_forward_hook(UnfoldOutputs(), always_call=True)
     if shared_buffers:
         # state_dict() saves a buffer under every name it has (a module reused in two places): expand each
         every_name = _every_name(root, shared_buffers)
         root.register_state_dict_post_hook(ExpandSharedBuffers(every_name))
         root.register_load_state_dict_pre_hook(SqueezeSharedBuffers(every_name))
+    tag_per_model(root)
+
+
+def tag_per_model(root: nn.Module) -> None:
+    for hook in root._forward_pre_hooks.values():
+        if isinstance(hook, FoldInputs):
+            hook.tag_per_model(root)
 
 
 def _every_name(root: nn.Module, buffer_names: list[str]) -> list[str]:

@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["Lost", "Tracker", "get_tag", "set_tag"]
+__all__ = ["Lost", "PerModel", "Tracker", "get_tag", "set_tag"]
 
 _ATTR = "_batchlayers_models"
 
@@ -69,7 +69,13 @@ class Lost:
     reduced: bool = False
 
 
-Tag = int | Lost | None
+class PerModel:
+    """The tag (the class itself, never instantiated) of a per-model value: a tensor stored ``(M, *S)`` that
+    every model holds its own ``S``-shaped part of (parameters, buffers, values computed from them). See
+    ``batchlayers._per_model``."""
+
+
+Tag = int | Lost | type[PerModel] | None
 
 
 def get_tag(t: Tensor) -> Tag:
@@ -94,18 +100,28 @@ class Tracker(TorchFunctionMode):
         self.paused = 0  # > 0: passing calls through (under torch.compile; see pause())
         self.popped = 0  # > 0: off torch's mode stack (eager; see pause())
         self.size_read = False  # the folded size of a tagged tensor was read into an int
+        self.eager_only = False  # refuse to be traced by torch.compile (see FoldInputs.tag_per_model)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}
         if self.paused:
             return func(*args, **kwargs)
+        if self.eager_only and torch.compiler.is_compiling():
+            raise RuntimeError(
+                "batchlayers: this stacked model's own code uses per-model tensors, whose sizes torch.compile "
+                "would read as the stored (M, *) ones; it runs without compiling (torch.compile falls back)"
+            )
         tagged = _tagged(args, kwargs)
         if not tagged:
             out = func(*args, **kwargs)
             if self.size_read and func in _CREATORS:
                 _CREATORS[func](self, out)
             return out
+        if any(i.tag is PerModel for i in tagged):
+            if isinstance(func, torch._ops.OpOverload):
+                return func(*args, **kwargs)  # a compiled graph running: its ops are on the stored tensors
+            return _per_model.call(self, func, args, kwargs)
         out = func(*args, **kwargs)
         if isinstance(out, (tuple, list)) and torch.compiler.is_compiling():
             # torch.compile cannot store an attribute on the outputs of a multi-output op (split, sort): tag
@@ -842,3 +858,6 @@ for _fn in (torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.stride, torch.Ten
             torch.Tensor.__bool__, torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__int__,
             torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.backward):  # fmt: skip
     _RULES.setdefault(_fn, (lambda *a: None, ""))
+
+
+from . import _per_model  # noqa: E402  (it builds on this module's rules)

@@ -1,8 +1,11 @@
 """Converters between N ordinary models of one architecture and one stacked model holding all of them.
 
 ``stack(models)`` returns a copy of the architecture (the same class, so its own ``forward`` runs unchanged and
-its ``state_dict()`` keys are the architecture's own) in which every torch.nn leaf with parameters is swapped
-for its batched counterpart holding all models' weights, shaped ``(M, *)``. The stacked model is called with
+its ``state_dict()`` keys are the architecture's own) in which every torch.nn leaf with a registered batched
+counterpart is swapped for it, holding all models' weights shaped ``(M, *)``. Every other parameter (and the
+buffers of modules that hold parameters, or that differ between the models) is stored ``(M, *)`` too, in
+its own module, whose code reads it as one model's value (``batchlayers._per_model``): class tokens,
+position tables, layer-scale gammas, subclasses and look-alikes of torch.nn layers, parametrizations. The stacked model is called with
 every tensor input shaped ``(M, B, *)``; inside, the architecture's ``forward`` sees one ordinary batch of
 ``M * B`` samples, model-major (see ``batchlayers._fold``), and the layers that must know the model boundaries
 (linear, conv, norms) view it back to ``(M, B, *)``.
@@ -34,8 +37,9 @@ from torch import Tensor, nn
 from . import _fold
 from ._architecture import check_models, check_same_architecture, first_difference, tensor_table
 from ._copy import rebind_functions
+from ._provenance import PerModel, get_tag
 from ._utils import set_num_models_
-from .registry import _BY_BATCHED, _BY_TORCH, _Counterpart, counterpart_of, isinstance_torch, load_builtins, register
+from .registry import _BY_BATCHED, _Counterpart, counterpart_of, isinstance_torch, load_builtins, register
 
 __all__ = [
     "concat",
@@ -72,51 +76,74 @@ _HOOK_DICTS = (
 )
 
 
-def _plan(template: nn.Module) -> tuple[list[tuple[str, nn.Module, _Counterpart]], list[str]]:
-    """Which modules to swap for batched layers, and which buffers stay one copy shared by all models."""
+def _plan(
+    template: nn.Module, differing: frozenset[str] = frozenset()
+) -> tuple[list[tuple[str, nn.Module, _Counterpart]], list[tuple[nn.Module, dict[str, Tensor]]], list[str]]:
+    """Which modules to swap for batched layers, which tensors of the other modules are per-model, and
+    which buffers stay one copy shared by all models.
+
+    A leaf of a registered torch.nn type is swapped for its batched counterpart (unless it has hooks, which
+    belong to the torch layer). Every other module runs its own ``forward`` on per-model tensors (see
+    ``batchlayers._per_model``): its own parameters, the buffers of a module that has parameters of its own
+    (running statistics of a norm) and the buffers named in ``differing`` (not equal in all models) are
+    stored ``(M, *)``; the other buffers of modules without parameters (masks, rotary tables) are one copy
+    shared by all models.
+    """
     swaps: list[tuple[str, nn.Module, _Counterpart]] = []
+    per_model: list[tuple[nn.Module, dict[str, Tensor]]] = []
     shared: list[str] = []
+    blockers: list[str] = []
     seen: set[int] = set()
 
     def visit(path: str, module: nn.Module) -> None:
         if id(module) in seen:
             return
         seen.add(id(module))
-        where = f"'{path}'" if path else "the model itself"
+        kinds = [
+            kind for attr, kind in _UNTRACKED_HOOKS if any(not _known_hook(h) for h in getattr(module, attr).values())
+        ]
+        if kinds:
+            blockers.append(
+                f"{repr(path) if path else 'the model itself'} ({type(module).__qualname__}) has {' and '.join(kinds)} "
+                "hooks: they would see all models' tensors at once (folded gradients, (M, *) state dicts). "
+                "Remove them before stacking and register them on the stacked model if needed"
+            )
         counterpart = counterpart_of(type(module))
-        if counterpart is not None:
-            if any(getattr(module, hooks) for hooks in _HOOK_DICTS):
-                raise ValueError(
-                    f"stack: {where} ({type(module).__name__}) has hooks registered on it; they cannot be carried "
-                    "over to its batched counterpart. Remove them before stacking"
-                )
+        if counterpart is not None and not any(getattr(module, hooks) for hooks in _HOOK_DICTS):
             swaps.append((path, module, counterpart))
             return
-        own_params = [n for n, _ in module.named_parameters(recurse=False)]
-        if own_params and not module._modules:
-            base = next((c.__name__ for c in type(module).__mro__[1:] if c in _BY_TORCH), None)
-            hint = (
-                f" It subclasses {base}: if it computes exactly like it, register it with that layer." if base else ""
-            )
-            raise TypeError(
-                f"stack: {where} is a {type(module).__qualname__} with parameters, and no batched counterpart is "
-                f"registered for {type(module).__qualname__}. Register one with "
-                f"batchlayers.register({type(module).__name__}, BatchedVersion).{hint}"
-            )
-        if own_params:
-            raise TypeError(
-                f"stack: {where} ({type(module).__qualname__}) holds the parameter '{own_params[0]}' directly and "
-                "uses it in its own forward, where batchlayers cannot tell how to batch it. Move it into a small "
-                "leaf module (e.g. one that adds or multiplies it) and register a batched counterpart for that "
-                "module with batchlayers.register(...), or register one for "
-                f"{type(module).__qualname__} as a whole"
-            )
-        shared.extend(_join(path, n) for n, _ in module.named_buffers(recurse=False))
+        params = dict(module.named_parameters(recurse=False))
+        buffers = dict(module.named_buffers(recurse=False))
+        own = {**params, **(buffers if params else {n: b for n, b in buffers.items() if _join(path, n) in differing})}
+        if own:
+            per_model.append((module, own))
+        shared.extend(_join(path, n) for n in buffers if n not in own)
         for name, child in module.named_children():
             visit(_join(path, name), child)
 
     visit("", template)
-    return swaps, shared
+    if blockers:
+        raise TypeError("stack: cannot stack this architecture:\n- " + "\n- ".join(blockers))
+    return swaps, per_model, shared
+
+
+# Hooks that run outside the tracked forward, on every model's tensors at once: refused. Forward hooks run
+# inside it, on one model's view, and are kept (a swapped torch layer with any hook keeps its own code).
+_UNTRACKED_HOOKS = (
+    ("_backward_pre_hooks", "backward"),
+    ("_backward_hooks", "backward"),
+    ("_state_dict_pre_hooks", "state-dict"),
+    ("_state_dict_hooks", "state-dict"),
+    ("_load_state_dict_pre_hooks", "load-state-dict"),
+    ("_load_state_dict_post_hooks", "load-state-dict"),
+)
+
+
+def _known_hook(hook: object) -> bool:
+    """torch's own hooks that only mark or convert the state-dict format (spectral_norm's, weight_norm's)."""
+    hook = getattr(hook, "hook", hook)
+    name = getattr(hook, "__name__", type(hook).__name__)
+    return name in ("SpectralNormStateDictHook", "SpectralNormLoadStateDictPreHook", "_weight_norm_compat_hook")
 
 
 def _set_tensor(module: nn.Module, name: str, value: Tensor) -> None:
@@ -198,19 +225,24 @@ class _Stacked:
                 target.copy_(value)
             elif not torch.equal(target, value.to(target.device, target.dtype)):
                 raise ValueError(
-                    f"the buffer '{name}' differs between the first model and {source}. batchlayers keeps a buffer "
-                    "of a module without a batched counterpart as one copy shared by all models, so it must be "
-                    f"equal in all of them; register a batched counterpart for its module to batch it"
+                    f"the buffer '{name}' differs between the first model and {source}. A buffer of a module "
+                    "without parameters of its own (a mask, a table) that is equal in the first models is kept as "
+                    "one copy shared by all; replicate() cannot know in advance that a later model differs. "
+                    "Build the models first and call batchlayers.stack(models), which stores such buffers per model"
                 )
 
 
-def _skeleton(template: nn.Module, num_models: int) -> _Stacked:
-    """The stacked architecture with empty ``(M, *)`` tensors, from one instance of it."""
-    swaps, shared = _plan(template)
+def _skeleton(template: nn.Module, num_models: int, differing: frozenset[str] = frozenset()) -> _Stacked:
+    """The stacked architecture with empty ``(M, *)`` tensors, from one instance of it (``differing``: names
+    of buffers that are not equal in all models)."""
+    swaps, own_tensors, shared = _plan(template, differing)
     memo: dict[int, object] = {}
-    # The leaves to be swapped keep the template's tensors in the copy instead of copying them for nothing.
+    # The tensors to be replaced stay the template's in the copy instead of being copied for nothing.
     for _, leaf, _ in swaps:
         for t in tensor_table(leaf).values():
+            memo[id(t)] = t
+    for _, tensors in own_tensors:
+        for t in tensors.values():
             memo[id(t)] = t
     root = copy.deepcopy(template, memo)
     replaced: dict[int, object] = {}
@@ -222,9 +254,16 @@ def _skeleton(template: nn.Module, num_models: int) -> _Stacked:
         batched.train(leaf.training)
         _fold.attach_leaf_hooks(batched, path)
         replaced[id(memo[id(leaf)])] = batched
+    for module, tensors in own_tensors:
+        copied = memo[id(module)]
+        for name, t in tensors.items():
+            if id(t) not in made:
+                made[id(t)] = _new_stacked(t, num_models)
+            _set_tensor(copied, name, made[id(t)])
     replaced.update(made)
     root = _swap_in(root, replaced)
     rebind_functions(root, _translator(memo, replaced))
+    stacked_names = [n for n in tensor_table(root, remove_duplicate=True) if n not in shared]
     if not _fold.is_swapped_leaf(root):
         if "num_models" in vars(root):
             raise ValueError(
@@ -232,7 +271,9 @@ def _skeleton(template: nn.Module, num_models: int) -> _Stacked:
                 "name for M. Rename the attribute"
             )
         root.num_models = num_models
-        _fold.attach_root_hooks(root, shared)
+        own_ids = {id(made[id(t)]) for _, tensors in own_tensors for t in tensors.values()}
+        own_code = [n for n, t in tensor_table(root, remove_duplicate=True).items() if id(t) in own_ids]
+        _fold.attach_root_hooks(root, shared, stacked_names, own_code)
     buffers = dict(root.named_buffers())
     stacked = {n: t for n, t in tensor_table(root, remove_duplicate=True).items() if n not in shared}
     return _Stacked(root, stacked, {n: buffers[n] for n in shared}, num_models)
@@ -241,9 +282,10 @@ def _skeleton(template: nn.Module, num_models: int) -> _Stacked:
 def stack(models: Sequence[nn.Module]) -> nn.Module:
     """One stacked model holding the weights and buffers of ``models``, N instances of one architecture.
 
-    The result is a copy of the architecture (same class, same ``forward``) in which every torch.nn leaf with
-    parameters is swapped for its batched counterpart; tied weights map to one stacked parameter, functions
-    stored on the modules are rebound to the copy. The input models are not modified.
+    The result is a copy of the architecture (same class, same ``forward``) in which every torch.nn leaf with a
+    batched counterpart is swapped for it, and every other parameter is stored per model in its own module
+    (its code sees one model's value); tied weights map to one stacked parameter, functions stored on the
+    modules are rebound to the copy. The input models are not modified.
 
     Args:
         models: N modules of one class, structure, configuration, device, dtype and train/eval mode.
@@ -260,8 +302,9 @@ def stack(models: Sequence[nn.Module]) -> nn.Module:
         or compute per-model losses from the ``(N, B, *)`` outputs (``batchlayers.losses``) and sum them.
 
     Raises:
-        TypeError / ValueError: naming the first difference between the models, or a module that cannot be
-            batched (its path and type, and ``batchlayers.register`` as the way to add it).
+        TypeError / ValueError: naming the first difference between the models, or listing every module with
+            hooks that would see all models at once (backward, state-dict hooks). Code in ``forward`` that
+            cannot run per model raises when called, naming the torch function.
 
     Examples::
 
@@ -273,7 +316,11 @@ def stack(models: Sequence[nn.Module]) -> nn.Module:
     """
     models = check_models(models, "stack")
     check_same_architecture(models)
-    result = _skeleton(models[0], len(models))
+    buffers = [dict(m.named_buffers()) for m in models]
+    differing = frozenset(
+        name for name, b in buffers[0].items() if any(not torch.equal(b, other[name]) for other in buffers[1:])
+    )
+    result = _skeleton(models[0], len(models), differing)
     for i, model in enumerate(models):
         result.fill(i, tensor_table(model), f"model {i}")
     return result.module
@@ -315,9 +362,15 @@ def shared_buffers(batched: nn.Module) -> list[str]:
 
 
 def _stacked_tensors(batched: nn.Module) -> dict[int, Tensor]:
-    """The ``(M, *)`` tensors of a stacked model (everything but its shared buffers), by id."""
+    """The ``(M, *)`` tensors of a stacked model (everything but its shared buffers, and per-model tensors
+    that forward stored as plain attributes, e.g. spectral_norm's weight), by id."""
     shared = set(shared_buffers(batched))
-    return {id(t): t for n, t in tensor_table(batched, remove_duplicate=True).items() if n not in shared}
+    found = {id(t): t for n, t in tensor_table(batched, remove_duplicate=True).items() if n not in shared}
+    for module in batched.modules():
+        for value in vars(module).values():
+            if isinstance(value, Tensor) and get_tag(value) is PerModel:
+                found.setdefault(id(value), value)
+    return found
 
 
 def _copy_with(batched: nn.Module, memo: dict[int, object]) -> nn.Module:
@@ -382,6 +435,7 @@ def select(batched: nn.Module, indices: Sequence[int] | Tensor) -> nn.Module:
     }
     result = _copy_with(batched, memo)
     set_num_models_(result, len(index))
+    _fold.tag_per_model(result)
     return result
 
 
@@ -404,6 +458,7 @@ def concat(models: Sequence[nn.Module]) -> nn.Module:
             memo[id(t)] = _rebuilt(t, data)
     result = _copy_with(models[0], memo)
     set_num_models_(result, sum(m.num_models for m in models))
+    _fold.tag_per_model(result)
     return result
 
 

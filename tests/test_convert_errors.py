@@ -9,7 +9,7 @@ from convert_harness import seeded
 from harness import assert_close
 from torch import nn
 
-from batchlayers import convert, registry
+from batchlayers import _fold, convert, registry
 from batchlayers.convert import stack
 from batchlayers.registry import isinstance_torch, register
 
@@ -137,20 +137,19 @@ def test_requires_grad_differs() -> None:
         stack([zoo.MLP(), b])
 
 
-def test_unregistered_leaf_names_path_type_and_extension_point() -> None:
-    with pytest.raises(TypeError, match=r"'scale' is a _Scale with parameters.*batchlayers.register\(_Scale,"):
-        stack([_WithScale(), _WithScale()])
-
-
-def test_subclass_of_a_torch_layer_is_not_swapped_silently() -> None:
-    model = nn.Sequential(_MyLinear(3, 2))
-    with pytest.raises(TypeError, match="'0' is a _MyLinear.*subclasses Linear"):
-        stack([model])
-
-
-def test_raw_parameter_in_forward() -> None:
-    with pytest.raises(TypeError, match=r"the model itself \(_RawParameter\) holds the parameter 'offset'.*register"):
-        stack([_RawParameter()])
+@pytest.mark.parametrize(
+    "factory",
+    [_WithScale, lambda: nn.Sequential(_MyLinear(3, 2)), _RawParameter],
+    ids=["unregistered leaf", "subclass of a torch layer", "parameter used in forward"],
+)
+def test_modules_without_a_counterpart_run_their_own_code_per_model(factory) -> None:
+    """No batched counterpart: the module keeps its forward and runs it on per-model parameters, exactly."""
+    models = [seeded(factory, i) for i in range(3)]
+    batched = stack(models)
+    features = 3 if factory not in (_WithScale, _RawParameter) else 4
+    x = torch.randn(3, 2, features, dtype=torch.float64)
+    assert_close(batched(x), torch.stack([m(x[i]) for i, m in enumerate(models)]), msg="output")
+    assert not any(_fold.is_swapped_leaf(m) for m in batched.modules() if type(m) in (_Scale, _MyLinear))
 
 
 def test_register_a_user_leaf(restore_registry) -> None:
@@ -177,38 +176,51 @@ def test_register_checks_the_counterpart(restore_registry) -> None:
         register(_Scale, object)
 
 
-def test_hooks_on_a_swapped_leaf() -> None:
-    model = zoo.MLP()
-    model.fc2.register_forward_hook(lambda m, a, o: o * 0)
-    with pytest.raises(ValueError, match="'fc2' .*has hooks"):
-        stack([model])
+def test_forward_hooks_run_on_one_models_view() -> None:
+    """A torch layer with a forward hook keeps its own code (the hook belongs to it) and runs per model."""
+
+    def factory():
+        model = zoo.MLP()
+        model.fc2.register_forward_hook(lambda m, a, o: o * 2 + m.bias)
+        return model
+
+    models = [seeded(factory, i) for i in range(3)]
+    batched = stack(models)
+    x = torch.randn(3, 4, 6, dtype=torch.float64)
+    assert_close(batched(x), torch.stack([m(x[i]) for i, m in enumerate(models)]), msg="output")
 
 
 @pytest.mark.parametrize(
-    "register_hook",
+    "register_hook, kind",
     [
-        lambda m: m.register_full_backward_pre_hook(lambda m, g: g),
-        lambda m: m.register_full_backward_hook(lambda m, gi, go: gi),
-        lambda m: m.register_state_dict_post_hook(lambda m, sd, prefix, meta: None),
-        lambda m: m.register_load_state_dict_post_hook(lambda m, keys: None),
+        (lambda m: m.register_full_backward_pre_hook(lambda m, g: g), "backward"),
+        (lambda m: m.register_full_backward_hook(lambda m, gi, go: gi), "backward"),
+        (lambda m: m.register_state_dict_post_hook(lambda m, sd, prefix, meta: None), "state-dict"),
+        (lambda m: m.register_load_state_dict_post_hook(lambda m, keys: None), "load-state-dict"),
     ],
     ids=["backward-pre", "backward", "state-dict", "load-state-dict"],
 )
-def test_every_kind_of_hook_on_a_swapped_leaf(register_hook) -> None:
-    """A hook the batched layer would not carry is refused, never dropped silently."""
+def test_hooks_outside_forward_are_refused_all_at_once(register_hook, kind) -> None:
+    """A hook that would see every model's tensors at once is refused, never run on them; every offending
+    module is named in one error."""
     model = zoo.MLP()
     register_hook(model.fc2)
-    with pytest.raises(ValueError, match="'fc2' .*has hooks"):
+    register_hook(model)
+    with pytest.raises(TypeError, match=rf"(?s)- the model itself \(MLP\) has {kind} hooks.*- 'fc2' \(Linear\)"):
         stack([model])
 
 
-def test_buffer_that_differs_between_models() -> None:
-    a, b = zoo.GPT(), zoo.GPT()
-    b.transformer.h[1].attn.bias.zero_()
-    with pytest.raises(
-        ValueError, match="buffer 'transformer.h.1.attn.bias' differs between the first model and model 1"
-    ):
-        stack([a, b])
+def test_buffer_that_differs_between_models_is_stored_per_model() -> None:
+    a, b = seeded(zoo.GPT, 0), seeded(zoo.GPT, 1)
+    b.transformer.h[1].attn.bias.fill_(1.0)  # a causal mask, lifted in one model only
+    batched = stack([a, b])
+    assert batched.transformer.h[1].attn.bias.shape[0] == 2
+    assert batched.transformer.h[0].attn.bias.shape == a.transformer.h[0].attn.bias.shape  # equal: shared
+    idx = torch.randint(0, 11, (2, 3, 8))
+    assert_close(batched(idx).logits, torch.stack([a(idx[0]).logits, b(idx[1]).logits]), msg="logits")
+    with pytest.raises(ValueError, match=r"buffer 'transformer.h.1.attn.bias' differs .*batchlayers.stack\(models\)"):
+        models = iter([a, b])
+        convert.replicate(lambda: next(models), 2)
 
 
 class _MutatesBuffer(nn.Module):

@@ -1,0 +1,587 @@
+"""Per-model values inside a stacked ``forward``: tensors of which every model has its own.
+
+A stacked model's parameters and buffers are stored ``(M, *S)``: model ``i``'s value is ``t[i]``. Batched
+layers use them as such. The architecture's own code, though, reads them as the one model it was written
+for: ``self.pos_embed`` of shape ``S``, added to the samples, expanded to the batch, indexed by a position
+table. So does a batched layer's output for an input without samples (a position embedding of ``arange(T)``).
+
+Such tensors carry the tag :class:`PerModel` (``tensor._batchlayers_models is PerModel``, see
+``batchlayers._provenance``) and keep their ``(M, *S)`` storage. While a stacked ``forward`` runs, the
+provenance tracker hands every torch call that sees one to :func:`call`, which makes it behave exactly like
+the one model's value, for every model at once:
+
+- **Sizes are the one model's**: ``t.shape``, ``t.size(d)``, ``t.dim()``, ``len(t)``, ``t.numel()`` report
+  ``S``; code that reads its configuration from a weight (``self.pos.weight.shape[0]``) sees one model.
+- **Fast paths** compute common calls on the whole ``(M, *S)`` tensor: views and reshapes (as views, so
+  writing through them writes the model's value), broadcasting arithmetic with the folded samples (each
+  operand brought to a leading model dimension and back), ``F.linear``/``addmm`` as one batched matmul,
+  layer/group/RMS norms with per-model affine parameters.
+- **Anything else runs per model**: model ``i``'s call gets ``t[i]`` for a per-model tensor, block ``i`` of
+  a tensor holding the samples, the shared value for the rest; the results are joined on the model
+  dimension (a per-model result) or, where they hold samples, concatenated along the dimension the
+  provenance rule names for one model. That is exact for any torch function, by construction; it costs M
+  calls. A result that is not a tensor (``bool(t)``, ``t.item()``, Python control flow) is returned when all
+  models agree and refused otherwise, naming the call.
+
+Never is model 0's value used for all models: a call that cannot be done per model raises.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ._provenance import _INPLACE, _RULES, Lost, PerModel, _name, _outputs, _tagged, get_tag, set_tag
+
+__all__ = ["call"]
+
+
+def call(ctx, func: Callable, args: tuple, kwargs: dict) -> object:
+    """Run ``func`` on arguments of which at least one is a per-model tensor (``ctx``: the tracker)."""
+    if func in _PASS:
+        return func(*args, **kwargs)
+    lost = next((t for t in _all_tags(args, kwargs) if isinstance(t, Lost)), None)
+    if lost is not None:
+        raise ValueError(
+            f"{_name(func)} inside a stacked forward combines a per-model value (a parameter, buffer or a value "
+            f"computed from one) with a tensor whose rows cannot be assigned to models: it was made by "
+            f"{lost.reason}"
+        )
+    meta = _META.get(func)
+    if meta is not None and args and get_tag(args[0]) is PerModel:
+        return meta(ctx.num_models, args[0], *args[1:], **kwargs)
+    fast = _FAST.get(func)
+    if fast is not None:
+        result = fast(ctx, func, args, kwargs)
+        if result is not NotImplemented:
+            return result
+    return _per_model_loop(ctx, func, args, kwargs)
+
+
+def _all_tags(args: Sequence, kwargs: dict) -> list:
+    return [i.tag for i in _tagged(args, kwargs)]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# One model's view of a tensor: its shape, and the (M or 1, *shape) form with the models first
+
+
+def single_shape(t: Tensor, num_models: int) -> torch.Size:
+    tag = get_tag(t)
+    if tag is PerModel:
+        return t.shape[1:]
+    if isinstance(tag, int):
+        return t.shape[:tag] + (t.shape[tag] // num_models,) + t.shape[tag + 1 :]
+    return t.shape
+
+
+def explicit(t: Tensor, num_models: int, ndim: int | None = None) -> Tensor:
+    """``t`` as ``(M, *S)`` (a per-model tensor or one holding samples, as a view) or ``(1, *S)`` (a shared
+    one), with ``S`` padded by leading 1s to ``ndim`` dimensions (broadcasting aligns from the right)."""
+    tag = get_tag(t)
+    if tag is PerModel:
+        e = t
+    elif isinstance(tag, int):
+        e = t.unflatten(tag, (num_models, t.shape[tag] // num_models)).movedim(tag, 0)
+    else:
+        e = t.unsqueeze(0)
+    pad = 0 if ndim is None else ndim - (e.dim() - 1)
+    return e[(slice(None),) + (None,) * pad] if pad > 0 else e
+
+
+def per_model(t: Tensor) -> Tensor:
+    set_tag(t, PerModel)
+    return t
+
+
+def refold(r: Tensor, d: int) -> Tensor:
+    """``(M, *S)`` with the samples on ``S``'s dimension ``d`` -> the folded tensor, model-major on ``d``."""
+    out = r.movedim(0, d).flatten(d, d + 1)
+    set_tag(out, d)
+    return out
+
+
+def _result(r: Tensor, sample_dim: int | None) -> Tensor:
+    return per_model(r) if sample_dim is None else refold(r, sample_dim)
+
+
+def _checked(r: Tensor, d: int | None, tensors: Sequence[Tensor], num_models: int, func: Callable) -> Tensor:
+    """Refuse a broadcast that stretched the samples of a model (a value without samples that spans the
+    folded batch, e.g. sized from ``x.size(0)``)."""
+    if d is not None:
+        n = next(t.shape[get_tag(t)] // num_models for t in tensors if isinstance(get_tag(t), int))
+        if r.shape[d + 1] != n:
+            raise ValueError(
+                f"{_name(func)} inside a stacked forward: a value without the models' samples spans the folded batch "
+                f"(size {r.shape[d + 1]}, each model has {n} rows); build batch-sized tensors from the inputs "
+                "(torch.zeros_like(x), x.new_zeros(...))"
+            )
+    return _result(r, d)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Sizes: the one model's
+
+
+def _norm(d: int, ndim: int) -> int:
+    return d + ndim if d < 0 else d
+
+
+def _size(m, t, dim=None):
+    if dim is None:
+        return t.shape[1:]
+    return t.shape[1 + _norm(dim, t.dim() - 1)]
+
+
+def _len(m, t):
+    if t.dim() == 1:
+        raise TypeError("len() of a 0-d tensor")
+    return t.shape[1]
+
+
+_META: dict[Callable, Callable] = {
+    Tensor.shape.__get__: lambda m, t: t.shape[1:],
+    Tensor.size: _size,
+    Tensor.dim: lambda m, t: t.dim() - 1,
+    Tensor.ndimension: lambda m, t: t.dim() - 1,
+    Tensor.ndim.__get__: lambda m, t: t.dim() - 1,
+    Tensor.numel: lambda m, t: t.numel() // m,
+    Tensor.nelement: lambda m, t: t.numel() // m,
+    torch.numel: lambda m, t: t.numel() // m,
+    Tensor.__len__: _len,
+}
+
+# Calls that do not depend on the model dimension: run on the stored tensor as they are.
+_PASS = {
+    Tensor.dtype.__get__, Tensor.device.__get__, Tensor.requires_grad.__get__, Tensor.is_leaf.__get__,
+    Tensor.grad_fn.__get__, Tensor.layout.__get__, Tensor.is_cuda.__get__, Tensor.is_floating_point,
+    Tensor.is_complex, Tensor.element_size, Tensor.get_device, Tensor.__hash__, Tensor.__repr__,
+    Tensor.requires_grad_, Tensor.retain_grad, Tensor.is_contiguous, Tensor.data_ptr, Tensor.untyped_storage,
+    Tensor.is_sparse.__get__, Tensor.is_meta.__get__, Tensor.is_quantized.__get__, torch.is_tensor,
+    torch.is_floating_point, torch.is_complex, Tensor.__format__,
+}  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Fast paths: the whole (M, *S) tensor in one call
+
+
+def _elementwise(ctx, func, args, kwargs):
+    """Broadcasting arithmetic: every tensor operand with the models first, then back (in place: the
+    first operand's storage is written through a view)."""
+    if any(isinstance(v, Tensor) for v in kwargs.values()):
+        return NotImplemented
+    m = ctx.num_models
+    tensors = [a for a in args if isinstance(a, Tensor)]
+    ndim = max(len(single_shape(t, m)) for t in tensors)
+    dims = {get_tag(t) + ndim - len(single_shape(t, m)) for t in tensors if isinstance(get_tag(t), int)}
+    if len(dims) > 1:
+        return NotImplemented  # the samples on two dimensions: per model, where the rule decides
+    d = dims.pop() if dims else None
+    inplace = func in _INPLACE_FUNCS
+    if inplace and get_tag(args[0]) is None:
+        raise ValueError(
+            f"{_name(func)} inside a stacked forward writes per-model values into a tensor that all models share"
+        )
+    r = func(*[explicit(a, m, ndim) if isinstance(a, Tensor) else a for a in args], **kwargs)
+    if inplace:
+        return args[0]
+    if not isinstance(r, Tensor):
+        return NotImplemented
+    return _checked(r, d, tensors, m, func)
+
+
+def _only_per_model(args, kwargs) -> bool:
+    """Every tensor argument is per-model or shared: no samples involved."""
+    return not any(isinstance(t, int) for t in _all_tags(args, kwargs))
+
+
+def _on_stored(transform: Callable) -> Callable:
+    """A view or shape op of a per-model tensor alone, done on its ``(M, *S)`` storage: ``transform(t, s,
+    *args, **kwargs)`` gets the stored tensor and the one model's shape ``s``."""
+
+    def fast(ctx, func, args, kwargs):
+        if not args or get_tag(args[0]) is not PerModel or not _only_per_model(args[1:], kwargs):
+            return NotImplemented
+        if any(get_tag(a) is PerModel for a in _flat(args[1:], kwargs)):
+            return NotImplemented
+        out = transform(args[0], args[0].shape[1:], *args[1:], **kwargs)
+        if out is NotImplemented:
+            return out
+        for o in out if isinstance(out, (tuple, list)) else (out,):
+            if get_tag(o) is None:  # (an expand to the folded batch holds samples: tagged already)
+                per_model(o)
+        return out
+
+    return fast
+
+
+def _flat(args, kwargs) -> list[Tensor]:
+    found = []
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, Tensor):
+            found.append(a)
+        elif isinstance(a, (list, tuple)):
+            found.extend(b for b in a if isinstance(b, Tensor))
+    return found
+
+
+def _sizes(sizes: tuple) -> list:
+    return list(sizes[0]) if len(sizes) == 1 and isinstance(sizes[0], (list, tuple, torch.Size)) else list(sizes)
+
+
+def _shift(d: int, ndim: int) -> int:
+    return _norm(d, ndim) + 1
+
+
+def _shift_dims(dims, ndim: int):
+    return _shift(dims, ndim) if isinstance(dims, int) else tuple(_shift(d, ndim) for d in dims)
+
+
+def _reshape(t, s, *shape, **kw):
+    if len(shape) == 1 and isinstance(shape[0], torch.dtype):
+        return NotImplemented
+    return t.reshape(t.shape[0], *_sizes(shape or (kw["shape"],)))
+
+
+def _view(t, s, *shape, **kw):
+    if len(shape) == 1 and isinstance(shape[0], torch.dtype):
+        return NotImplemented
+    return t.view(t.shape[0], *_sizes(shape or (kw["size"],)))
+
+
+def _flatten(t, s, start_dim=0, end_dim=-1):
+    if not s:
+        return t.reshape(t.shape[0], 1)
+    return t.flatten(_shift(start_dim, len(s)), _shift(end_dim, len(s)))
+
+
+def _squeeze(t, s, dim=None):
+    if dim is None:
+        dim = tuple(i for i, v in enumerate(s) if v == 1)
+    return t.squeeze(_shift_dims(dim, len(s))) if s else t
+
+
+def _permute(t, s, *dims, **kw):
+    dims = _sizes(dims or (kw["dims"],))
+    return t.permute(0, *(_shift(d, len(s)) for d in dims))
+
+
+def _transpose(t, s, dim0, dim1):
+    return t.transpose(_shift(dim0, len(s)), _shift(dim1, len(s)))
+
+
+def _t(t, s):
+    return t.transpose(1, 2) if len(s) == 2 else t
+
+
+def _index(t, s, index):
+    items = index if isinstance(index, tuple) else (index,)
+    advanced = [i for i in items if isinstance(i, (Tensor, list)) and not (isinstance(i, Tensor) and i.dim() == 0)]
+    if len(advanced) > 1:
+        return NotImplemented  # several index tensors may move their dimensions to the front
+    return t[(slice(None), *items)]
+
+
+def _dim_op(method: str, position: int = 0, default=None, key: str = "dim") -> Callable:
+    """``t.method(..., dim, ...)`` with ``dim`` (argument ``position`` after the tensor) shifted past the
+    model dimension."""
+
+    def transform(t, s, *args, **kwargs):
+        args = list(args)
+        if key in kwargs:
+            kwargs[key] = _shift_dims(kwargs[key], len(s))
+        elif len(args) > position:
+            args[position] = _shift_dims(args[position], len(s))
+        elif default is not None:
+            kwargs[key] = _shift_dims(default, len(s))
+        else:
+            return NotImplemented
+        return getattr(t, method)(*args, **kwargs)
+
+    return transform
+
+
+def _reduce(method: str) -> Callable:
+    """Reductions: over the given dims, or over every dimension of the one model (``dim=None``)."""
+
+    def transform(t, s, *args, **kwargs):
+        args = list(args)
+        dim = kwargs.pop("dim", args.pop(0) if args and not isinstance(args[0], torch.dtype) else None)
+        if dim is None or (isinstance(dim, (list, tuple)) and not dim):
+            if not s:
+                return NotImplemented
+            dim = tuple(range(len(s)))
+        return getattr(t, method)(_shift_dims(dim, len(s)), *args, **kwargs)
+
+    return transform
+
+
+def _expand(ctx):
+    def transform(t, s, *sizes):
+        sizes = _sizes(sizes)
+        if len(sizes) < len(s):
+            return NotImplemented
+        t = t[(slice(None),) + (None,) * (len(sizes) - len(s))]
+        folded = None
+        if ctx.size_read and ctx.num_models > 1:  # expand(B, -1, -1) with B read from the folded batch
+            folded = next((k for k, v in enumerate(sizes) if v == ctx.folded and t.shape[k + 1] == 1), None)
+        if folded is None:
+            return t.expand(t.shape[0], *sizes)
+        sizes[folded] = ctx.folded // ctx.num_models
+        return refold(t.expand(t.shape[0], *sizes), folded)
+
+    return transform
+
+
+def _linear(ctx, func, args, kwargs):
+    """``F.linear(x, W, b)`` with per-model ``W`` (``b``): one batched matmul over the models."""
+    m = ctx.num_models
+    x = args[0]
+    w = args[1] if len(args) > 1 else kwargs.get("weight")
+    b = args[2] if len(args) > 2 else kwargs.get("bias")
+    if get_tag(w) is not PerModel or (b is not None and get_tag(b) is not PerModel) or get_tag(x) is PerModel:
+        return NotImplemented
+    tag = get_tag(x)
+    s = single_shape(x, m)
+    if isinstance(tag, int) and tag == len(s) - 1:
+        return NotImplemented  # the samples on the features' dimension: per model
+    xe = explicit(x, m).expand(m, *s)
+    rows = xe.reshape(m, -1, s[-1])
+    out = torch.bmm(rows, w.transpose(1, 2)) if b is None else torch.baddbmm(b.unsqueeze(1), rows, w.transpose(1, 2))
+    return _result(out.reshape(m, *s[:-1], w.shape[1]), tag if isinstance(tag, int) else None)
+
+
+def _addmm(ctx, func, args, kwargs):
+    """``torch.addmm(b, x, W)`` (``Conv1D``-style linears) with per-model ``W``: one batched matmul."""
+    if kwargs or len(args) != 3:
+        return NotImplemented
+    b, x, w = args
+    m = ctx.num_models
+    tag = get_tag(x)
+    if get_tag(w) is not PerModel or tag == 1 or tag is PerModel or get_tag(b) not in (PerModel, None):
+        return NotImplemented
+    rows = explicit(x, m).expand(m, *single_shape(x, m))
+    out = torch.baddbmm(explicit(b, m, 2), rows, w)
+    return _result(out, 0 if tag == 0 else None)
+
+
+def _affine_norm(norm: Callable, names: tuple[str, ...], channel_dim: int | None) -> Callable:
+    """Normalisations with per-model ``weight``/``bias`` (arguments 2 and 3: layer_norm, rms_norm,
+    group_norm): normalise without them (no model dimension involved), then scale and shift each model by
+    its own."""
+
+    def fast(ctx, func, args, kwargs):
+        m = ctx.num_models
+        args, kwargs = list(args), dict(kwargs)
+        params = []
+        for k, name in enumerate(names):
+            if name in kwargs:
+                params.append(kwargs.pop(name))
+            elif len(args) > 2 + k:
+                params.append(args[2 + k])
+                args[2 + k] = None
+            else:
+                params.append(None)
+        x = args[0]
+        tag = get_tag(x)
+        if tag is PerModel or any(p is not None and get_tag(p) not in (PerModel, None) for p in params):
+            return NotImplemented
+        s = single_shape(x, m)
+        kept = 1 if channel_dim is not None else len(s) - len(_sizes((args[1],)))
+        if isinstance(tag, int) and tag >= kept:
+            return NotImplemented  # the samples among the normalised dimensions: per model
+        y = norm(*args, **kwargs)
+        set_tag(y, tag)
+        e = explicit(y, m)
+        for k, p in enumerate(params):
+            if p is None:
+                continue
+            pe = explicit(p, m)  # (M or 1, *P)
+            if channel_dim is not None:  # (C,) scales dimension 1 of (N, C, *)
+                pe = pe.reshape(pe.shape[0], *pe.shape[1:], *([1] * (len(s) - channel_dim - 1)))
+            pe = pe[(slice(None),) + (None,) * (len(s) - (pe.dim() - 1))]
+            e = e * pe if k == 0 else e + pe
+        return _result(e, tag if isinstance(tag, int) else None)
+
+    return fast
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Everything else: per model
+
+
+def _per_model_loop(ctx, func, args, kwargs):
+    m = ctx.num_models
+    name = _name(func)
+    inplace = func in _INPLACE_FUNCS or func is Tensor.__setitem__ or "out" in kwargs
+    target = kwargs.get("out", args[0] if args else None)
+    if inplace and isinstance(target, Tensor) and get_tag(target) is None:
+        raise ValueError(f"{name} inside a stacked forward writes per-model values into a tensor all models share")
+    samples = any(isinstance(t, int) for t in _all_tags(args, kwargs))
+    rule = _RULES.get(func)
+    if samples and rule is None:
+        raise ValueError(
+            f"{name} inside a stacked forward combines a per-model value with the models' samples, and "
+            "batchlayers has no rule saying where the samples go in its result"
+        )
+    outs = []
+    for i in range(m):
+        a = tuple(_part(v, i, m) for v in args)
+        k = {key: _part(v, i, m) for key, v in kwargs.items()}
+        outs.append(func(*a, **k))
+        if i == 0:
+            first_args, first_kwargs = a, k
+    if inplace:
+        return target
+    first = outs[0]
+    if not _has_tensor(first):
+        if any(o != first for o in outs[1:]):
+            raise ValueError(
+                f"{name} inside a stacked forward gives different results for different models ({outs[0]!r} for "
+                f"model 0, {next(o for o in outs if o != first)!r} for another); Python code that branches on "
+                "per-model values cannot run for all models at once"
+            )
+        return first
+    if samples:
+        one = SimpleNamespace(num_models=1, folded=_block_size(args, kwargs, m), size_read=False)
+        tagged = _tagged(first_args, first_kwargs)
+        rule[0](one, rule[1], first_args, first_kwargs, first, tagged)
+        # With one model nothing mixes models: an op that the rule refuses for mixing the samples (a batch
+        # norm in training mode, a softmax over the batch) keeps them where its input had them, if it keeps
+        # the input's shape. Any dimension holding each model's block of rows is exact; this one keeps the
+        # architecture's view of the batch.
+        for o in _outputs(first):
+            lost = get_tag(o)
+            if isinstance(lost, Lost) and not lost.reduced:
+                same = next((i for i in tagged if isinstance(i.tag, int) and i.shape == o.shape), None)
+                if same is not None:
+                    set_tag(o, same.tag)
+    return _join(first, outs, name)
+
+
+def _has_tensor(out: object) -> bool:
+    return isinstance(out, Tensor) or (isinstance(out, (tuple, list)) and any(isinstance(o, Tensor) for o in out))
+
+
+def _join(first: object, outs: list, name: str) -> object:
+    if isinstance(first, Tensor):
+        return _join_one([o for o in outs], name)
+    items = [_join_one([o[j] for o in outs], name) if isinstance(first[j], Tensor) else first[j]
+             for j in range(len(first))]  # fmt: skip
+    if hasattr(first, "_fields") or type(first).__module__ == "torch.return_types":
+        return type(first)(items)
+    return type(first)(items)
+
+
+def _join_one(outs: list[Tensor], name: str) -> Tensor:
+    tag = get_tag(outs[0])
+    if isinstance(tag, int):
+        out = torch.cat(outs, dim=tag)
+        set_tag(out, tag)
+        return out
+    if isinstance(tag, Lost) and not tag.reduced:
+        raise ValueError(
+            f"{name} inside a stacked forward combines a per-model value with the models' samples by "
+            f"{tag.reason}; batchlayers cannot tell which rows of the result are each model's"
+        )
+    return per_model(torch.stack(outs))
+
+
+def _part(obj: object, i: int, m: int) -> object:
+    """Model ``i``'s part of an argument."""
+    if isinstance(obj, Tensor):
+        tag = get_tag(obj)
+        if tag is PerModel:
+            return obj[i]
+        if isinstance(tag, int):
+            n = obj.shape[tag] // m
+            block = obj.narrow(tag, i * n, n)
+            set_tag(block, tag)
+            return block
+        return obj
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(_part(o, i, m) for o in obj)
+    return obj
+
+
+def _block_size(args, kwargs, m: int) -> int:
+    for t in _flat(args, kwargs):
+        tag = get_tag(t)
+        if isinstance(tag, int):
+            return t.shape[tag] // m
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The table
+
+_INPLACE_FUNCS = {fn for n in _INPLACE.split() for owner in (torch, Tensor) if callable(fn := getattr(owner, n, None))}
+_FAST: dict[Callable, Callable] = {}
+
+_ELEMENTWISE_FAST = """
+add sub subtract mul multiply div divide true_divide pow where maximum minimum lerp addcmul addcdiv
+eq ne lt le gt ge __add__ __radd__ __sub__ __rsub__ __mul__ __rmul__ __truediv__ __rtruediv__ __pow__ __rpow__
+__eq__ __ne__ __lt__ __le__ __gt__ __ge__ __neg__ neg exp log sqrt rsqrt sigmoid tanh relu abs square reciprocal
+add_ sub_ mul_ div_ __iadd__ __isub__ __imul__ __itruediv__ copy_
+"""
+_UNARY_FAST = "contiguous clone detach to type float double half bfloat16 long int bool"
+
+
+def _register(handler: Callable, names: str) -> None:
+    for n in names.split():
+        for owner in (torch, Tensor, F):
+            fn = getattr(owner, n, None)
+            if callable(fn):
+                _FAST.setdefault(fn, handler)
+
+
+def _unary(ctx, func, args, kwargs):
+    if get_tag(args[0]) is not PerModel or _flat(args[1:], kwargs):
+        return NotImplemented
+    return per_model(func(*args, **kwargs))
+
+
+_register(_elementwise, _ELEMENTWISE_FAST)
+_register(_unary, _UNARY_FAST)
+_register(_on_stored(_reshape), "reshape")
+_register(_on_stored(_view), "view")
+_register(_on_stored(_flatten), "flatten")
+_register(_on_stored(_dim_op("unflatten")), "unflatten")
+_register(_on_stored(lambda t, s, dim: t.unsqueeze(_norm(dim, len(s) + 1) + 1)), "unsqueeze")
+_register(_on_stored(_squeeze), "squeeze")
+_register(_on_stored(_permute), "permute")
+_register(_on_stored(_transpose), "transpose swapaxes swapdims")
+_register(_on_stored(_t), "t")
+_register(_on_stored(_dim_op("select")), "select")
+_register(_on_stored(_dim_op("narrow")), "narrow")
+_register(_on_stored(_dim_op("split", 1, 0)), "split")
+_register(_on_stored(_dim_op("chunk", 1, 0)), "chunk")
+_register(_on_stored(_dim_op("unbind", 0, 0)), "unbind")
+_register(_on_stored(_dim_op("softmax")), "softmax")
+_register(_on_stored(_dim_op("log_softmax")), "log_softmax")
+_register(_on_stored(_dim_op("cumsum")), "cumsum")
+for _method in ("sum", "mean", "amax", "amin", "nansum", "logsumexp", "all", "any"):
+    _register(_on_stored(_reduce(_method)), _method)
+_FAST[Tensor.__getitem__] = _on_stored(_index)
+_FAST[Tensor.mT.__get__] = _on_stored(lambda t, s: t.mT if len(s) >= 2 else NotImplemented)
+_FAST[Tensor.T.__get__] = _on_stored(lambda t, s: t.permute(0, *range(t.dim() - 1, 0, -1)))
+_FAST[F.linear] = _linear
+_FAST[torch.addmm] = _addmm
+_FAST[F.layer_norm] = _affine_norm(F.layer_norm, ("weight", "bias"), None)
+_FAST[F.rms_norm] = _affine_norm(F.rms_norm, ("weight",), None)
+_FAST[F.group_norm] = _affine_norm(F.group_norm, ("weight", "bias"), 1)
+del _method
+
+
+def _expand_fast(ctx, func, args, kwargs):
+    return _on_stored(_expand(ctx))(ctx, func, args, kwargs)
+
+
+for _fn in (Tensor.expand, Tensor.broadcast_to, torch.broadcast_to):
+    _FAST[_fn] = _expand_fast
+del _fn

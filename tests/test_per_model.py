@@ -1,0 +1,114 @@
+"""Per-model values anywhere in the model tree (batchlayers._per_model): parameters and buffers held outside
+batched layers, subclasses and look-alikes of torch.nn layers, parametrizations. Each is compared with the
+N original models in float64: outputs, parameter gradients and buffers through training steps, then
+unstack."""
+
+from __future__ import annotations
+
+import lookalikes as la
+import pytest
+import torch
+from convert_harness import compare_training, seeded
+from harness import assert_close
+from torch import nn
+
+from batchlayers import stack, unstack
+
+M = 3
+
+CASES = {
+    "ViT: cls token, pos embed, gamma, bias table": (la.TinyViT, lambda lead: torch.randn(*lead, 3, 8, 8)),
+    "ConvNeXt: std conv, BN+act, LayerNorm2d": (la.ConvNeXtish, lambda lead: torch.randn(*lead, 3, 6, 6)),
+    "LM: Conv1D addmm, RMSNorm, scaled/offset embeddings": (la.TinyLM, lambda lead: torch.randint(0, 13, (*lead, 5))),
+    "weight_norm, orthogonal, spectral_norm": (la.Parametrized, lambda lead: torch.randn(*lead, 4)),
+}
+
+
+def _as_input(x: torch.Tensor) -> torch.Tensor:
+    return x if not x.is_floating_point() else x.double()
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["own batches", "shared batch"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_stacks_exactly_against_the_originals(case: str, shared: bool) -> None:
+    factory, make_input = CASES[case]
+    models = [seeded(factory, i) for i in range(M)]
+    references = [seeded(factory, i) for i in range(M)]
+    batched = stack(models)
+    compare_training(batched, references, lambda lead: _as_input(make_input(lead)), shared=shared)
+    for original, back in zip(references, unstack(batched)):
+        assert type(back) is type(original)
+        for (name, p), (_, q) in zip(original.state_dict().items(), back.state_dict().items()):
+            assert_close(q, p, msg=f"unstacked {name}")
+
+
+def test_per_model_parameters_are_stored_with_the_model_dimension() -> None:
+    batched = stack([seeded(la.TinyViT, i) for i in range(M)])
+    assert batched.cls_token.shape == (M, 1, 1, 8) and batched.gamma.shape == (M, 8)
+    assert batched.norm1.weight.shape == (M, 8)  # a LayerNorm subclass: its own forward, per-model weights
+    assert type(batched.norm1) is la._PlainLayerNorm
+
+
+def test_sizes_read_from_weights_are_one_models() -> None:
+    """``self.lm_head.weight.shape[0]`` inside forward is the vocabulary size, not M."""
+    models = [seeded(la.TinyLM, i) for i in range(M)]
+    batched = stack(models)
+    ids = torch.randint(0, 13, (M, 2, 5))
+    assert_close(batched(ids), torch.stack([m(ids[i]) for i, m in enumerate(models)]), msg="logits")
+
+
+def test_python_control_flow_on_per_model_values() -> None:
+    x = torch.randn(M, 2, 4, dtype=torch.float64)
+    agreeing = [seeded(la.Gate, i) for i in range(M)]
+    assert_close(stack(agreeing)(x), torch.stack([m(x[i]) for i, m in enumerate(agreeing)]), msg="same branch")
+    differing = [seeded(la.Gate, i) for i in range(M)]
+    with torch.no_grad():
+        differing[1].gate.fill_(-1.0)
+    with pytest.raises(ValueError, match=r"Tensor.item inside a stacked forward gives different results"):
+        stack(differing)(x)
+
+
+class _BatchMean(nn.Module):
+    """Mixes a batch's samples outside any batched layer: per-model running mean from x.mean(0)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4))
+        self.register_buffer("mean", torch.zeros(4))
+
+    def forward(self, x):
+        self.mean.mul_(0.9).add_(0.1 * x.mean(0))
+        return x * self.scale
+
+
+def test_a_batch_statistic_into_a_per_model_buffer_is_refused() -> None:
+    batched = stack([_BatchMean(), _BatchMean()])
+    with pytest.raises(ValueError, match=r"Tensor.add_ inside a stacked forward combines a per-model value.*mean"):
+        batched(torch.randn(2, 3, 4))
+
+
+class _SharedWrite(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        out = torch.zeros(4)
+        out += self.scale  # a tensor made in forward, shared by all models, given per-model values
+        return x * out
+
+
+def test_writing_per_model_values_into_a_shared_tensor_is_refused() -> None:
+    with pytest.raises(ValueError, match="writes per-model values into a tensor that all models share"):
+        stack([_SharedWrite(), _SharedWrite()])(torch.randn(2, 3, 4))
+
+
+# dynamo warns about reading .grad of non-leaf tensors while it wraps the tracker's arguments (its own check)
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")
+def test_torch_compile_runs_a_model_with_per_model_code_eagerly() -> None:
+    """torch.compile does not pass size reads to the tracker, so the model's own code would read (M, *)
+    sizes (TinyLM divides by ``lm_head.weight.shape[0]``): such frames fall back to eager, exact."""
+    models = [seeded(la.TinyLM, i) for i in range(2)]
+    compiled = torch.compile(stack(models), backend="aot_eager")
+    ids = torch.randint(0, 13, (2, 3, 5))
+    assert_close(compiled(ids), torch.stack([m(ids[i]) for i, m in enumerate(models)]), msg="compiled logits")
