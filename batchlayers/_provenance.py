@@ -264,7 +264,7 @@ def _broadcast_tag(ctx: Tracker, what: str, tensors: Sequence, out_shape: Sequen
 def _differs_along(t: Tensor, dim: int) -> bool:
     """An untagged ``t`` spans dimension ``dim`` (not broadcast over it) with values that are not the same
     all along it. A batch-sized constant does not; a sequence or per-sample indices of that length do."""
-    if get_tag(t) is not None or not 0 <= dim < t.dim() or t.shape[dim] == 1 or t.stride(dim) == 0:
+    if get_tag(t) is not None or not 0 <= dim < t.dim() or t.shape[dim] <= 1 or t.stride(dim) == 0:
         return False
     return not torch.equal(t, t.narrow(dim, 0, 1).expand_as(t))
 
@@ -502,8 +502,10 @@ def _expand(ctx, name, args, kwargs, out, tagged) -> None:
     would tile the models."""
     first = tagged[0]
     outs = _outputs(out)
-    if first.tensor is not args[0] or not outs:
-        return _tag_all(out, None)
+    if first.tensor is not args[0] or not outs:  # x.expand_as(y), only y tagged: x broadcast along y's samples
+        d = first.tag + outs[0].dim() - len(first.shape) if isinstance(first.tag, int) and outs else None
+        uniform = d is not None and 0 <= d < outs[0].dim() and outs[0].stride(d) == 0
+        return _tag_all(out, d if uniform else None)
     if isinstance(first.tag, Lost):
         return _tag_all(out, first.tag)
     d = first.tag + outs[0].dim() - len(first.shape)
@@ -583,9 +585,26 @@ def _getitem(ctx, name, args, kwargs, out, tagged) -> None:
         if isinstance(index, Tensor) and index.dtype != torch.bool and get_tag(index) is not None:
             return _tag_all(out, get_tag(index))
         return _tag_all(out, Lost("indexing a shared tensor with values computed from the models' samples"))
+    if _per_sample_rows(x, index):
+        return _tag_all(out, 0)
     if any(i.tensor is not x for i in tagged):
         return _tag_all(out, Lost("indexing by values computed from the models' samples"))
     _tag_all(out, _index_position(x, index, d))
+
+
+def _per_sample_rows(x: Tensor, index: object) -> bool:
+    """``x[torch.arange(B), idx]`` (B read from the folded batch; a pooled token per sample): the first index
+    is the identity on the samples and the others are per sample, so row ``i`` of the result is sample ``i``'s."""
+    if get_tag(x) != 0 or not isinstance(index, tuple) or len(index) < 2:
+        return False
+    first, rest = index[0], [i for i in index[1:] if isinstance(i, Tensor)]
+    if not isinstance(first, Tensor) or get_tag(first) is not None or first.dim() != 1:
+        return False
+    if first.shape[0] != x.shape[0] or first.dtype.is_floating_point or first.dtype == torch.bool:
+        return False
+    if any(i.dim() > 1 or (i.dim() == 1 and (get_tag(i) != 0 or i.shape[0] != x.shape[0])) for i in rest):
+        return False
+    return torch.equal(first, torch.arange(x.shape[0], device=first.device, dtype=first.dtype))
 
 
 def _index_position(x: Tensor, index: object, d: int) -> Tag:
@@ -735,9 +754,32 @@ def _uniform_creator(ctx: Tracker, out: object) -> None:
         set_tag(out, list(out.shape).index(ctx.folded))
 
 
+def _broadcast_creator(ctx: Tracker, out: object) -> None:
+    """``arange(T).expand(B, -1)`` with ``B`` read from the folded batch: the same row for every sample,
+    a broadcast (stride 0) along that dimension, so every split of it is right."""
+    if isinstance(out, Tensor) and ctx.num_models > 1:
+        d = next((k for k, n in enumerate(out.shape) if n == ctx.folded and out.stride(k) == 0), None)
+        if d is not None:
+            set_tag(out, d)
+
+
 _CREATORS: dict[Callable, Callable] = {}
 for _n in ("zeros", "ones", "full", "empty", "rand", "randn", "randint", "normal"):
     _CREATORS[getattr(torch, _n)] = _uniform_creator
+for _fn in (Tensor.expand, Tensor.broadcast_to, torch.broadcast_to):
+    _CREATORS[_fn] = _broadcast_creator
+
+
+def _repeat_creator(ctx: Tracker, out: object) -> None:
+    """``arange(T).unsqueeze(0).repeat(B, 1)``: rows repeated to the folded batch size, checked equal."""
+    if isinstance(out, Tensor) and ctx.num_models > 1:
+        d = next((k for k, n in enumerate(out.shape) if n == ctx.folded), None)
+        if d is not None and not _differs_along(out, d):
+            set_tag(out, d)
+
+
+for _fn in (Tensor.repeat, torch.tile, Tensor.tile):
+    _CREATORS[_fn] = _repeat_creator
 
 
 def _new_creator(ctx, name, args, kwargs, out, tagged) -> None:

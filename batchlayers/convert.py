@@ -5,9 +5,9 @@ its ``state_dict()`` keys are the architecture's own) in which every torch.nn le
 counterpart is swapped for it, holding all models' weights shaped ``(M, *)``. Every other parameter (and the
 buffers of modules that hold parameters, or that differ between the models) is stored ``(M, *)`` too, in
 its own module, whose code reads it as one model's value (``batchlayers._per_model``): class tokens,
-position tables, layer-scale gammas, subclasses and look-alikes of torch.nn layers, parametrizations. The stacked model is called with
-every tensor input shaped ``(M, B, *)``; inside, the architecture's ``forward`` sees one ordinary batch of
-``M * B`` samples, model-major (see ``batchlayers._fold``), and the layers that must know the model boundaries
+position tables, layer-scale gammas, subclasses and look-alikes of torch.nn layers, parametrizations.
+The stacked model is called with every tensor input shaped ``(M, B, *)``; inside, the architecture's
+``forward`` sees one ordinary batch of ``M * B`` samples, model-major (see ``batchlayers._fold``), and the layers that must know the model boundaries
 (linear, conv, norms) view it back to ``(M, B, *)``.
 
 Limits, by design:

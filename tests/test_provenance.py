@@ -152,7 +152,6 @@ REFUSED = {
     "first sample for everyone": r"fc.*indexing into the dimension that holds the models' samples",
     "per-sample arange": r"fc.*combines the models' samples with a value that differs along the models",
     "batch-sized arange output": r"output\[1\] is ambiguous.*\(6,\)",
-    "gather last token by arange": r"output.*advanced indexing into the dimension",
     "unknown op": r"fc.*torch.fft.fft \(batchlayers has no rule for it\)",
     "per-sample arange written into samples": r"fc.*__setitem__ combines the models' samples with a value that differs",
     "shared tensor clamped in place by all models' max": r"fc.*Tensor.add, which combines samples with Tensor.max",
@@ -352,3 +351,36 @@ def test_index_rule_never_names_a_wrong_dimension(d: int, index: tuple) -> None:
         return
     expected = torch.arange(6).reshape([6 if k == where else 1 for k in range(out.dim())]).expand(out.shape)
     assert torch.equal(out, expected), (index, d, where)
+
+
+class _BatchSizedFromConstants(nn.Module):
+    """Batch-sized tensors made from constants after reading B: expand, repeat, and a per-sample gather."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.pos = nn.Embedding(8, 4)
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):  # x: (B, T, 4)
+        b, t, _ = x.shape
+        positions = torch.arange(t)
+        if self.how == "gather":  # (1, T): a sequence, unambiguous also when T == M*B
+            positions = positions.unsqueeze(0)
+        elif self.how == "expand":
+            positions = positions.expand(b, -1)
+        elif self.how == "repeat":
+            positions = positions.unsqueeze(0).repeat(b, 1)
+        h = self.fc(x) + self.pos(positions)
+        if self.how == "gather":
+            return h[torch.arange(b), x[..., 0].argmax(-1)]
+        return h
+
+
+@pytest.mark.parametrize("batch", [2, 3], ids=["T != M*B", "T == M*B"])
+@pytest.mark.parametrize("how", ["expand", "repeat", "gather"])
+def test_batch_sized_from_constants_is_exact(how: str, batch: int) -> None:
+    models = [seeded(lambda: _BatchSizedFromConstants(how), i) for i in range(2)]
+    x = torch.randn(2, batch, 6, 4, dtype=torch.float64)
+    expected = torch.stack([m(x[i]) for i, m in enumerate(models)])
+    assert_close(stack(models)(x), expected, msg=how)

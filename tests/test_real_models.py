@@ -1,0 +1,110 @@
+"""transformers models built from tiny configs (nothing downloaded), stacked and compared with the N original
+models in float64: outputs and parameter gradients, then unstack. Code nobody here wrote: Conv1D linears,
+RMSNorm/T5LayerNorm subclasses, learned/offset/sinusoidal position embeddings, class tokens, relative
+attention biases, caches, pooled tokens gathered by ``arange``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as tf
+from harness import assert_close
+
+from batchlayers import stack, unstack
+
+M, B, T = 2, 3, 5  # M * B != T; test_provenance covers the coincidences
+_LM = dict(vocab_size=50, bos_token_id=0, eos_token_id=0)
+
+CONFIGS = {
+    "gpt2": lambda: tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=2, n_head=2, n_embd=16, n_positions=16, **_LM)),
+    "llama": lambda: tf.LlamaForCausalLM(
+        tf.LlamaConfig(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, hidden_size=16,
+                       intermediate_size=32, max_position_embeddings=16, pad_token_id=0, **_LM)
+    ),
+    "mistral": lambda: tf.MistralForCausalLM(
+        tf.MistralConfig(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, hidden_size=16,
+                         intermediate_size=32, max_position_embeddings=16, pad_token_id=0, **_LM)
+    ),
+    "opt": lambda: tf.OPTForCausalLM(
+        tf.OPTConfig(num_hidden_layers=2, num_attention_heads=2, hidden_size=16, ffn_dim=32, max_position_embeddings=16,
+                     word_embed_proj_dim=16, pad_token_id=1, **_LM)
+    ),
+    "bert": lambda: tf.BertModel(
+        tf.BertConfig(num_hidden_layers=2, num_attention_heads=2, hidden_size=16, intermediate_size=32, vocab_size=50,
+                      max_position_embeddings=16)
+    ),
+    "t5": lambda: tf.T5ForConditionalGeneration(
+        tf.T5Config(num_layers=2, num_heads=2, d_model=16, d_kv=8, d_ff=32, vocab_size=50, decoder_start_token_id=0,
+                    pad_token_id=0, eos_token_id=1)
+    ),
+    "bart": lambda: tf.BartForConditionalGeneration(
+        tf.BartConfig(encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
+                      d_model=16, encoder_ffn_dim=32, decoder_ffn_dim=32, vocab_size=50, max_position_embeddings=16,
+                      pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2)
+    ),
+    "vit": lambda: tf.ViTForImageClassification(
+        tf.ViTConfig(num_hidden_layers=2, num_attention_heads=2, hidden_size=16, intermediate_size=32, image_size=16,
+                     patch_size=4, num_labels=3)
+    ),
+    "clip-text": lambda: tf.CLIPTextModel(
+        tf.CLIPTextConfig(num_hidden_layers=2, num_attention_heads=2, hidden_size=16, intermediate_size=32,
+                          max_position_embeddings=16, projection_dim=8, vocab_size=50)
+    ),
+    "whisper": lambda: tf.WhisperForConditionalGeneration(
+        tf.WhisperConfig(encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
+                         d_model=16, encoder_ffn_dim=32, decoder_ffn_dim=32, num_mel_bins=8, max_source_positions=8,
+                         max_target_positions=16, pad_token_id=0, decoder_start_token_id=0, **_LM)
+    ),
+}  # fmt: skip
+
+
+def _inputs(name: str) -> dict[str, torch.Tensor]:
+    ids = torch.randint(3, 50, (M, B, T))
+    if name == "vit":
+        return {"pixel_values": torch.randn(M, B, 3, 16, 16, dtype=torch.float64)}
+    if name == "whisper":
+        return {"input_features": torch.randn(M, B, 8, 16, dtype=torch.float64), "decoder_input_ids": ids[..., :4]}
+    if name in ("t5", "bart"):
+        return {"input_ids": ids, "decoder_input_ids": ids[..., :4]}
+    return {"input_ids": ids}
+
+
+def _main_output(out) -> torch.Tensor:
+    return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+@pytest.fixture(autouse=True)
+def _quiet_transformers():
+    verbosity = tf.logging.get_verbosity()
+    tf.logging.set_verbosity_error()
+    yield
+    tf.logging.set_verbosity(verbosity)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_transformers_model_stacks_exactly(name: str) -> None:
+    models = []
+    for i in range(M):
+        torch.manual_seed(i)
+        models.append(CONFIGS[name]().double().eval())
+    batched = stack(models)
+    inputs = _inputs(name)
+    out = batched(**inputs)
+    refs = [models[i](**{k: v[i] for k, v in inputs.items()}) for i in range(M)]
+    for key in ("logits", "last_hidden_state", "pooler_output"):
+        if getattr(refs[0], key, None) is not None:
+            assert_close(getattr(out, key), torch.stack([getattr(r, key) for r in refs]), msg=f"{name} {key}")
+    grad = torch.randn_like(_main_output(out))
+    (_main_output(out) * grad).sum().backward()
+    for i, r in enumerate(refs):
+        (_main_output(r) * grad[i]).sum().backward()
+    references = [dict(m.named_parameters()) for m in models]
+    for pname, p in batched.named_parameters():
+        if p.grad is not None:
+            expected = torch.stack([ref[pname].grad for ref in references])
+            assert_close(p.grad, expected, msg=f"{name}: gradient of {pname}")
+    for original, back in zip(models, unstack(batched)):
+        assert type(back) is type(original)
+        state = back.state_dict()
+        for key, value in original.state_dict().items():
+            assert_close(state[key], value, msg=f"{name}: unstacked {key}")
