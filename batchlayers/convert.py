@@ -7,8 +7,8 @@ buffers of modules that hold parameters, or that differ between the models) is s
 its own module, whose code reads it as one model's value (``batchlayers._per_model``): class tokens,
 position tables, layer-scale gammas, subclasses and look-alikes of torch.nn layers, parametrizations.
 The stacked model is called with every tensor input shaped ``(M, B, *)``; inside, the architecture's
-``forward`` sees one ordinary batch of ``M * B`` samples, model-major (see ``batchlayers._fold``), and the layers that must know the model boundaries
-(linear, conv, norms) view it back to ``(M, B, *)``.
+``forward`` sees one ordinary batch of ``M * B`` samples, model-major (see ``batchlayers._fold``), and the
+layers that must know the model boundaries (linear, conv, norms) view it back to ``(M, B, *)``.
 
 Limits, by design:
 
