@@ -311,7 +311,10 @@ def _reduce(method: str) -> Callable:
 
     def transform(t, s, *args, **kwargs):
         args = list(args)
-        dim = kwargs.pop("dim", args.pop(0) if args and not isinstance(args[0], torch.dtype) else None)
+        if "dim" in kwargs:
+            dim = kwargs.pop("dim")
+        else:
+            dim = args.pop(0) if args and not isinstance(args[0], torch.dtype) else None
         if dim is None or (isinstance(dim, (list, tuple)) and not dim):
             if not s:
                 return NotImplemented
