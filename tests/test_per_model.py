@@ -115,3 +115,14 @@ def test_torch_compile_runs_a_model_with_per_model_code_eagerly() -> None:
         assert_close(compiled(ids), torch.stack([m(ids[i]) for i, m in enumerate(models)]), msg="compiled logits")
     finally:
         torch._dynamo.reset()  # the frames it marked to run eagerly must not affect other tests' compiles
+
+
+@pytest.mark.parametrize(
+    "case", ["ViT: cls token, pos embed, gamma, bias table", "LM: Conv1D addmm, RMSNorm, scaled/offset embeddings"]
+)
+def test_sizes_that_coincide(case: str) -> None:
+    """M * B equal to the number of tokens (5), with B = 1: the per-model paths never go by sizes."""
+    factory, make_input = CASES[case]
+    models = [seeded(factory, i) for i in range(5)]
+    references = [seeded(factory, i) for i in range(5)]
+    compare_training(stack(models), references, lambda lead: _as_input(make_input(lead)), batch=1)
