@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._provenance import _INPLACE, _RULES, Lost, PerModel, _name, _outputs, _tagged, get_tag, set_tag
+from ._provenance import _INPLACE, _RULES, Lost, PerModel, _name, _norm, _outputs, _tagged, get_tag, set_tag
 
 __all__ = ["call"]
 
@@ -125,10 +125,6 @@ def _checked(r: Tensor, d: int | None, tensors: Sequence[Tensor], num_models: in
 
 # ----------------------------------------------------------------------------------------------------------
 # Sizes: the one model's
-
-
-def _norm(d: int, ndim: int) -> int:
-    return d + ndim if d < 0 else d
 
 
 def _size(m, t, dim=None):
@@ -432,13 +428,10 @@ def _per_model_loop(ctx, func, args, kwargs):
             f"{name} inside a stacked forward combines a per-model value with the models' samples, and "
             "batchlayers has no rule saying where the samples go in its result"
         )
-    outs = []
-    for i in range(m):
-        a = tuple(_part(v, i, m) for v in args)
-        k = {key: _part(v, i, m) for key, v in kwargs.items()}
-        outs.append(func(*a, **k))
-        if i == 0:
-            first_args, first_kwargs = a, k
+    parts = [
+        (tuple(_part(v, i, m) for v in args), {key: _part(v, i, m) for key, v in kwargs.items()}) for i in range(m)
+    ]
+    outs = [func(*a, **k) for a, k in parts]
     if inplace:
         return target
     first = outs[0]
@@ -452,6 +445,7 @@ def _per_model_loop(ctx, func, args, kwargs):
         return first
     if samples:
         one = SimpleNamespace(num_models=1, folded=_block_size(args, kwargs, m), size_read=False)
+        first_args, first_kwargs = parts[0]
         tagged = _tagged(first_args, first_kwargs)
         rule[0](one, rule[1], first_args, first_kwargs, first, tagged)
         # With one model nothing mixes models: an op that the rule refuses for mixing the samples (a batch
@@ -473,12 +467,10 @@ def _has_tensor(out: object) -> bool:
 
 def _join(first: object, outs: list, name: str) -> object:
     if isinstance(first, Tensor):
-        return _join_one([o for o in outs], name)
+        return _join_one(outs, name)
     items = [_join_one([o[j] for o in outs], name) if isinstance(first[j], Tensor) else first[j]
              for j in range(len(first))]  # fmt: skip
-    if hasattr(first, "_fields") or type(first).__module__ == "torch.return_types":
-        return type(first)(items)
-    return type(first)(items)
+    return type(first)(items)  # a tuple, list or torch.return_types (max, sort, ...)
 
 
 def _join_one(outs: list[Tensor], name: str) -> Tensor:

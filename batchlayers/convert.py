@@ -263,7 +263,7 @@ def _skeleton(template: nn.Module, num_models: int, differing: frozenset[str] = 
     replaced.update(made)
     root = _swap_in(root, replaced)
     rebind_functions(root, _translator(memo, replaced))
-    stacked_names = [n for n in tensor_table(root, remove_duplicate=True) if n not in shared]
+    stacked = {n: t for n, t in tensor_table(root, remove_duplicate=True).items() if n not in shared}
     if not _fold.is_swapped_leaf(root):
         if "num_models" in vars(root):
             raise ValueError(
@@ -272,10 +272,9 @@ def _skeleton(template: nn.Module, num_models: int, differing: frozenset[str] = 
             )
         root.num_models = num_models
         own_ids = {id(made[id(t)]) for _, tensors in own_tensors for t in tensors.values()}
-        own_code = [n for n, t in tensor_table(root, remove_duplicate=True).items() if id(t) in own_ids]
-        _fold.attach_root_hooks(root, shared, stacked_names, own_code)
+        own_code = [n for n, t in stacked.items() if id(t) in own_ids]
+        _fold.attach_root_hooks(root, shared, list(stacked), own_code)
     buffers = dict(root.named_buffers())
-    stacked = {n: t for n, t in tensor_table(root, remove_duplicate=True).items() if n not in shared}
     return _Stacked(root, stacked, {n: buffers[n] for n in shared}, num_models)
 
 
