@@ -81,17 +81,25 @@ class StdConv2d(nn.Conv2d):
         return F.conv2d(x, w.reshape_as(self.weight), self.bias, self.stride, self.padding)
 
 
+class GroupNormAct(nn.GroupNorm):
+    """timm's GroupNormAct: F.group_norm on its own affine parameters, then an activation."""
+
+    def forward(self, x):
+        return F.gelu(F.group_norm(x, self.num_groups, self.weight, self.bias, self.eps))
+
+
 class ConvNeXtish(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.stem = StdConv2d(3, 6, 3, padding=1)
         self.bn = BatchNormAct2d(6)
+        self.gn = GroupNormAct(2, 6)
         self.norm = LayerNorm2d(6)
         self.layer_scale = nn.Parameter(torch.full((6, 1, 1), 0.5))
         self.head = nn.Linear(6, 3)
 
     def forward(self, x):
-        x = self.bn(self.stem(x))
+        x = self.gn(self.bn(self.stem(x)))
         x = x + self.layer_scale * self.norm(x)
         return self.head(x.mean((2, 3)))
 
@@ -126,6 +134,13 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(dtype)
 
 
+class FusedRMSNorm(nn.RMSNorm):
+    """An nn.RMSNorm subclass calling F.rms_norm itself."""
+
+    def forward(self, x):
+        return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
+
+
 class ScaledEmbedding(nn.Embedding):
     """BART's scaled word embedding."""
 
@@ -158,13 +173,14 @@ class TinyLM(nn.Module):
         self.wpe = OffsetPositions(16, dim)
         self.c_attn = Conv1D(dim, dim)
         self.norm = RMSNorm(dim)
+        self.final_norm = FusedRMSNorm(dim, eps=1e-6)
         self.lm_head = nn.Linear(dim, vocab, bias=False)
 
     def forward(self, ids):
         mask = torch.ones_like(ids)
         x = self.wte(ids) + self.wpe(mask)
         x = x + self.c_attn(self.norm(x)) / self.lm_head.weight.shape[0]  # one model's vocabulary size
-        return self.lm_head(x)
+        return self.lm_head(self.final_norm(x))
 
 
 class Parametrized(nn.Module):
