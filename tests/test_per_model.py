@@ -126,3 +126,14 @@ def test_sizes_that_coincide(case: str) -> None:
     models = [seeded(factory, i) for i in range(5)]
     references = [seeded(factory, i) for i in range(5)]
     compare_training(stack(models), references, lambda lead: _as_input(make_input(lead)), batch=1)
+
+
+def test_per_model_buffers_replaced_by_to_are_still_per_model() -> None:
+    """``.to()`` replaces buffers (BatchNormAct2d's running statistics, held outside batched layers); the
+    next call knows them as per-model again."""
+    models = [seeded(la.ConvNeXtish, i).eval() for i in range(M)]
+    batched = stack(models).float()
+    assert batched.bn.running_mean.dtype == torch.float32
+    x = torch.randn(M, 2, 3, 6, 6)
+    expected = torch.stack([m.float()(x[i]) for i, m in enumerate(models)])
+    torch.testing.assert_close(batched(x), expected)
