@@ -102,6 +102,12 @@ class FoldInputs:
     ) -> None:
         self.shared_buffers = list(shared_buffers)
         self.per_model = list(per_model)  # every (M, *) parameter and buffer, by name
+        # ... grouped by module (path atoms, tensor names): tagging walks to each module once per call
+        by_module: dict[tuple[str, ...], list[str]] = {}
+        for name in self.per_model:
+            *path, leaf = name.split(".")
+            by_module.setdefault(tuple(path), []).append(leaf)
+        self.per_model_by_module = list(by_module.items())
         self.own_code = list(own_code)  # those of them that the architecture's own code uses (not a batched layer)
 
     def __call__(self, root: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -169,17 +175,23 @@ class FoldInputs:
                 f"stacked {type(root).__name__}: its own code uses per-model tensors such as '{self.own_code[0]}'; "
                 "it runs without compiling"
             )
-        for path in getattr(self, "per_model", ()):
-            t = _tensor(root, path)
-            if getattr(t, "_batchlayers_models", None) is PerModel:
-                continue
-            if compiling:
-                raise RuntimeError(
-                    f"stacked {type(root).__name__}: '{path}' was replaced since the model was last called (by "
-                    ".to() or load_state_dict(assign=True)); call the stacked model once without torch.compile "
-                    "before compiling it"
-                )
-            set_tag(t, PerModel)
+        for path, leaves in getattr(self, "per_model_by_module", ()):
+            module = root
+            for atom in path:
+                module = module._modules[atom]
+            for leaf in leaves:
+                t = module._parameters.get(leaf)
+                if t is None:
+                    t = module._buffers[leaf]
+                if getattr(t, "_batchlayers_models", None) is PerModel:
+                    continue
+                if compiling:
+                    raise RuntimeError(
+                        f"stacked {type(root).__name__}: '{'.'.join((*path, leaf))}' was replaced since the model "
+                        "was last called (by .to() or load_state_dict(assign=True)); call the stacked model once "
+                        "without torch.compile before compiling it"
+                    )
+                set_tag(t, PerModel)
 
 
 def _unwind_stale_calls(root: nn.Module) -> None:
