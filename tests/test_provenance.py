@@ -377,7 +377,7 @@ class _BatchSizedFromConstants(nn.Module):
         return h
 
 
-@pytest.mark.parametrize("batch", [2, 3], ids=["T != M*B", "T == M*B"])
+@pytest.mark.parametrize("batch", [1, 2, 3], ids=["B == 1", "T != M*B", "T == M*B"])
 @pytest.mark.parametrize("how", ["expand", "repeat", "gather"])
 def test_batch_sized_from_constants_is_exact(how: str, batch: int) -> None:
     models = [seeded(lambda: _BatchSizedFromConstants(how), i) for i in range(2)]
