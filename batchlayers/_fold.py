@@ -250,9 +250,15 @@ class UnfoldOutputs:
                 return t.unflatten(tag, (num_models, t.shape[tag] // num_models)).movedim(tag, 0)
             if tag is PerModel:
                 return t  # stored (M, *) already
+            if isinstance(tag, Lost) and t.dim() == 0:
+                raise ValueError(
+                    f"{name}: output{where} (a 0-dim value) was computed from every model's samples by {tag.reason}, "
+                    "so it is not any one model's. A mean over the samples (x.mean(), a loss with reduction='mean') "
+                    "is each model's own; a sum, count, norm or index is not (code pairs it with sizes such as "
+                    "x.size(0), which hold all models' samples). Return a mean, or compute per-model losses from "
+                    "the (M, B, *) outputs with batchlayers.losses"
+                )
             if isinstance(tag, Lost):
-                if tag.reduced and t.dim() == 0:
-                    return t  # e.g. a loss: already reduced over every model (see stack's docs on scaling)
                 raise ValueError(
                     f"{name}: output{where} (shape {tuple(t.shape)}) was computed from the models' samples by "
                     f"{tag.reason}, so its rows cannot be assigned to models. Return outputs that keep each "

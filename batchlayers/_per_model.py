@@ -23,6 +23,10 @@ the one model's value, for every model at once:
   calls. A result that is not a tensor (``bool(t)``, ``t.item()``, Python control flow) is returned when all
   models agree and refused otherwise, naming the call.
 
+A reduction over the models' samples (a mean, a loss) gives a per-model value too: the samples are viewed
+``(M, *one model's shape)`` and reduced as the one model would (losses with fast paths: cross-entropy and
+NLL through ``batchlayers.losses``, elementwise losses reduced per model). See ``batchlayers._provenance``.
+
 Never is model 0's value used for all models: a call that cannot be done per model raises.
 """
 
@@ -35,7 +39,20 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._provenance import _INPLACE, _RULES, Lost, PerModel, _name, _norm, _outputs, _tagged, get_tag, set_tag
+from . import losses as batched_losses
+from ._provenance import (
+    _INPLACE,
+    _RULES,
+    Lost,
+    PerModel,
+    _name,
+    _norm,
+    _outputs,
+    _tagged,
+    get_tag,
+    loss_arguments,
+    set_tag,
+)
 
 __all__ = ["call"]
 
@@ -44,6 +61,11 @@ def call(ctx, func: Callable, args: tuple, kwargs: dict) -> object:
     """Run ``func`` on arguments of which at least one is a per-model tensor (``ctx``: the tracker)."""
     if func in _PASS:
         return func(*args, **kwargs)
+    rule = _RULES.get(func)
+    if rule is not None and rule.over_samples is not None:
+        tagged = _tagged(args, kwargs)
+        if any(isinstance(i.tag, int) for i in tagged) and rule.over_samples(rule.name, args, kwargs, tagged):
+            args, kwargs = _samples_per_model(ctx.num_models, args), _samples_per_model(ctx.num_models, kwargs)
     lost = next((t for t in _all_tags(args, kwargs) if isinstance(t, Lost)), None)
     if lost is not None:
         raise ValueError(
@@ -91,6 +113,18 @@ def explicit(t: Tensor, num_models: int, ndim: int | None = None) -> Tensor:
         e = t.unsqueeze(0)
     pad = 0 if ndim is None else ndim - (e.dim() - 1)
     return e[(slice(None),) + (None,) * pad] if pad > 0 else e
+
+
+def _samples_per_model(m: int, obj: object) -> object:
+    """Tensors holding the models' samples in ``obj`` (arguments, nested) viewed ``(M, *one model's
+    shape)`` as per-model values: for a reduction over the samples, which gives each model its own."""
+    if isinstance(obj, Tensor) and isinstance(tag := get_tag(obj), int):
+        return per_model(obj.unflatten(tag, (m, obj.shape[tag] // m)).movedim(tag, 0))
+    if isinstance(obj, dict):
+        return {k: _samples_per_model(m, v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(_samples_per_model(m, o) for o in obj)
+    return obj
 
 
 def per_model(t: Tensor) -> Tensor:
@@ -410,6 +444,44 @@ def _affine_norm(norm: Callable, names: tuple[str, ...], channel_dim: int | None
     return fast
 
 
+def _class_loss(ctx, func, args, kwargs):
+    """``F.cross_entropy``/``F.nll_loss`` reduced per model: ``batchlayers.losses`` on the ``(M, N, C, *)``
+    view, one kernel for all models and each model's mean over its own valid targets (or their summed class
+    weights), so ``ignore_index`` and class weights give every model exactly its own loss."""
+    a = loss_arguments(func, args, kwargs)
+    if a["reduction"] not in ("mean", "sum") or get_tag(a.get("weight")) is not None:
+        return NotImplemented  # (per model, below)
+    m = ctx.num_models
+    x, target = a["input"], a["target"]
+    sx, st = single_shape(x, m), single_shape(target, m)
+    xe, te = explicit(x, m).expand(m, *sx), explicit(target, m).expand(m, *st)
+    if len(sx) == 1:  # an unbatched (C,) input: one row per model
+        xe, te = xe.unsqueeze(1), te.unsqueeze(1)
+    extra = {"label_smoothing": a.get("label_smoothing", 0.0)} if func is F.cross_entropy else {}
+    fn = batched_losses.cross_entropy if func is F.cross_entropy else batched_losses.nll_loss
+    kwargs = {"weight": a.get("weight"), "ignore_index": a.get("ignore_index", -100), "reduction": a["reduction"]}
+    return per_model(fn(xe, te, **kwargs, **extra))
+
+
+def _elementwise_loss(ctx, func, args, kwargs):
+    """Losses that reduce an elementwise ``reduction='none'`` result (mse, l1, BCE, KL, ...): that result for
+    all models at once, reduced per model."""
+    a = loss_arguments(func, args, kwargs)
+    reduction = a["reduction"]
+    m = ctx.num_models
+    shapes = {k: single_shape(v, m) for k, v in a.items() if isinstance(v, Tensor)}
+    if reduction not in ("mean", "sum", "batchmean") or (reduction == "batchmean" and not shapes["input"]):
+        return NotImplemented
+    ndim = max(len(v) for v in shapes.values())
+    for k in shapes:  # each with the models first, then as the one model's shapes broadcast
+        e = explicit(a[k], m, ndim)
+        a[k] = e.expand(m, *e.shape[1:])
+    a["reduction"] = "none"
+    if reduction != "batchmean":
+        return per_model(batched_losses._reduce(func(**a), reduction))
+    return per_model(batched_losses._reduce(func(**a), "sum") / shapes["input"][0])
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Everything else: per model
 
@@ -447,14 +519,14 @@ def _per_model_loop(ctx, func, args, kwargs):
         one = SimpleNamespace(num_models=1, folded=_block_size(args, kwargs, m), size_read=False)
         first_args, first_kwargs = parts[0]
         tagged = _tagged(first_args, first_kwargs)
-        rule[0](one, rule[1], first_args, first_kwargs, first, tagged)
+        rule.rule(one, rule.name, first_args, first_kwargs, first, tagged)
         # With one model nothing mixes models: an op that the rule refuses for mixing the samples (a batch
         # norm in training mode, a softmax over the batch) keeps them where its input had them, if it keeps
         # the input's shape. Any dimension holding each model's block of rows is exact; this one keeps the
         # architecture's view of the batch.
         for o in _outputs(first):
             lost = get_tag(o)
-            if isinstance(lost, Lost) and not lost.reduced:
+            if isinstance(lost, Lost):
                 same = next((i for i in tagged if isinstance(i.tag, int) and i.shape == o.shape), None)
                 if same is not None:
                     set_tag(o, same.tag)
@@ -479,7 +551,7 @@ def _join_one(outs: list[Tensor], name: str) -> Tensor:
         out = torch.cat(outs, dim=tag)
         set_tag(out, tag)
         return out
-    if isinstance(tag, Lost) and not tag.reduced:
+    if isinstance(tag, Lost):
         raise ValueError(
             f"{name} inside a stacked forward combines a per-model value with the models' samples by "
             f"{tag.reason}; batchlayers cannot tell which rows of the result are each model's"
@@ -560,7 +632,7 @@ _register(_on_stored(_dim_op("unbind", 0, 0)), "unbind")
 _register(_on_stored(_dim_op("softmax")), "softmax")
 _register(_on_stored(_dim_op("log_softmax")), "log_softmax")
 _register(_on_stored(_dim_op("cumsum")), "cumsum")
-for _method in ("sum", "mean", "amax", "amin", "nansum", "logsumexp", "all", "any"):
+for _method in ("sum", "mean", "amax", "amin", "nansum", "logsumexp", "all", "any", "std", "var"):
     _register(_on_stored(_reduce(_method)), _method)
 _FAST[Tensor.__getitem__] = _on_stored(_index)
 _FAST[Tensor.mT.__get__] = _on_stored(lambda t, s: t.mT if len(s) >= 2 else NotImplemented)
@@ -570,7 +642,11 @@ _FAST[torch.addmm] = _addmm
 _FAST[F.layer_norm] = _affine_norm(F.layer_norm, ("weight", "bias"), None)
 _FAST[F.rms_norm] = _affine_norm(F.rms_norm, ("weight",), None)
 _FAST[F.group_norm] = _affine_norm(F.group_norm, ("weight", "bias"), 1)
-del _method
+_FAST[F.cross_entropy] = _FAST[F.nll_loss] = _class_loss
+for _name_ in "mse_loss l1_loss smooth_l1_loss huber_loss soft_margin_loss kl_div".split():
+    _FAST[getattr(F, _name_)] = _elementwise_loss
+_FAST[F.binary_cross_entropy] = _FAST[F.binary_cross_entropy_with_logits] = _elementwise_loss
+del _method, _name_
 
 
 def _expand_fast(ctx, func, args, kwargs):

@@ -23,14 +23,20 @@ length equal to ``M * B``), so batchlayers follows where every tensor came from:
 - **Rules.** Every torch function that may see a tagged tensor has a rule saying where the model dimension
   of its output is: broadcasting elementwise ops align dimensions from the right; reshapes keep a model-major
   dimension wherever a prefix of the shape has the same product and the new dimension divides by M;
-  permutations move it; reductions, ``cat``/``split`` along it, indexing into it lose it. A function without
-  a rule makes its outputs :class:`Lost`. So a tag is never a guess: either the rule proves the layout or the
+  permutations move it; ``cat``/``split`` along it, indexing into it lose it. A function without a rule
+  makes its outputs :class:`Lost`. So a tag is never a guess: either the rule proves the layout or the
   tensor is marked as unknown.
+
+- **Reductions over the samples.** A reduction whose value does not grow with the number of elements (a
+  mean, std/var, min/max values, median, all/any; a loss with ``reduction='mean'``) is computed per model on
+  the samples viewed ``(M, *one model's shape)`` and gives a per-model value (``batchlayers._per_model``):
+  each model's own loss, ignore_index and class weights included. A sum, count, norm or index over the
+  samples stays :class:`Lost`: code pairs it with sizes read from the folded batch (``x.sum() /
+  x.size(0)``), which are ``M`` times one model's, so no per-model value would be right.
 
 - **At the boundaries.** A batched layer takes a tagged input by its tag (model dimension first; row-wise
   layers such as Linear also take it on another dimension), broadcasts an untagged one, and refuses a
-  :class:`Lost` one with the reason. The stacked root unfolds tagged outputs and refuses lost ones (a
-  0-dim value reduced over every model, e.g. a loss, is returned as it is).
+  :class:`Lost` one with the reason. The stacked root unfolds tagged outputs and refuses lost ones.
 
 - **Sizes.** ``B = x.size(0)`` puts ``M * B`` into plain ints. The mode notes when the folded size of a
   tagged tensor is read; from then on, tensors created with that size are known to be batch-sized: those
@@ -46,9 +52,11 @@ traces both into one graph (the tags decide at trace time, like any Python contr
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -62,11 +70,9 @@ _ATTR = "_batchlayers_models"
 
 @dataclass(frozen=True)
 class Lost:
-    """A tensor made from the models' samples whose layout is not known (``reduced``: reduced over all
-    models' samples, which a 0-dim output such as a loss may be)."""
+    """A tensor made from the models' samples whose layout is not known."""
 
     reason: str
-    reduced: bool = False
 
 
 class PerModel:
@@ -122,19 +128,34 @@ class Tracker(TorchFunctionMode):
             if isinstance(func, torch._ops.OpOverload):
                 return func(*args, **kwargs)  # a compiled graph running: its ops are on the stored tensors
             return _per_model.call(self, func, args, kwargs)
+        entry = _RULES.get(func)
+        if entry is not None and entry.over_samples and entry.over_samples(entry.name, args, kwargs, tagged):
+            return self._over_samples(entry.name, func, args, kwargs)
         out = func(*args, **kwargs)
         if isinstance(out, (tuple, list)) and torch.compiler.is_compiling():
             # torch.compile cannot store an attribute on the outputs of a multi-output op (split, sort): tag
             # views of them instead.
             out = type(out)([o.view(o.shape) if isinstance(o, Tensor) else o for o in out])
-        entry = _RULES.get(func)
         if entry is None:
             lost = _first_lost(tagged) if all(isinstance(i.tag, Lost) for i in tagged) else None
             _tag_all(out, lost or Lost(f"{_name(func)} (batchlayers has no rule for it)"))
         else:
-            replaced = entry[0](self, entry[1], args, kwargs, out, tagged)
-            if replaced is not None:  # a rule that computes the op per model (in-forward losses)
-                return replaced
+            entry.rule(self, entry.name, args, kwargs, out, tagged)
+        return out
+
+    def _over_samples(self, name: str, func, args: tuple, kwargs: dict) -> object:
+        """A reduction over the models' samples (a loss, ``x.mean(0)``, ``x.max()``): each model's own, a
+        per-model value (see ``batchlayers._per_model``)."""
+        if torch.compiler.is_compiling():
+            raise RuntimeError(
+                f"batchlayers: {name} reduces over the models' samples, which gives per-model values whose "
+                "sizes torch.compile would read as the stored (M, *) ones; it runs without compiling (torch.compile "
+                "falls back). Compute losses from the (M, B, *) outputs outside forward to compile all of it"
+            )
+        out = _per_model.call(self, func, args, kwargs)
+        indices = getattr(out, "indices", None)  # max(dim=...) and the like: positions within one model's samples
+        if isinstance(indices, Tensor):
+            set_tag(indices, Lost(f"the indices of {name} over the models' samples"))
         return out
 
     def pause(self) -> None:
@@ -209,10 +230,7 @@ def _tag_all(out: object, tag: Tag) -> None:
 
 
 def _first_lost(tagged: list[_In]) -> Lost | None:
-    lost = [i.tag for i in tagged if isinstance(i.tag, Lost)]
-    if not lost:
-        return None
-    return next((t for t in lost if not t.reduced), lost[0])
+    return next((i.tag for i in tagged if isinstance(i.tag, Lost)), None)
 
 
 def _norm(dim: int, ndim: int) -> int:
@@ -233,16 +251,12 @@ def _broadcast_tag(ctx: Tracker, what: str, tensors: Sequence, out_shape: Sequen
     """The model dimension of a broadcasting combination of ``tensors`` (or probes) with result shape
     ``out_shape``."""
     n, dim = len(out_shape), None
-    reduced = None
     for t in tensors:
         tag = _tag_any(t)
         if tag is None:
             continue
         if isinstance(tag, Lost):
-            if not tag.reduced:
-                return tag
-            reduced = tag
-            continue
+            return tag
         d = tag + n - t.dim()
         if not 0 <= d < n or out_shape[d] != t.shape[tag]:
             return Lost(f"{what} moves the models' samples to a dimension batchlayers cannot follow")
@@ -250,8 +264,6 @@ def _broadcast_tag(ctx: Tracker, what: str, tensors: Sequence, out_shape: Sequen
             dim = d
         elif dim != d:
             return Lost(f"{what} combines the models' samples along two different dimensions")
-    if reduced is not None:
-        return reduced if dim is None else Lost(f"{what}, which combines samples with {reduced.reason}")
     if dim is None:
         return None
     # An untagged operand that spans the model dimension (not broadcast over it) must be the same for every
@@ -307,6 +319,32 @@ def _dim_rule(position: int, key: str, default: int | None) -> Callable:
     return rule
 
 
+def _reduced_dims(name: str, args: Sequence, kwargs: dict, ndim: int) -> set[int]:
+    position = 2 if name.endswith("norm") else 1  # norm(p, dim, ...), every other one (dim, ...)
+    dims = _arg(args, kwargs, position, "dim", None)
+    if dims is None or (isinstance(dims, (list, tuple)) and not dims):
+        return set(range(ndim))
+    return {_norm(d, ndim) for d in ([dims] if isinstance(dims, int) else dims)}
+
+
+# Reductions whose value does not grow with the number of elements reduced: over the samples, each model's own
+# (a per-model value). A sum, a count, a norm or an index over the folded batch is paired with the folded sizes
+# the code reads (``x.sum() / x.size(0)``), which are M times one model's: those stay reductions over every
+# model's samples, refused where they meet the samples, a per-model value or the output.
+_INTENSIVE = {"mean", "nanmean", "amax", "amin", "max", "min", "median", "nanmedian", "mode", "std", "var", "std_mean",
+              "var_mean", "aminmax", "all", "any"}  # fmt: skip
+
+
+def _reduces_samples(name, args, kwargs, tagged) -> bool:
+    """Over-samples check of reductions: an intensive one over the samples' dimension (among others)."""
+    first = tagged[0]
+    if (len(args) > 1 and isinstance(args[1], Tensor)) or not isinstance(first.tag, int) or len(tagged) > 1:
+        return False
+    if name.split(".")[-1] not in _INTENSIVE:
+        return False
+    return first.tensor is args[0] and first.tag in _reduced_dims(name, args, kwargs, len(first.shape))
+
+
 def _reduction(ctx, name, args, kwargs, out, tagged) -> None:
     first = tagged[0]
     if len(args) > 1 and isinstance(args[1], Tensor):  # torch.max(a, b) and the like: elementwise
@@ -314,15 +352,10 @@ def _reduction(ctx, name, args, kwargs, out, tagged) -> None:
     if isinstance(first.tag, Lost):
         return _tag_all(out, first.tag)
     ndim = len(first.shape)
-    position = 2 if name.endswith("norm") else 1  # norm(p, dim, ...), every other one (dim, ...)
-    dims = _arg(args, kwargs, position, "dim", None)
-    if dims is None or (isinstance(dims, (list, tuple)) and not dims):
-        reduced = set(range(ndim))
-    else:
-        reduced = {_norm(d, ndim) for d in ([dims] if isinstance(dims, int) else dims)}
+    reduced = _reduced_dims(name, args, kwargs, ndim)
     d = first.tag
-    if d in reduced:
-        return _tag_all(out, Lost(f"{name} over the models' samples", reduced=True))
+    if d in reduced:  # (a tagged tensor among other arguments, e.g. torch.sum(x, dim=d, out=buf))
+        return _tag_all(out, Lost(f"{name} over the models' samples"))
     outs = _outputs(out)
     keepdim = bool(outs) and outs[0].dim() == ndim
     _tag_all(out, d if keepdim else d - sum(r < d for r in reduced))
@@ -689,60 +722,40 @@ def _size(ctx, name, args, kwargs, out, tagged) -> None:
     d = get_tag(x)
     if not isinstance(d, int):
         return
-    which = 0 if name.endswith("__len__") else _arg(args, kwargs, 1, "dim", None)
+    which = 0 if name.endswith("__len__") else _arg(args, kwargs, 1, "dim", None) if name.endswith("size") else None
     if which is None or _norm(which, x.dim()) == d:
         ctx.size_read = True
 
 
-# Where ``reduction`` sits among the positional arguments of each loss function.
-_REDUCTION_POSITION = {
-    "cross_entropy": 6, "nll_loss": 6, "mse_loss": 4, "l1_loss": 4, "smooth_l1_loss": 4, "huber_loss": 2,
-    "binary_cross_entropy": 5, "binary_cross_entropy_with_logits": 5, "kl_div": 4, "soft_margin_loss": 4,
-    "poisson_nll_loss": 7, "gaussian_nll_loss": 5,
-}  # fmt: skip
+def loss_arguments(fn: Callable, args: Sequence, kwargs: dict) -> dict:
+    """A ``torch.nn.functional`` loss's arguments by name, with ``reduction`` resolved from the deprecated
+    ``size_average``/``reduce`` where those are given. (By hand, not ``inspect``: torch.compile traces it.)"""
+    bound = dict(zip(_LOSS_PARAMETERS[fn], args))
+    bound.update(kwargs)
+    size_average, reduce = bound.pop("size_average", None), bound.pop("reduce", None)
+    if size_average is not None or reduce is not None:
+        bound["reduction"] = torch.nn._reduction.legacy_get_string(size_average, reduce, emit_warning=False)
+    bound.setdefault("reduction", "mean")
+    return bound
+
+
+def _loss_over_samples(name, args, kwargs, tagged) -> bool:
+    """Over-samples check of losses: a mean (``'mean'``, ``'batchmean'``), each model's own. A ``'sum'`` is a
+    sum over the samples (see ``_INTENSIVE``)."""
+    fn = getattr(F, name.split(".")[-1])
+    return _first_lost(tagged) is None and loss_arguments(fn, args, kwargs)["reduction"] in ("mean", "batchmean")
 
 
 def _loss(ctx, name, args, kwargs, out, tagged) -> None:
-    short = name.split(".")[-1]
-    reduction = _arg(args, kwargs, _REDUCTION_POSITION[short], "reduction", "mean")
+    """``reduction='none'`` or ``'sum'`` (a mean is per model, see :meth:`Tracker._over_samples`)."""
     lost = _first_lost(tagged)
     if lost is not None:
         return _tag_all(out, lost)
-    if reduction == "mean" and short in ("cross_entropy", "nll_loss"):
-        return _mean_of_model_means(ctx, name, args, kwargs, out)
-    if reduction != "none":
-        return _tag_all(out, Lost(f"{name} with reduction='{reduction}'", reduced=True))
-    if short in ("cross_entropy", "nll_loss"):
+    if loss_arguments(getattr(F, name.split(".")[-1]), args, kwargs)["reduction"] != "none":
+        return _tag_all(out, Lost(f"{name} with reduction='sum' over the models' samples"))
+    if name.endswith(("cross_entropy", "nll_loss")):
         return _batch_first(ctx, name, args, kwargs, out, tagged)
     _elementwise(ctx, name, args[:2], {}, out, tagged)
-
-
-def _mean_of_model_means(ctx, name, args, kwargs, out) -> Tensor | None:
-    """``F.cross_entropy``/``F.nll_loss`` with ``reduction='mean'`` over the folded batch, as the mean of the
-    M per-model losses. torch's mean divides by the number of valid targets (or their summed class weights)
-    of the whole folded batch; with ``ignore_index`` or class weights those differ between models, and that
-    global mean would give each model a wrongly scaled gradient. Per model, each is divided by its own."""
-    x, target = args[0], args[1]
-    weight = _arg(args, kwargs, 2, "weight", None)
-    ignore_index = _arg(args, kwargs, 4, "ignore_index", -100)
-    smoothing = _arg(args, kwargs, 7, "label_smoothing", 0.0) if name.endswith("cross_entropy") else 0.0
-    if target.dtype.is_floating_point:  # class probabilities: every row counts, the same number per model
-        return _tag_all(out, Lost(f"{name} with reduction='mean'", reduced=True))
-    if get_tag(x) != 0 or get_tag(target) != 0 or (smoothing and weight is not None):
-        raise ValueError(
-            f"{name} with reduction='mean' inside a stacked forward: its rows cannot be assigned to models (the "
-            "logits and targets must hold the models' samples on dimension 0), or label smoothing is combined "
-            "with class weights; compute per-model losses from the outputs with batchlayers.losses instead"
-        )
-    fn = F.cross_entropy if name.endswith("cross_entropy") else F.nll_loss
-    extra = {"label_smoothing": smoothing} if smoothing else {}
-    per_row = fn(x, target, weight=weight, ignore_index=ignore_index, reduction="none", **extra)
-    valid = target != ignore_index
-    counts = valid if weight is None else weight[torch.where(valid, target, 0)] * valid
-    m = ctx.num_models
-    loss = (per_row.reshape(m, -1).sum(1) / counts.reshape(m, -1).sum(1)).mean()
-    set_tag(loss, Lost(f"{name} with reduction='mean' (the mean of the per-model losses)", reduced=True))
-    return loss
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -792,17 +805,34 @@ def _new_creator(ctx, name, args, kwargs, out, tagged) -> None:
 # ----------------------------------------------------------------------------------------------------------
 # The table
 
-_RULES: dict[Callable, Callable] = {}
+
+class _Rule(NamedTuple):
+    rule: Callable  # rule(ctx, name, args, kwargs, out, tagged) tags out
+    name: str
+    over_samples: Callable | None = None  # (name, args, kwargs, tagged) -> the call reduces over the samples
 
 
-def _add(rule: Callable, names: str, *, torch_: bool = True, method: bool = True, functional: bool = True) -> None:
+_RULES: dict[Callable, _Rule] = {}
+
+
+def _add(
+    rule: Callable,
+    names: str,
+    *,
+    torch_: bool = True,
+    method: bool = True,
+    functional: bool = True,
+    over_samples: Callable | None = None,
+) -> None:
+    """``rule`` for the functions called ``names`` of torch, Tensor and F; ``over_samples(name, args, kwargs,
+    tagged)`` says before the call when it reduces over the models' samples (computed per model instead)."""
     owners = ((torch, "torch", torch_), (torch.Tensor, "Tensor", method), (F, "F", functional))
     owners += ((torch.special, "torch.special", torch_),)
     for name in names.split():
         for owner, prefix, ok in owners:
             fn = getattr(owner, name, None) if ok else None
             if fn is not None and callable(fn):
-                _RULES.setdefault(fn, (rule, f"{prefix}.{name}"))
+                _RULES.setdefault(fn, _Rule(rule, f"{prefix}.{name}", over_samples))
 
 
 _ELEMENTWISE = """
@@ -834,8 +864,11 @@ __ior__ __ixor__ __ifloordiv__ __imod__
 _add(_elementwise, _ELEMENTWISE)
 _add(_like_self, _UNARY)
 _add(_inplace_elementwise, _INPLACE)
-_add(_reduction, "sum nansum mean nanmean prod amax amin max min argmax argmin std var norm logsumexp all any")
-_add(_reduction, "count_nonzero median nanmedian mode aminmax std_mean var_mean")
+_REDUCTIONS = """
+sum nansum mean nanmean prod amax amin max min argmax argmin std var norm logsumexp all any count_nonzero median
+nanmedian mode aminmax std_mean var_mean
+"""
+_add(_reduction, _REDUCTIONS, over_samples=_reduces_samples)
 _add(_dim_rule(1, "dim", None), "softmax log_softmax softmin cumsum cumprod cummax cummin logcumsumexp")
 _add(_dim_rule(1, "dim", -1), "sort argsort msort")
 _add(_dim_rule(1, "dims", None), "flip")
@@ -877,29 +910,49 @@ _add(_split(1, 0), "unbind")
 _add(_split(1, None), "select narrow")
 _add(_index_dim, "index_select gather scatter scatter_add scatter_reduce index_add index_copy")
 _add(_cat, "cat concat concatenate stack")
-_add(_loss, "cross_entropy nll_loss mse_loss l1_loss smooth_l1_loss huber_loss binary_cross_entropy", method=False)
-_add(_loss, "binary_cross_entropy_with_logits kl_div soft_margin_loss poisson_nll_loss gaussian_nll_loss", method=False)
+_LOSSES = """
+cross_entropy nll_loss mse_loss l1_loss smooth_l1_loss huber_loss binary_cross_entropy binary_cross_entropy_with_logits
+kl_div soft_margin_loss poisson_nll_loss gaussian_nll_loss
+"""
+_add(_loss, _LOSSES, torch_=False, method=False, over_samples=_loss_over_samples)
+_LOSS_PARAMETERS = {getattr(F, n): tuple(inspect.signature(getattr(F, n)).parameters) for n in _LOSSES.split()}
 _add(_new_creator, "new_zeros new_ones new_full new_empty new_tensor", torch_=False, functional=False)
-_add(_size, "size __len__", torch_=False, functional=False)
-_RULES[torch.Tensor.shape.__get__] = (_size, "Tensor.shape")
-_RULES[torch.Tensor.__getitem__] = (_getitem, "Tensor.__getitem__")
-_RULES[torch.Tensor.__setitem__] = (_setitem, "Tensor.__setitem__")
-_RULES[torch.Tensor.mT.__get__] = (_permutation(_last_two_perm), "Tensor.mT")
-_RULES[torch.Tensor.T.__get__] = (_permutation(_reverse_perm), "Tensor.T")
-_RULES[torch.Tensor.data.__get__] = (_like_self, "Tensor.data")
-_RULES[F.embedding] = (_trailing(lambda a, k: 0), "F.embedding")
+_add(_size, "size __len__ numel nelement", torch_=False, functional=False)
+_RULES[torch.numel] = _Rule(_size, "torch.numel")
+_RULES[torch.Tensor.shape.__get__] = _Rule(_size, "Tensor.shape")
+_RULES[torch.Tensor.__getitem__] = _Rule(_getitem, "Tensor.__getitem__")
+_RULES[torch.Tensor.__setitem__] = _Rule(_setitem, "Tensor.__setitem__")
+_RULES[torch.Tensor.mT.__get__] = _Rule(_permutation(_last_two_perm), "Tensor.mT")
+_RULES[torch.Tensor.T.__get__] = _Rule(_permutation(_reverse_perm), "Tensor.T")
+_RULES[torch.Tensor.data.__get__] = _Rule(_like_self, "Tensor.data")
+_RULES[F.embedding] = _Rule(_trailing(lambda a, k: 0), "F.embedding")
 # Reading properties that are not tensors, and methods that return no tensor: nothing to tag.
-for _fn in (torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.stride, torch.Tensor.is_contiguous,
+for _fn in (torch.Tensor.dim, torch.Tensor.stride, torch.Tensor.is_contiguous,
             torch.Tensor.dtype.__get__, torch.Tensor.device.__get__, torch.Tensor.requires_grad.__get__,
             torch.Tensor.ndim.__get__, torch.Tensor.is_floating_point, torch.Tensor.element_size,
             torch.Tensor.data_ptr, torch.Tensor.__hash__, torch.Tensor.__repr__, torch.Tensor.__format__,
             torch.Tensor.register_hook, torch.Tensor.retain_grad, torch.Tensor.grad.__get__,
             torch.Tensor.is_leaf.__get__, torch.Tensor.layout.__get__, torch.Tensor.untyped_storage,
-            torch.Tensor.storage_offset, torch.Tensor.nelement, torch.Tensor.get_device,
+            torch.Tensor.storage_offset, torch.Tensor.get_device,
             torch.Tensor.is_cuda.__get__, torch.Tensor.grad_fn.__get__,
             torch.Tensor.__bool__, torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__int__,
             torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.backward):  # fmt: skip
-    _RULES.setdefault(_fn, (lambda *a: None, ""))
+    _RULES.setdefault(_fn, _Rule(lambda *a: None, ""))
 
 
 from . import _per_model  # noqa: E402  (it builds on this module's rules)
+
+
+def _never_compiled_on_its_own() -> None:
+    """Where torch.compile runs a stacked forward eagerly (see ``Tracker.eager_only``), the tracker's
+    ``__torch_function__`` is called from eager code, and dynamo would compile each such call as a frame of its
+    own, guarded too loosely to tell one ``func`` from another (measured: ``x.device`` answered with the
+    compiled ``x.size()``). Those frames and everything they call run as they are; inside a traced forward the
+    tracker is still inlined (a frame's execution strategy applies only where the frame is evaluated)."""
+    from torch._dynamo.eval_frame import set_code_exec_strategy
+    from torch._dynamo.types import FrameAction, FrameExecStrategy
+
+    set_code_exec_strategy(Tracker.__torch_function__.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+
+
+_never_compiled_on_its_own()

@@ -12,15 +12,17 @@ layers that must know the model boundaries (linear, conv, norms) view it back to
 
 Limits, by design:
 
-- A loss computed inside ``forward`` averages over the ``M * B`` samples of all models, which is the mean of
-  the M per-model losses: each model gets ``1/M`` of its own gradient. Multiply that loss by
-  ``model.num_models`` before ``backward`` (exact for mean-reduced losses), or compute per-model losses from
-  the ``(M, B, *)`` outputs with ``batchlayers.losses`` and sum them.
+- A mean over the samples inside ``forward`` (``x.mean(0)``, ``x.std()``, ``x.amax()``, a loss with
+  ``reduction='mean'`` including ``ignore_index`` and class weights) is each model's own: the output is
+  ``(M,)``, entry ``i`` model ``i``'s loss, and ``loss.sum().backward()`` gives every model exactly its own
+  gradient. A sum, count, norm or index over the samples is refused where it reaches a layer or an output:
+  code pairs it with sizes such as ``x.size(0)``, which inside are ``M * B``, so no per-model value would be
+  right. Sizes used as values (``x / x.size(0)``) are ``M`` times one model's for the same reason.
 - Which tensors carry the models' samples is followed through every torch call of ``forward``, not guessed
-  from sizes (``batchlayers._provenance``). Code that would mix the models' samples (``x.mean(0)``, a
-  functional batch norm in training mode, an op without a rule) is refused where its result reaches a
-  batched layer or an output, naming the operation; torch.nn layers that mix a batch (BatchNorm) are swapped
-  for batched counterparts.
+  from sizes (``batchlayers._provenance``). Code that would mix the models' samples (``torch.roll`` over the
+  batch, a functional batch norm in training mode, an op without a rule) is refused where its result reaches
+  a batched layer or an output, naming the operation; torch.nn layers that mix a batch (BatchNorm) are
+  swapped for batched counterparts.
 - A shared input (a stride-0 expand) is copied to ``M * B`` samples on entry: the architecture's own code
   needs one ordinary batch. Batched layers used directly never copy it.
 """
@@ -293,12 +295,13 @@ def stack(models: Sequence[nn.Module]) -> nn.Module:
         The stacked model. It has ``num_models`` (N) set, parameters and buffers under the architecture's own
         names shaped ``(N, *)``, and is called with every tensor input shaped ``(N, B, *)`` (or a stride-0
         expand of one batch for all models); tensor outputs come back ``(N, B, *)`` inside the same tuples,
-        lists, dicts or dataclasses, and 0-dim outputs (a loss) as they are.
+        lists, dicts or dataclasses; a 0-dim output (a loss) comes back ``(N,)``, one per model.
 
     .. note::
-        A loss computed inside ``forward`` (e.g. ``F.cross_entropy`` with the default mean) averages over all
-        models, so each model gets ``1/N`` of its own gradient: call ``(loss * model.num_models).backward()``,
-        or compute per-model losses from the ``(N, B, *)`` outputs (``batchlayers.losses``) and sum them.
+        A loss computed inside ``forward`` with ``reduction='mean'`` (``F.cross_entropy``'s default,
+        ``ignore_index`` and class weights included) is each model's own: ``out.loss`` is ``(N,)`` and
+        ``out.loss.sum().backward()`` gives every model exactly its own gradient. Sums over the samples are
+        refused (see the module docstring).
 
     Raises:
         TypeError / ValueError: naming the first difference between the models, or listing every module with

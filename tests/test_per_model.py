@@ -81,10 +81,13 @@ class _BatchMean(nn.Module):
         return x * self.scale
 
 
-def test_a_batch_statistic_into_a_per_model_buffer_is_refused() -> None:
-    batched = stack([_BatchMean(), _BatchMean()])
-    with pytest.raises(ValueError, match=r"Tensor.add_ inside a stacked forward combines a per-model value.*mean"):
-        batched(torch.randn(2, 3, 4))
+def test_a_batch_statistic_into_a_per_model_buffer_is_each_models_own() -> None:
+    """``x.mean(0)`` reduces each model's own samples: the running mean is every model's own."""
+    compare_training(
+        stack([seeded(_BatchMean, i) for i in range(M)]),
+        [seeded(_BatchMean, i) for i in range(M)],
+        lambda lead: torch.randn(*lead, 4, dtype=torch.float64),
+    )
 
 
 class _SharedWrite(nn.Module):

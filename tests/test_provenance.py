@@ -108,18 +108,20 @@ def test_batchless_index_of_the_folded_size_after_reading_sizes_is_refused() -> 
     compare_training(batched, [seeded(factory, i) for i in range(2)], _sequences(6), batch=2)
 
 
-class _Mixes(nn.Module):
-    """Forward code that mixes or loses the models' rows before a layer or at the output."""
+class _Pattern(nn.Module):
+    """A linear layer around one code pattern of ``forward``, chosen by name."""
 
-    def __init__(self, pattern: str) -> None:
+    def __init__(self, pattern: str, out_features: int = 4) -> None:
         super().__init__()
-        self.fc = nn.Linear(4, 4)
+        self.fc = nn.Linear(4, out_features)
         self.pattern = pattern
+
+
+class _Mixes(_Pattern):
+    """Forward code that mixes or loses the models' rows before a layer or at the output."""
 
     def forward(self, x):
         B = x.size(0)
-        if self.pattern == "mean over the batch":
-            return self.fc(x - x.mean(0))
         if self.pattern == "roll over the batch":
             return self.fc(torch.roll(x, 1, 0))
         if self.pattern == "first sample for everyone":
@@ -141,21 +143,17 @@ class _Mixes(nn.Module):
         if self.pattern == "shared tensor clamped in place by all models' max":
             floor = torch.zeros(4, dtype=x.dtype).clamp_(min=x.max())
             return self.fc(x + floor)
-        if self.pattern == "scaled by a soft-target loss over all models":
-            return self.fc(x * F.cross_entropy(x, x.detach().softmax(-1)))
         raise AssertionError(self.pattern)
 
 
 REFUSED = {
-    "mean over the batch": r"fc.*Tensor.sub, which combines samples with Tensor.mean over the models. samples",
     "roll over the batch": r"fc.*torch.roll along the dimension that holds the models' samples",
     "first sample for everyone": r"fc.*indexing into the dimension that holds the models' samples",
     "per-sample arange": r"fc.*combines the models' samples with a value that differs along the models",
     "batch-sized arange output": r"output\[1\] is ambiguous.*\(6,\)",
     "unknown op": r"fc.*torch.fft.fft \(batchlayers has no rule for it\)",
     "per-sample arange written into samples": r"fc.*__setitem__ combines the models' samples with a value that differs",
-    "shared tensor clamped in place by all models' max": r"fc.*Tensor.add, which combines samples with Tensor.max",
-    "scaled by a soft-target loss over all models": r"fc.*combines samples with F.cross_entropy with reduction",
+    "shared tensor clamped in place by all models' max": r"Tensor.clamp_ .*writes per-model values into a tensor all",
 }
 
 
@@ -167,7 +165,7 @@ def test_refused_where_rows_cannot_be_assigned(pattern: str) -> None:
 
 def test_refused_patterns_are_exact_for_one_model() -> None:
     """With M=1 every row is the one model's: nothing to assign, so nothing is refused."""
-    for pattern in ("mean over the batch", "roll over the batch", "first sample for everyone"):
+    for pattern in ("roll over the batch", "first sample for everyone"):
         model = _Mixes(pattern).double()
         x = torch.randn(1, 3, 4, dtype=torch.float64)
         assert_close(stack([model])(x), model(x[0]).unsqueeze(0), msg=pattern)
@@ -230,55 +228,165 @@ def test_flat_output_is_split_per_model() -> None:
     assert_close(out, torch.stack([m(xi) for m, xi in zip(models, x)]), msg="flattened output")
 
 
-def test_loss_reduced_over_every_model_is_returned_as_it_is() -> None:
-    """A 0-dim value reduced over all samples (a loss) passes; a non-0-dim one mixing models is refused."""
-    batched = stack([nn.Linear(4, 2), nn.Linear(4, 2)])
-    x = torch.randn(2, 3, 4)
-    assert batched(x).shape == (2, 3, 2)
+class _Reduces(_Pattern):
+    """Forward code that reduces over the batch: each model reduces over its own samples."""
 
-    class LossOut(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.fc = nn.Linear(4, 2)
+    def forward(self, x):
+        if self.pattern == "x - x.mean(0)":
+            return self.fc(x - x.mean(0))
+        if self.pattern == "standardised over the batch":
+            return self.fc((x - x.mean(0, keepdim=True)) / x.std(0, keepdim=True))
+        if self.pattern == "x - x.max(0).values":
+            return self.fc(x - x.max(0).values)
+        if self.pattern == "max over the batch, values only":
+            values, _ = x.max(0)
+            return self.fc(x - values)
+        if self.pattern == "x - x.median()":
+            return self.fc(x - x.median())
+        if self.pattern == "scaled by a soft-target loss":
+            return self.fc(x * F.cross_entropy(x, x.detach().softmax(-1)))
+        if self.pattern == "batch std and mean added back":
+            h = self.fc(x)
+            return h + h.std() * h.mean(0)
+        raise AssertionError(self.pattern)
 
-        def forward(self, x, y):
-            return F.mse_loss(self.fc(x), y), self.fc(x).sum(0)
 
-    loss_model = stack([LossOut(), LossOut()])
-    with pytest.raises(ValueError, match=r"output\[1\].*Tensor.sum over the models' samples"):
-        loss_model(x, torch.randn(2, 3, 2))
+REDUCES = ["x - x.mean(0)", "standardised over the batch", "x - x.max(0).values", "max over the batch, values only",
+           "x - x.median()", "scaled by a soft-target loss", "batch std and mean added back"]  # fmt: skip
 
 
-@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "class-weights"])
-def test_in_forward_loss_with_ignore_index_is_the_mean_of_per_model_losses(weighted: bool) -> None:
-    """With ignore_index (and class weights) the models have different numbers of valid targets: the loss
-    is still the mean of the per-model losses, so loss * M gives each model exactly its own gradient."""
+@pytest.mark.parametrize("pattern", REDUCES)
+def test_reductions_over_the_samples_are_per_model(pattern: str) -> None:
+    """A reduction over the folded batch reduces each model's own samples: ``x.mean(0)``, a loss, a 0-dim
+    output are per-model values, ``(M, *)`` at the output."""
+    factory = lambda: _Reduces(pattern)  # noqa: E731
+    models, references = [seeded(factory, i) for i in range(3)], [seeded(factory, i) for i in range(3)]
+    compare_training(stack(models), references, lambda lead: torch.randn(*lead, 4, dtype=torch.float64))
 
-    class Classifier(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.fc = nn.Linear(4, 3)
-            self.register_buffer("class_weight", torch.tensor([1.0, 2.0, 0.5]) if weighted else None)
 
-        def forward(self, x, y):
-            logits = self.fc(x)
-            return F.cross_entropy(logits.view(-1, 3), y.view(-1), weight=self.class_weight, ignore_index=-1)
+class _InForwardLoss(nn.Module):
+    def __init__(self, loss, out_features: int = 3) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, out_features)
+        self.loss = loss
 
-    models = [seeded(Classifier, i) for i in range(3)]
-    references = [seeded(Classifier, i) for i in range(3)]
-    batched = stack(models)
+    def forward(self, x, y):
+        return self.loss(self.fc(x), y)
+
+
+def _classes(lead, ignored: bool = True) -> torch.Tensor:
+    """Class indices for (*lead, T) tokens, with different numbers of ignored (-1) targets per model."""
+    y = torch.randint(0, 3, (*lead, 5))
+    if ignored and len(lead) > 1:
+        y[0, :2] = -1
+        y[1, 0, :3] = -1
+    return y
+
+
+_W = torch.tensor([1.0, 2.0, 0.5], dtype=torch.float64)
+_reals = lambda lead: torch.randn(*lead, 5, 3, dtype=torch.float64)  # noqa: E731
+_probs = lambda lead: torch.rand(*lead, 5, 3, dtype=torch.float64)  # noqa: E731
+
+
+def _tokens_ce(h, y, **kwargs):  # tokens flattened to (N, C) as LMs do, -1 targets ignored
+    return F.cross_entropy(h.view(-1, 3), y.view(-1), ignore_index=-1, **kwargs)
+
+
+# name: (loss(h, y) with h (..., 5, 3) logits, targets for a lead shape)
+LOSSES = {
+    "cross_entropy ignore_index": (_tokens_ce, _classes),
+    "cross_entropy weight": (lambda h, y: _tokens_ce(h, y, weight=_W), _classes),
+    "cross_entropy smoothing+weight": (lambda h, y: _tokens_ce(h, y, weight=_W, label_smoothing=0.2), _classes),
+    "cross_entropy (N, C, T)": (lambda h, y: F.cross_entropy(h.transpose(1, 2), y, ignore_index=-1), _classes),
+    "cross_entropy soft targets": (lambda h, y: F.cross_entropy(h, y.softmax(-1), label_smoothing=0.1), _reals),
+    "nll_loss weight": (lambda h, y: F.nll_loss(h.log_softmax(-1).transpose(1, 2), y, _W, ignore_index=-1), _classes),
+    "mse_loss": (F.mse_loss, _reals),
+    "mse_loss legacy size_average=True": (lambda h, y: F.mse_loss(h, y, size_average=True), _reals),
+    "smooth_l1_loss": (lambda h, y: F.smooth_l1_loss(h, y, beta=0.5), _reals),
+    "huber_loss": (lambda h, y: F.huber_loss(h, y, delta=0.5), _reals),
+    "binary_cross_entropy weight": (lambda h, y: F.binary_cross_entropy(h.sigmoid(), y, weight=_W), _probs),
+    "bce_with_logits pos_weight": (lambda h, y: F.binary_cross_entropy_with_logits(h, y, pos_weight=_W), _probs),
+    "kl_div batchmean": (lambda h, y: F.kl_div(h.log_softmax(-1), y.softmax(-1), reduction="batchmean"), _reals),
+    "soft_margin_loss": (lambda h, y: F.soft_margin_loss(h, y.sign()), _reals),
+    "poisson_nll_loss (per model)": (lambda h, y: F.poisson_nll_loss(h, y.abs()), _reals),
+    "gaussian_nll_loss (per model)": (lambda h, y: F.gaussian_nll_loss(h, y, torch.ones_like(h)), _reals),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("shared_target", [False, True], ids=["own-targets", "shared-target"])
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=pytest.mark.filterwarnings("ignore:size_average")) if "legacy" in n else n for n in LOSSES],
+)
+def test_in_forward_losses_are_each_models_own(name: str, shared_target: bool) -> None:
+    """A loss computed in forward comes back as ``(M,)``, entry i model i's own loss (ignore_index, class
+    weights and the mean over each model's own valid targets included), and ``.sum().backward()`` gives every
+    model exactly its own gradient: no scaling."""
+    loss, make_target = LOSSES[name]
+    factory = lambda: _InForwardLoss(loss)  # noqa: E731
+    batched, references = stack([seeded(factory, i) for i in range(3)]), [seeded(factory, i) for i in range(3)]
     x = torch.randn(3, 4, 5, 4, dtype=torch.float64)
-    y = torch.randint(0, 3, (3, 4, 5))
-    y[0, :3] = -1  # model 0: 5 valid targets, model 1: 17, model 2: 20
-    y[1, 0, :3] = -1
-    loss = batched(x, y)
-    ref_losses = [r(x[i], y[i]) for i, r in enumerate(references)]
-    assert_close(loss, torch.stack(ref_losses).mean(), msg="loss")
-    (loss * batched.num_models).backward()
-    torch.stack(ref_losses).sum().backward()
-    for name, p in batched.named_parameters():
-        ref = torch.stack([dict(r.named_parameters())[name].grad for r in references])
-        assert_close(p.grad, ref, msg=f"gradient of {name}")
+    if shared_target:
+        y = make_target((4,))
+        y = y.expand(3, *y.shape)
+    else:
+        y = make_target((3, 4))
+    out = batched(x, y)
+    expected = torch.stack([r(x[i], y[i]) for i, r in enumerate(references)])
+    assert out.shape == (3,)
+    assert_close(out, expected, msg="losses")
+    out.sum().backward()
+    expected.sum().backward()
+    for key, p in batched.named_parameters():
+        assert_close(p.grad, torch.stack([dict(r.named_parameters())[key].grad for r in references]), msg=key)
+
+
+class _Sums(_Pattern):
+    """Sums, counts, norms and indices over the folded batch: paired with folded sizes, not per model."""
+
+    def forward(self, x, y):
+        h = self.fc(x)
+        if self.pattern == "sum / x.size(0)":
+            return (h - y).pow(2).sum() / x.size(0)
+        if self.pattern == "sum / x.numel()":
+            return (h - y).pow(2).sum() / h.numel()
+        if self.pattern == "masked sum / mask.sum()":
+            mask = y > 0
+            return ((h - y).pow(2) * mask).sum() / mask.sum()
+        if self.pattern == "loss with reduction='sum'":
+            return F.l1_loss(h, y, reduction="sum")
+        if self.pattern == "legacy size_average=False":
+            return F.l1_loss(h, y, size_average=False)
+        if self.pattern == "x / x.norm()":
+            return self.fc(x / x.norm())
+        if self.pattern == "indices of the batch max":
+            return h[h[:, 0].argmax()]
+        if self.pattern == "indices from max(dim)":
+            return h[h.max(0).indices]
+        raise AssertionError(self.pattern)
+
+
+SUMS = {
+    "sum / x.size(0)": r"0-dim value.*Tensor.sum over the models' samples.*not any one model's",
+    "sum / x.numel()": r"0-dim value.*Tensor.sum over the models' samples",
+    "masked sum / mask.sum()": r"0-dim value.*Tensor.sum over the models' samples",
+    "loss with reduction='sum'": r"0-dim value.*F.l1_loss with reduction='sum'",
+    "legacy size_average=False": r"0-dim value.*F.l1_loss with reduction='sum'",
+    "x / x.norm()": r"fc.*Tensor.norm over the models' samples",
+    "indices of the batch max": r"output .*Tensor.argmax over the models' samples",
+    "indices from max(dim)": r"output .*the indices of Tensor.max over the models' samples",
+}
+
+
+@pytest.mark.filterwarnings("ignore:size_average")
+@pytest.mark.parametrize("pattern", list(SUMS))
+def test_sums_over_the_samples_are_refused(pattern: str) -> None:
+    """A sum over the folded batch is every model's, and the sizes code divides it by are M times one
+    model's: refused, never a per-model value off by M."""
+    batched = stack([_Sums(pattern, 3), _Sums(pattern, 3)])
+    with pytest.raises(ValueError, match=SUMS[pattern]):
+        batched(torch.randn(2, 3, 4), torch.randn(2, 3, 3))
+    assert torch.overrides._get_current_function_mode_stack() == []
 
 
 class BatchSized(nn.Module):

@@ -81,12 +81,25 @@ def _quiet_transformers():
     tf.logging.set_verbosity(verbosity)
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_transformers_model_stacks_exactly(name: str) -> None:
+def _originals(name: str) -> list[torch.nn.Module]:
     models = []
     for i in range(M):
         torch.manual_seed(i)
         models.append(CONFIGS[name]().double().eval())
+    return models
+
+
+def _assert_same_gradients(batched: torch.nn.Module, models: list[torch.nn.Module], name: str) -> None:
+    references = [dict(m.named_parameters()) for m in models]
+    for pname, p in batched.named_parameters():
+        if p.grad is not None:
+            expected = torch.stack([ref[pname].grad for ref in references])
+            assert_close(p.grad, expected, msg=f"{name}: gradient of {pname}")
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_transformers_model_stacks_exactly(name: str) -> None:
+    models = _originals(name)
     batched = stack(models)
     inputs = _inputs(name)
     out = batched(**inputs)
@@ -98,13 +111,36 @@ def test_transformers_model_stacks_exactly(name: str) -> None:
     (_main_output(out) * grad).sum().backward()
     for i, r in enumerate(refs):
         (_main_output(r) * grad[i]).sum().backward()
-    references = [dict(m.named_parameters()) for m in models]
-    for pname, p in batched.named_parameters():
-        if p.grad is not None:
-            expected = torch.stack([ref[pname].grad for ref in references])
-            assert_close(p.grad, expected, msg=f"{name}: gradient of {pname}")
+    _assert_same_gradients(batched, models, name)
     for original, back in zip(models, unstack(batched)):
         assert type(back) is type(original)
         state = back.state_dict()
         for key, value in original.state_dict().items():
             assert_close(state[key], value, msg=f"{name}: unstacked {key}")
+
+
+def _labels(name: str, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Labels with a different number of ignored (-100) positions per model."""
+    if name == "vit":
+        return torch.randint(0, 3, (M, B))
+    shape = inputs.get("decoder_input_ids", inputs.get("input_ids")).shape
+    labels = torch.randint(3, 50, shape)
+    labels[0, 0, 1:] = -100
+    labels[1, :, -1] = -100
+    return labels
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "opt", "t5", "bart", "vit", "whisper"])
+def test_transformers_loss_is_each_models_own(name: str) -> None:
+    """``labels`` given: the model computes its loss in forward (transformers' own loss functions, -100
+    ignored); the stacked ``loss`` is ``(M,)``, each model's own, and its sum trains each model exactly."""
+    models = _originals(name)
+    batched = stack(models)
+    inputs = _inputs(name)
+    inputs["labels"] = _labels(name, inputs)
+    out = batched(**inputs)
+    expected = torch.stack([models[i](**{k: v[i] for k, v in inputs.items()}).loss for i in range(M)])
+    assert_close(out.loss, expected, msg=f"{name} loss")
+    out.loss.sum().backward()
+    expected.sum().backward()
+    _assert_same_gradients(batched, models, name)
