@@ -5,9 +5,18 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 
+import torch
 from torch import Tensor, nn
 
-__all__ = ["check_models", "check_same_architecture", "first_difference", "names_by_tensor", "tensor_table"]
+__all__ = [
+    "check_models",
+    "check_same_architecture",
+    "first_difference",
+    "names_by_tensor",
+    "same",
+    "tensor_attributes",
+    "tensor_table",
+]
 
 
 def tensor_table(model: nn.Module, remove_duplicate: bool = False) -> dict[str, Tensor]:
@@ -31,25 +40,72 @@ def _param_names(model: nn.Module) -> set[str]:
     return {n for n, _ in model.named_parameters(remove_duplicate=False)}
 
 
+_MODULE_INTERNALS = frozenset(vars(nn.Module())) | {"training", "num_models"}
+_PLAIN = (int, float, complex, str, bytes, bool, type(None), tuple, list, dict, set, frozenset)
+
+
 def _config(module: nn.Module) -> dict[str, object]:
-    """A module's plain configuration attributes (stride, eps, n_head, ...): they must agree between models."""
-    plain = (int, float, str, bool, tuple, type(None))
-    skip = ("training", "num_models")
+    """A module's plain attributes (stride, eps, n_head, a list of sizes, private ones too): one value for all
+    models, so they must agree. Tensors held as plain attributes are compared by ``stack`` (see
+    :func:`tensor_attributes`); functions and other objects (a transformers config) are the architecture's
+    code, not compared."""
     return {
         k: v
         for k, v in vars(module).items()
-        if not k.startswith("_") and k not in skip and (isinstance(v, plain) or dataclasses.is_dataclass(v))
+        if k not in _MODULE_INTERNALS
+        and not k.startswith("_batchlayers")
+        and (isinstance(v, _PLAIN) or (dataclasses.is_dataclass(v) and not isinstance(v, type)))
     }
 
 
+def tensor_attributes(model: nn.Module) -> dict[str, Tensor]:
+    """Tensors held as plain attributes of ``model``'s modules (not parameters or buffers), by path."""
+    registered = {id(t) for t in tensor_table(model).values()}
+    return {
+        f"{path}.{k}" if path else k: v
+        for path, module in model.named_modules()
+        for k, v in vars(module).items()
+        if isinstance(v, Tensor) and id(v) not in registered and k not in _MODULE_INTERNALS
+    }
+
+
+def same(a: object, b: object) -> bool:
+    """Equality that compares tensors by value (shape, dtype and elements), also inside containers."""
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        both = isinstance(a, Tensor) and isinstance(b, Tensor)
+        return both and a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and torch.equal(a, b)
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if dataclasses.is_dataclass(a):
+        return all(same(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a))
+    try:
+        return bool(a == b) or (isinstance(a, float) and a != a and b != b)  # (nan == nan)
+    except (TypeError, ValueError, RuntimeError):
+        return False
+
+
+def _show(v: object) -> str:
+    if isinstance(v, str):
+        return v
+    if isinstance(v, Tensor):
+        return f"a tensor {tuple(v.shape)} {v.dtype}"
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def first_difference(reference: Mapping, other: Mapping) -> str | None:
+    """The first key missing, unexpected or with another value (tensors compared by value), in words."""
     for key in list(reference) + [k for k in other if k not in reference]:
         if key not in other:
             return f"'{key}' is missing"
         if key not in reference:
             return f"'{key}' is unexpected"
-        if reference[key] != other[key]:
-            return f"'{key}': {other[key]} instead of {reference[key]}"
+        if not same(reference[key], other[key]):
+            return f"'{key}' is {_show(other[key])} instead of {_show(reference[key])}"
     return None
 
 
@@ -111,7 +167,11 @@ def check_same_architecture(models: Sequence[nn.Module], what: str = "stack", mo
                 )
             diff = first_difference(_config(ref_module), _config(module))
             if diff:
-                raise ValueError(f"{what}: {where} is configured differently in model {i} than in model 0: {diff}")
+                raise ValueError(
+                    f"{what}: {where} is configured differently in model {i} than in model 0: {diff}. A plain "
+                    "attribute is one value for all models; to give each model its own, make it a buffer "
+                    "(module.register_buffer(name, torch.as_tensor(value))), which stack stores per model"
+                )
 
 
 def _tie_groups(model: nn.Module) -> list[list[str]]:

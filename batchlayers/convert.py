@@ -37,9 +37,16 @@ import torch
 from torch import Tensor, nn
 
 from . import _fold
-from ._architecture import check_models, check_same_architecture, first_difference, tensor_table
+from ._architecture import (
+    check_models,
+    check_same_architecture,
+    first_difference,
+    same,
+    tensor_attributes,
+    tensor_table,
+)
 from ._copy import rebind_functions
-from ._provenance import PerModel, get_tag
+from ._provenance import PerModel, get_tag, set_tag
 from ._utils import set_num_models_
 from .registry import _BY_BATCHED, _Counterpart, counterpart_of, isinstance_torch, load_builtins, register
 
@@ -325,7 +332,34 @@ def stack(models: Sequence[nn.Module]) -> nn.Module:
     result = _skeleton(models[0], len(models), differing)
     for i, model in enumerate(models):
         result.fill(i, tensor_table(model), f"model {i}")
+    _stack_tensor_attributes(result.module, models)
     return result.module
+
+
+def _stack_tensor_attributes(stacked: nn.Module, models: Sequence[nn.Module]) -> None:
+    """Tensors that modules hold as plain attributes (not parameters or buffers) and that differ between
+    the models are stored per model, ``(M, *)``, read by the module's code as its one model's value (as
+    per-model buffers are); equal ones stay one tensor."""
+    attributes = [tensor_attributes(m) for m in models]
+    for name in dict.fromkeys(k for a in attributes for k in a):
+        values = [a.get(name) for a in attributes]
+        first = values[0]
+        if all(same(first, v) for v in values[1:]):
+            continue
+        for i, v in enumerate(values):
+            if v is None or first is None or v.shape != first.shape or v.dtype != first.dtype:
+                raise ValueError(
+                    f"stack: the tensor attribute '{name}' is {_described(v)} in model {i} but {_described(first)} "
+                    "in model 0; per-model values need one shape and dtype"
+                )
+        path, _, attr = name.rpartition(".")
+        per_model = torch.stack([v.detach().to(first.device) for v in values])
+        set_tag(per_model, PerModel)
+        stacked.get_submodule(path).__dict__[attr] = per_model
+
+
+def _described(t: Tensor | None) -> str:
+    return "missing" if t is None else f"{tuple(t.shape)} {t.dtype}"
 
 
 def replicate(factory: Callable[[], nn.Module], num_models: int) -> nn.Module:
@@ -337,10 +371,18 @@ def replicate(factory: Callable[[], nn.Module], num_models: int) -> nn.Module:
     first = factory()
     result = _skeleton(first, num_models)
     result.fill(0, tensor_table(first), "model 0")
+    first_attributes = tensor_attributes(first)
     for i in range(1, num_models):
         model = factory()
         check_same_architecture([first, model], "replicate")
         result.fill(i, tensor_table(model), f"model {i}")
+        for name, value in tensor_attributes(model).items():
+            if name not in first_attributes or not same(first_attributes[name], value):
+                raise ValueError(
+                    f"replicate: the tensor attribute '{name}' differs between model {i} and model 0; replicate "
+                    "keeps one value for all models. Build the models and call stack(models), which stores it per "
+                    "model"
+                )
     return result.module
 
 
@@ -432,9 +474,10 @@ def select(batched: nn.Module, indices: Sequence[int] | Tensor) -> nn.Module:
     nothing mutable with it (gradients are not copied)."""
     num_models = _require_stacked(batched, "select")
     index = torch.tensor(_indices(indices, num_models), dtype=torch.long)
-    memo: dict[int, object] = {
-        k: _rebuilt(t, t.detach().index_select(0, index.to(t.device))) for k, t in _stacked_tensors(batched).items()
-    }
+    memo: dict[int, object] = {}
+    for k, t in _stacked_tensors(batched).items():
+        memo[k] = _rebuilt(t, t.detach().index_select(0, index.to(t.device)))
+        set_tag(memo[k], get_tag(t))  # (tensor attributes are tagged only here; parameters on every call)
     result = _copy_with(batched, memo)
     set_num_models_(result, len(index))
     _fold.tag_per_model(result)
@@ -458,6 +501,12 @@ def concat(models: Sequence[nn.Module]) -> nn.Module:
         if name not in shared:
             data = torch.cat([table[name].detach() for table in tables])
             memo[id(t)] = _rebuilt(t, data)
+    attributes = [tensor_attributes(m) for m in models]
+    for name, t in attributes[0].items():
+        if get_tag(t) is PerModel:  # a per-model tensor attribute (see stack)
+            joined = torch.cat([a[name].detach() for a in attributes])
+            set_tag(joined, PerModel)
+            memo[id(t)] = joined
     result = _copy_with(models[0], memo)
     set_num_models_(result, sum(m.num_models for m in models))
     _fold.tag_per_model(result)

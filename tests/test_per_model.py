@@ -12,7 +12,7 @@ from convert_harness import compare_training, seeded
 from harness import assert_close
 from torch import nn
 
-from batchlayers import stack, unstack
+from batchlayers import replicate, stack, unstack
 
 M = 3
 
@@ -140,3 +140,70 @@ def test_per_model_buffers_replaced_by_to_are_still_per_model() -> None:
     x = torch.randn(M, 2, 3, 6, 6)
     expected = torch.stack([m.float()(x[i]) for i, m in enumerate(models)])
     torch.testing.assert_close(batched(x), expected)
+
+
+class _Attributes(nn.Module):
+    """Plain (unregistered) attributes read in forward: a temperature, a list of scales, a tensor."""
+
+    def __init__(self, temperature: float = 2.0) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.temperature = temperature
+        self.scales = [1.0, 0.5]
+        self.offset = torch.randn(3, dtype=torch.float64)  # a plain tensor attribute, different per model
+
+    def forward(self, x):
+        return self.fc(x) / self.temperature * self.scales[0] + self.offset
+
+
+def test_plain_tensor_attributes_that_differ_are_per_model() -> None:
+    from batchlayers import concat, select
+
+    models, references = [seeded(_Attributes, i) for i in range(M)], [seeded(_Attributes, i) for i in range(M)]
+    batched = stack(models)
+    assert batched.offset.shape == (M, 3)
+    compare_training(batched, references, lambda lead: torch.randn(*lead, 4, dtype=torch.float64))
+    for original, back in zip(references, unstack(batched)):
+        assert torch.equal(back.offset, original.offset)
+    x = torch.randn(2, 5, 4, dtype=torch.float64)
+    picked = select(batched, [2, 0])
+    assert_close(picked(x), torch.stack([references[2](x[0]), references[0](x[1])]), msg="select")
+    joined = concat([select(batched, [0]), select(batched, [1, 2])])
+    xs = torch.randn(M, 5, 4, dtype=torch.float64)
+    assert_close(joined(xs), torch.stack([r(xs[i]) for i, r in enumerate(references)]), msg="concat")
+
+
+def _with(name: str, value: object) -> nn.Module:
+    model = _Attributes()
+    setattr(model, name, value)
+    return model
+
+
+@pytest.mark.parametrize(
+    "name, value, shown",
+    [
+        ("temperature", 3.0, r"'temperature' is 3.0 instead of 2.0"),
+        ("scales", [1.0, 0.25], r"'scales' is \[1.0, 0.25\] instead of \[1.0, 0.5\]"),
+        ("_private", 1, r"'_private' is 1 instead of 0"),
+        ("table", {"a": torch.ones(2)}, r"'table' is \{'a': tensor"),
+    ],
+)
+def test_plain_attributes_that_differ_are_refused_with_their_path(name: str, value: object, shown: str) -> None:
+    """Numbers, lists, dicts (tensors inside compared by value), private ones too: never model 0's for all."""
+    first = _with(
+        name, 0 if name == "_private" else {"a": torch.zeros(2)} if name == "table" else _Attributes().__dict__[name]
+    )
+    with pytest.raises(ValueError, match=rf"the model itself is configured differently in model 1.*{shown}.*buffer"):
+        stack([first, _with(name, value)])
+
+
+def test_plain_tensor_attributes_of_another_shape_are_refused() -> None:
+    other = _Attributes()
+    other.offset = torch.zeros(4, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"tensor attribute 'offset' is \(4,\) torch.float64 in model 1 but \(3,\)"):
+        stack([_Attributes(), other])
+
+
+def test_replicate_refuses_plain_tensor_attributes_that_differ() -> None:
+    with pytest.raises(ValueError, match=r"replicate: the tensor attribute 'offset' differs.*stack\(models\)"):
+        replicate(_Attributes, 2)
