@@ -32,6 +32,7 @@ from .normalization import BatchedGroupNorm, BatchedLayerNorm, BatchedRMSNorm
 from .population import copy_model_, index_models_, keep_models_
 from .registry import isinstance_torch, register
 from .sparse import BatchedEmbedding
+from .verify import Verification, verify
 
 __version__ = "0.1.0"
 
@@ -61,6 +62,8 @@ __all__ = [
     "replicate",
     "register",
     "isinstance_torch",
+    "verify",
+    "Verification",
     # training toolkit
     "clip_grad_norm_",
     "clip_grad_value_",
