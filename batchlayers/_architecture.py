@@ -41,6 +41,9 @@ def _param_names(model: nn.Module) -> set[str]:
 
 
 _MODULE_INTERNALS = frozenset(vars(nn.Module())) | {"training", "num_models"}
+# Where a checkpoint was loaded from (transformers' ``from_pretrained``): different for every fine-tuned
+# checkpoint, never read by ``forward``. The stacked model keeps model 0's.
+_METADATA = frozenset({"name_or_path"})
 _PLAIN = (int, float, complex, str, bytes, bool, type(None), tuple, list, dict, set, frozenset)
 
 
@@ -53,6 +56,7 @@ def _config(module: nn.Module) -> dict[str, object]:
         k: v
         for k, v in vars(module).items()
         if k not in _MODULE_INTERNALS
+        and k not in _METADATA
         and not k.startswith("_batchlayers")
         and (isinstance(v, _PLAIN) or (dataclasses.is_dataclass(v) and not isinstance(v, type)))
     }

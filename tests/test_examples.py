@@ -79,3 +79,13 @@ def test_expected_calibration_error_matches_a_loop(load_example) -> None:
                 gap = confidence[in_bin].mean() - (prediction[in_bin] == target[in_bin]).double().mean()
                 ece += in_bin.double().mean() * gap.abs()
         assert abs(example.expected_calibration_error(probs, target)[m].item() - float(ece)) < 1e-12
+
+
+def test_generate(load_example) -> None:
+    example = load_example("generate")
+    result = example.main(["--quick"])
+    # Greedy decoding of the stacked models gives every model exactly its own generate()'s tokens.
+    assert torch.equal(result.stacked_tokens, result.own_tokens)
+    assert result.sampled.shape == result.own_tokens.shape
+    prompt_length = result.own_tokens.shape[-1] - 8
+    assert torch.equal(result.sampled[..., :prompt_length], result.own_tokens[..., :prompt_length])

@@ -5,6 +5,8 @@ attention biases, caches, pooled tokens gathered by ``arange``."""
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 import transformers as tf
@@ -144,3 +146,26 @@ def test_transformers_loss_is_each_models_own(name: str) -> None:
     out.loss.sum().backward()
     expected.sum().backward()
     _assert_same_gradients(batched, models, name)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "opt"])
+def test_cached_decoding_is_exact(name: str) -> None:
+    """A prefill then T = 1 steps, each model with its own cache (transformers' DynamicCache): the stacked
+    model's cache holds every model's keys and values, and every step's logits are each model's own."""
+    models = _originals(name)
+    batched = stack(models)
+    cache = "cache" if "cache" in inspect.signature(models[0].forward).parameters else "past_key_values"
+    ids = torch.randint(3, 50, (M, B, T))
+    with torch.no_grad():
+        out = batched(input_ids=ids, use_cache=True)
+        refs = [m(input_ids=ids[i], use_cache=True) for i, m in enumerate(models)]
+        for step in range(4):
+            assert_close(out.logits, torch.stack([r.logits for r in refs]), msg=f"{name} step {step}")
+            if step == 3:
+                break
+            token = out.logits[:, :, -1:].argmax(-1)
+            out = batched(input_ids=token, use_cache=True, **{cache: getattr(out, cache)})
+            refs = [
+                m(input_ids=token[i], use_cache=True, **{cache: getattr(r, cache)})
+                for i, (m, r) in enumerate(zip(models, refs))
+            ]
