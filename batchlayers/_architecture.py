@@ -58,8 +58,18 @@ def _config(module: nn.Module) -> dict[str, object]:
         if k not in _MODULE_INTERNALS
         and k not in _METADATA
         and not k.startswith("_batchlayers")
-        and (isinstance(v, _PLAIN) or (dataclasses.is_dataclass(v) and not isinstance(v, type)))
+        and _is_plain(v)
     }
+
+
+def _is_plain(v: object) -> bool:
+    """Numbers, strings, None and dataclasses, and containers of them (plain tensors inside allowed); not
+    weak references, functions, other objects or lists of parameters (RNN's ``_flat_weights``: compared as
+    parameters)."""
+    if isinstance(v, (tuple, list, set, frozenset, dict)):
+        items = v.values() if isinstance(v, dict) else v
+        return all(_is_plain(x) or (isinstance(x, Tensor) and not isinstance(x, nn.Parameter)) for x in items)
+    return isinstance(v, _PLAIN) or (dataclasses.is_dataclass(v) and not isinstance(v, type))
 
 
 def tensor_attributes(model: nn.Module) -> dict[str, Tensor]:

@@ -391,6 +391,60 @@ def _batch_first(ctx, name, args, kwargs, out, tagged) -> None:
     _tag_all(out, 0)
 
 
+def _recurrent(ctx, name, args, kwargs, out, tagged) -> None:
+    """``torch.lstm/gru/rnn_tanh/rnn_relu(input, hx, params, ..., batch_first)``: the output has the samples
+    on the batch dimension (0 if ``batch_first`` else 1), the states ``(layers, N, H)`` on dimension 1."""
+    lost = _first_lost(tagged)
+    if lost is not None:
+        return _tag_all(out, lost)
+    if isinstance(args[1], Tensor) and args[1].dim() == 1 and not args[1].is_floating_point():
+        return _tag_all(out, Lost(f"{name} of a PackedSequence (its rows interleave the samples by length)"))
+    d = 0 if _arg(args, kwargs, 8, "batch_first", False) else 1
+    x = args[0]
+    states = [i for i in tagged if i.tensor is not x]
+    if x.dim() != 3 or get_tag(x) != d or any(i.tag != 1 for i in states):
+        return _tag_all(out, Lost(f"{name} needs the models' samples on the batch dimension of its input and states"))
+    outs = _outputs(out)
+    set_tag(outs[0], d)
+    for o in outs[1:]:
+        set_tag(o, 1)
+
+
+def _multi_head_attention(ctx, name, args, kwargs, out, tagged) -> None:
+    """``F.multi_head_attention_forward``: query/key/value ``(L, N, E)`` with the samples on dimension 1,
+    masks ``(N, S)`` / ``(N * heads, L, S)`` on dimension 0; the output on 1, the weights ``(N, L, S)`` on 0."""
+    lost = _first_lost(tagged)
+    if lost is not None:
+        return _tag_all(out, lost)
+    sequences = {id(a) for a in args[:3] if isinstance(a, Tensor)}
+    for i in tagged:
+        expected = 1 if id(i.tensor) in sequences else 0
+        if i.tag != expected or (expected == 1 and i.tensor.dim() != 3):
+            return _tag_all(out, Lost(f"{name} needs the models' samples on the batch dimension of every input"))
+    attention, weights = out
+    set_tag(attention, 1)
+    if isinstance(weights, Tensor):
+        set_tag(weights, 0)
+
+
+def _bilinear(ctx, name, args, kwargs, out, tagged) -> None:
+    """``F.bilinear(x1, x2, W, b)``: ``(N, *, H)`` inputs with the samples on one leading dimension."""
+    x1, x2 = args[0], args[1]
+    tags = {get_tag(x1), get_tag(x2)}
+    if len(tags) != 1 or not isinstance(d := tags.pop(), int) or d >= x1.dim() - 1 or len(tagged) > 2:
+        return _tag_all(out, _first_lost(tagged) or Lost(f"{name} of inputs with the samples on different dimensions"))
+    _tag_all(out, d)
+
+
+def _embedding_bag(ctx, name, args, kwargs, out, tagged) -> None:
+    """``F.embedding_bag`` of ``(N, bag)`` indices: one bag per sample. Bags given by ``offsets`` into a
+    flat index tensor are not followed."""
+    x = args[0]
+    if _arg(args, kwargs, 2, "offsets", None) is not None or x.dim() != 2:
+        return _tag_all(out, _first_lost(tagged) or Lost(f"{name} with offsets (bags of any length)"))
+    _batch_first(ctx, name, args, kwargs, out, tagged)
+
+
 def _batch_norm(ctx, name, args, kwargs, out, tagged) -> None:
     training = _arg(args, kwargs, 5, "training", False)
     if training or any(i.tensor is not args[0] for i in tagged):
@@ -896,6 +950,12 @@ dropout2d dropout3d
     method=False,
 )
 _add(_batch_norm, "batch_norm", method=False, torch_=False)
+_add(_recurrent, "lstm gru rnn_tanh rnn_relu", method=False, functional=False)
+_add(_batch_first, "lstm_cell gru_cell rnn_tanh_cell rnn_relu_cell _native_multi_head_attention", method=False)
+_add(_multi_head_attention, "multi_head_attention_forward", method=False, torch_=False)
+_add(_bilinear, "bilinear", method=False)
+_add(_embedding_bag, "embedding_bag", method=False, torch_=False)
+_add(_like_self, "prelu", method=False)
 _add(_matmul, "matmul mm bmm addmm baddbmm __matmul__ mv addmv")
 _add(_sdpa, "scaled_dot_product_attention")
 _add(_reshape, "view reshape flatten unflatten view_as reshape_as squeeze unsqueeze squeeze_ unsqueeze_ ravel")

@@ -1,0 +1,126 @@
+"""Every torch.nn module with parameters, stacked: exact against the N originals (a batched counterpart, or
+the module's own code run per model), or refused with a clear error. README's table of torch.nn layers
+comes from here."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from convert_harness import compare_training, seeded
+from torch import nn
+
+from batchlayers import stack
+
+
+class _Single(nn.Module):
+    """One tensor in, one tensor out, around a torch.nn module with another calling convention."""
+
+    def __init__(self, module: nn.Module, call) -> None:
+        super().__init__()
+        self.module = module
+        self.call = call
+
+    def forward(self, x):
+        return self.call(self.module, x)
+
+
+def _causal(x):
+    return nn.Transformer.generate_square_subsequent_mask(x.shape[1], dtype=x.dtype)
+
+
+def _first(m, x):
+    return m(x)[0]
+
+
+def _rnn_all(m, x):  # the output sequence and the final hidden state, side by side
+    out, state = m(x)
+    h = state[0] if isinstance(state, tuple) else state
+    return torch.cat([out[:, -1], h.transpose(0, 1).flatten(1)], dim=1)
+
+
+# name: (factory, input features after (B,), how to call it)
+RUN_PER_MODEL = {
+    "MultiheadAttention": (lambda: nn.MultiheadAttention(8, 2, batch_first=True), (5, 8), lambda m, x: m(x, x, x)[0]),
+    "MultiheadAttention kdim/vdim, bias_kv, zero_attn, weights": (
+        lambda: nn.MultiheadAttention(8, 2, kdim=6, vdim=4, add_bias_kv=True, add_zero_attn=True, batch_first=True),
+        (5, 8),
+        lambda m, x: torch.cat([o.flatten(1) for o in m(x, x[..., :6], x[..., :4], average_attn_weights=False)], 1),
+    ),
+    "TransformerEncoderLayer norm_first gelu": (
+        lambda: nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, activation="gelu", batch_first=True, norm_first=True),
+        (5, 8),
+        None,
+    ),
+    "TransformerDecoderLayer": (
+        lambda: nn.TransformerDecoderLayer(8, 2, 16, dropout=0.0, batch_first=True),
+        (5, 8),
+        lambda m, x: m(x, x.flip(1)),
+    ),
+    "Transformer causal": (
+        lambda: nn.Transformer(8, 2, 1, 1, 16, dropout=0.0, batch_first=True),
+        (5, 8),
+        lambda m, x: m(x, x, tgt_mask=_causal(x), tgt_is_causal=True),
+    ),
+    "RNN relu 2 layers": (lambda: nn.RNN(4, 6, num_layers=2, nonlinearity="relu", batch_first=True), (5, 4), _rnn_all),
+    "LSTM bidirectional": (lambda: nn.LSTM(4, 6, batch_first=True, bidirectional=True), (5, 4), _rnn_all),
+    "LSTM proj_size": (lambda: nn.LSTM(4, 6, proj_size=3, batch_first=True), (5, 4), _rnn_all),
+    "GRU": (lambda: nn.GRU(4, 6, num_layers=2, batch_first=True), (5, 4), _rnn_all),
+    "RNNCell": (lambda: nn.RNNCell(4, 6), (4,), None),
+    "LSTMCell": (lambda: nn.LSTMCell(4, 6), (4,), _first),
+    "GRUCell": (lambda: nn.GRUCell(4, 6), (4,), None),
+    "ConvTranspose1d": (lambda: nn.ConvTranspose1d(3, 4, 3, stride=2), (3, 7), None),
+    "ConvTranspose2d groups output_padding": (
+        lambda: nn.ConvTranspose2d(4, 6, 3, stride=2, padding=1, output_padding=1, groups=2),
+        (4, 5, 5),
+        None,
+    ),
+    "ConvTranspose3d": (lambda: nn.ConvTranspose3d(2, 3, 2, stride=2), (2, 3, 3, 3), None),
+    "PReLU per channel": (lambda: nn.PReLU(3), (3, 5), None),
+    "PReLU one": (lambda: nn.PReLU(), (3, 5), None),
+    "Bilinear": (lambda: nn.Bilinear(3, 4, 5), (7,), lambda m, x: m(x[..., :3], x[..., 3:])),
+    "EmbeddingBag max": (lambda: nn.EmbeddingBag(10, 4, mode="max"), "ids", None),
+    "InstanceNorm2d affine, running stats": (
+        lambda: nn.InstanceNorm2d(3, affine=True, track_running_stats=True),
+        (3, 5, 5),
+        None,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(RUN_PER_MODEL))
+def test_torch_layers_without_a_batched_counterpart_run_per_model_exactly(name: str) -> None:
+    """Train steps (outputs, gradients, running statistics) and eval, against the originals."""
+    factory, features, call = RUN_PER_MODEL[name]
+    make = (lambda: factory()) if call is None else (lambda: _Single(factory(), call))
+    if features == "ids":
+        make_input = lambda lead: torch.randint(0, 10, (*lead, 3))  # noqa: E731
+    else:
+        make_input = lambda lead: torch.randn(*lead, *features, dtype=torch.float64)  # noqa: E731
+    compare_training(stack([seeded(make, i) for i in range(3)]), [seeded(make, i) for i in range(3)], make_input)
+
+
+def _adaptive(m, x):
+    return m(x[:, 0], x[:, 0, 0].long() % 20)[0]
+
+
+REFUSED = {
+    "MultiheadAttention time-major": (
+        lambda: _Single(nn.MultiheadAttention(8, 2), lambda m, x: m(x, x, x)[0]),
+        r"multi_head_attention_forward.*samples on the batch dimension",
+    ),
+    "GRU time-major": (lambda: _Single(nn.GRU(8, 6), _first), r"torch.gru.*samples on the batch dimension"),
+    "AdaptiveLogSoftmaxWithLoss": (
+        lambda: _Single(nn.AdaptiveLogSoftmaxWithLoss(8, 20, [5, 10], div_value=2.0), _adaptive),
+        r"Tensor.nonzero \(batchlayers has no rule for it\)",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_torch_layers_that_cannot_run_per_model_are_refused(name: str) -> None:
+    """stack folds the models into the inputs' first dimension: a time-major input (T, B, *) would fold
+    the models into time. Refused, naming the function, as is code without a rule."""
+    factory, match = REFUSED[name]
+    batched = stack([seeded(factory, i) for i in range(2)])
+    with pytest.raises(ValueError, match=match):
+        batched(torch.randn(2, 5, 3, 8, dtype=torch.float64))
