@@ -12,6 +12,7 @@ as a stride-0 expand, ``x.expand(M, *x.shape)``, which batchlayers never copies 
 """
 
 from . import backends, functional, losses, optim
+from .attention import BatchedMultiheadAttention
 from .batchnorm import BatchedBatchNorm1d, BatchedBatchNorm2d, BatchedBatchNorm3d
 from .checkpoint import load_checkpoint, stack_checkpoints
 from .clip_grad import clip_grad_norm_, clip_grad_value_, nonfinite_models
@@ -49,6 +50,7 @@ __all__ = [
     "BatchedBatchNorm2d",
     "BatchedBatchNorm3d",
     "BatchedEmbedding",
+    "BatchedMultiheadAttention",
     "Folded",
     # converters
     "stack",

@@ -448,7 +448,44 @@ class SqueezeSharedBuffers:
             state_dict[key] = value[0]
 
 
-_HOOK_TYPES = (FoldInputs, UnfoldOutputs, UnfoldLeafInputs, FoldLeafOutput, ExpandSharedBuffers, SqueezeSharedBuffers)
+class NestedTensorGuard:
+    """Forward pre-hook of a ``torch.nn.TransformerEncoder`` inside a stacked model. In eval mode without
+    gradients and with a ``src_key_padding_mask``, torch may run the original through its nested-tensor
+    fast path, which returns zeros at padded positions; a stacked model (whose code is followed call by call)
+    never takes that path, so those positions would differ. Refused there, instead of differing."""
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if module.training or torch.is_grad_enabled():
+            return
+        if not getattr(module, "use_nested_tensor", False):
+            return
+        padding = kwargs.get("src_key_padding_mask", args[2] if len(args) > 2 else None)
+        if padding is not None:
+            raise ValueError(
+                f"{layer_name(module)}: in eval mode without gradients and with a src_key_padding_mask, torch "
+                "may run each original TransformerEncoder through its nested-tensor fast path, which sets the "
+                "padded positions to 0; the stacked model cannot take that path. Build the encoders with "
+                "enable_nested_tensor=False (or set .use_nested_tensor = False on them) before stacking, or "
+                "run with gradients enabled"
+            )
+
+
+def guard_nested_tensors(root: nn.Module) -> None:
+    for path, module in root.named_modules():
+        if isinstance(module, nn.TransformerEncoder):
+            module._batchlayers_path = path
+            module.register_forward_pre_hook(NestedTensorGuard(), with_kwargs=True)
+
+
+_HOOK_TYPES = (
+    FoldInputs,
+    UnfoldOutputs,
+    UnfoldLeafInputs,
+    FoldLeafOutput,
+    ExpandSharedBuffers,
+    SqueezeSharedBuffers,
+    NestedTensorGuard,
+)
 
 
 def attach_root_hooks(

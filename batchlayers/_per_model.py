@@ -32,6 +32,7 @@ Never is model 0's value used for all models: a call that cannot be done per mod
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 
@@ -53,6 +54,7 @@ from ._provenance import (
     loss_arguments,
     set_tag,
 )
+from .functional import multi_head_attention as _batched_attention
 
 __all__ = ["call"]
 
@@ -482,6 +484,60 @@ def _elementwise_loss(ctx, func, args, kwargs):
     return per_model(batched_losses._reduce(func(**a), "sum") / shapes["input"][0])
 
 
+_MHA_PARAMETERS = tuple(inspect.signature(F.multi_head_attention_forward).parameters)
+
+
+def _multi_head_attention(ctx, func, args, kwargs):
+    """``F.multi_head_attention_forward`` (every torch.nn.MultiheadAttention) with per-model weights:
+    ``batchlayers.functional.multi_head_attention``, batched matmuls for the projections and one attention call
+    over all models' samples. Sequence-first ``(L, M * B, E)`` inputs holding the samples on dimension 1."""
+    a = dict(zip(_MHA_PARAMETERS, args))
+    a.update(kwargs)
+    m = ctx.num_models
+    sequences = [a["query"], a["key"], a["value"]]
+    if any(get_tag(t) != 1 or t.dim() != 3 for t in sequences) or a.get("static_k") is not None:
+        return NotImplemented
+    if a.get("static_v") is not None or a["query"].shape[-1] != a["embed_dim_to_check"]:
+        return NotImplemented
+    padding, mask = a.get("key_padding_mask"), a.get("attn_mask")
+    if padding is not None and get_tag(padding) != 0:
+        return NotImplemented
+    if mask is not None and not (
+        (mask.dim() == 2 and get_tag(mask) is None) or (mask.dim() == 3 and get_tag(mask) == 0)
+    ):
+        return NotImplemented
+    weights = ("in_proj_weight", "in_proj_bias", "bias_k", "bias_v", "out_proj_weight", "out_proj_bias",
+               "q_proj_weight", "k_proj_weight", "v_proj_weight")  # fmt: skip
+    if any(a.get(n) is not None and get_tag(a[n]) is not PerModel for n in weights):
+        return NotImplemented
+    batch_first: dict[int, Tensor] = {}  # one view per distinct input: self-attention stays one projection
+    for t in sequences:
+        batch_first.setdefault(id(t), explicit(t, m).transpose(1, 2))
+    separate = a.get("use_separate_proj_weight", False)
+    out, attention = _batched_attention(
+        *(batch_first[id(t)] for t in sequences),
+        a["num_heads"],
+        None if separate else a["in_proj_weight"],
+        a["in_proj_bias"],
+        a["bias_k"],
+        a["bias_v"],
+        a["add_zero_attn"],
+        a["dropout_p"],
+        a["out_proj_weight"],
+        a["out_proj_bias"],
+        training=a.get("training", True),
+        key_padding_mask=None if padding is None else explicit(padding, m),
+        need_weights=a.get("need_weights", True),
+        attn_mask=mask if mask is None or mask.dim() == 2 else explicit(mask, m),
+        q_proj_weight=a.get("q_proj_weight") if separate else None,
+        k_proj_weight=a.get("k_proj_weight") if separate else None,
+        v_proj_weight=a.get("v_proj_weight") if separate else None,
+        average_attn_weights=a.get("average_attn_weights", True),
+        is_causal=a.get("is_causal", False),
+    )
+    return refold(out.transpose(1, 2), 1), None if attention is None else refold(attention, 0)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Everything else: per model
 
@@ -643,6 +699,7 @@ _FAST[F.layer_norm] = _affine_norm(F.layer_norm, ("weight", "bias"), None)
 _FAST[F.rms_norm] = _affine_norm(F.rms_norm, ("weight",), None)
 _FAST[F.group_norm] = _affine_norm(F.group_norm, ("weight", "bias"), 1)
 _FAST[F.cross_entropy] = _FAST[F.nll_loss] = _class_loss
+_FAST[F.multi_head_attention_forward] = _multi_head_attention
 for _name_ in "mse_loss l1_loss smooth_l1_loss huber_loss soft_margin_loss kl_div".split():
     _FAST[getattr(F, _name_)] = _elementwise_loss
 _FAST[F.binary_cross_entropy] = _FAST[F.binary_cross_entropy_with_logits] = _elementwise_loss

@@ -280,6 +280,7 @@ def _skeleton(template: nn.Module, num_models: int, differing: frozenset[str] = 
                 "name for M. Rename the attribute"
             )
         root.num_models = num_models
+        _fold.guard_nested_tensors(root)
         own_ids = {id(made[id(t)]) for _, tensors in own_tensors for t in tensors.values()}
         own_code = [n for n, t in stacked.items() if id(t) in own_ids]
         _fold.attach_root_hooks(root, shared, list(stacked), own_code)
@@ -444,7 +445,8 @@ def unstack(batched: nn.Module) -> list[nn.Module]:
             plain.train(module.training)
             replaced[id(module)] = plain
         model = _swap_in(model, replaced)
-        _fold.detach_hooks(model)
+        for module in model.modules():
+            _fold.detach_hooks(module)
         model.__dict__.pop("num_models", None)
         rebind_functions(model, _translator(memo, replaced))
         models.append(model)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from convert_harness import compare_training, seeded
+from harness import assert_close
 from torch import nn
 
 from batchlayers import stack
@@ -124,3 +125,40 @@ def test_torch_layers_that_cannot_run_per_model_are_refused(name: str) -> None:
     batched = stack([seeded(factory, i) for i in range(2)])
     with pytest.raises(ValueError, match=match):
         batched(torch.randn(2, 5, 3, 8, dtype=torch.float64))
+
+
+def _encoders(nested: bool) -> list[nn.Module]:
+    def make():
+        layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        return nn.TransformerEncoder(layer, 2, enable_nested_tensor=nested)
+
+    return [seeded(make, i).eval() for i in range(3)]
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
+@pytest.mark.parametrize("nested", [True, False], ids=["nested fast path", "enable_nested_tensor=False"])
+def test_transformer_encoder_with_padding_in_inference(nested: bool) -> None:
+    """torch's nested-tensor fast path (eval, no gradients, a padding mask) zeroes padded positions, a path
+    the stacked model cannot take: refused there; exact everywhere else, and after unstack the originals'
+    own fast path is back."""
+    from batchlayers import unstack
+
+    models = _encoders(nested)
+    batched = stack(models)
+    x = torch.randn(3, 4, 6, 8, dtype=torch.float64)
+    padding = torch.zeros(3, 4, 6, dtype=torch.bool)
+    padding[:, :2, -2:] = True
+    with torch.no_grad():
+        if nested:
+            with pytest.raises(ValueError, match=r"TransformerEncoder: in eval mode.*nested-tensor fast path"):
+                batched(x, src_key_padding_mask=padding)
+        else:
+            out = batched(x, src_key_padding_mask=padding)
+            expected = torch.stack([m(x[i], src_key_padding_mask=padding[i]) for i, m in enumerate(models)])
+            assert_close(out, expected, msg="eval, no gradients, padding")
+        assert_close(batched(x), torch.stack([m(x[i]) for i, m in enumerate(models)]), msg="without padding")
+        back = unstack(batched)[1]
+        assert_close(back(x[1], src_key_padding_mask=padding[1]), models[1](x[1], src_key_padding_mask=padding[1]))
+    out = batched(x, src_key_padding_mask=padding)  # with gradients: torch's ordinary path for both
+    expected = torch.stack([m(x[i], src_key_padding_mask=padding[i]) for i, m in enumerate(models)])
+    assert_close(out, expected, msg="with gradients")

@@ -4,10 +4,11 @@ Every function takes inputs with the model dimension first, ``(M, B, *)``, and p
 ``(M, *torch shape)``, and computes all models in a few batched kernels without a Python loop over models.
 """
 
+from ._attention import multi_head_attention
 from ._batchnorm import batch_norm
 from ._conv import conv
 from ._embedding import embedding
 from ._linear import linear
 from ._norm import group_norm, layer_norm, rms_norm
 
-__all__ = ["batch_norm", "conv", "embedding", "group_norm", "layer_norm", "rms_norm", "linear"]
+__all__ = ["batch_norm", "conv", "embedding", "group_norm", "layer_norm", "rms_norm", "linear", "multi_head_attention"]
