@@ -12,6 +12,7 @@ as a stride-0 expand, ``x.expand(M, *x.shape)``, which batchlayers never copies 
 """
 
 from . import backends, functional, losses, optim
+from .activation import BatchedPReLU
 from .attention import BatchedMultiheadAttention
 from .batchnorm import BatchedBatchNorm1d, BatchedBatchNorm2d, BatchedBatchNorm3d
 from .checkpoint import load_checkpoint, stack_checkpoints
@@ -28,8 +29,15 @@ from .convert import (
     unstack_state_dict,
 )
 from .data import ModelBatchSampler, ModelTensorLoader, model_data_loader
-from .linear import BatchedLinear
-from .normalization import BatchedGroupNorm, BatchedLayerNorm, BatchedRMSNorm
+from .linear import BatchedBilinear, BatchedLinear
+from .normalization import (
+    BatchedGroupNorm,
+    BatchedInstanceNorm1d,
+    BatchedInstanceNorm2d,
+    BatchedInstanceNorm3d,
+    BatchedLayerNorm,
+    BatchedRMSNorm,
+)
 from .population import copy_model_, index_models_, keep_models_
 from .registry import isinstance_torch, register
 from .sparse import BatchedEmbedding
@@ -40,12 +48,17 @@ __version__ = "0.1.0"
 __all__ = [
     # layers
     "BatchedLinear",
+    "BatchedBilinear",
     "BatchedConv1d",
     "BatchedConv2d",
     "BatchedConv3d",
     "BatchedLayerNorm",
     "BatchedRMSNorm",
     "BatchedGroupNorm",
+    "BatchedInstanceNorm1d",
+    "BatchedInstanceNorm2d",
+    "BatchedInstanceNorm3d",
+    "BatchedPReLU",
     "BatchedBatchNorm1d",
     "BatchedBatchNorm2d",
     "BatchedBatchNorm3d",

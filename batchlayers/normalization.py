@@ -1,4 +1,4 @@
-"""Batched counterparts of ``torch.nn.LayerNorm``, ``torch.nn.RMSNorm`` and ``torch.nn.GroupNorm``."""
+"""Batched counterparts of ``torch.nn.LayerNorm``, ``RMSNorm``, ``GroupNorm`` and ``InstanceNorm1d/2d/3d``."""
 
 from __future__ import annotations
 
@@ -11,9 +11,16 @@ from torch import Tensor, nn
 from torch.nn import init
 
 from ._utils import check_input, check_num_models, layer_name
-from .functional._norm import group_norm, layer_norm, rms_norm
+from .functional._norm import group_norm, instance_norm, layer_norm, rms_norm
 
-__all__ = ["BatchedGroupNorm", "BatchedLayerNorm", "BatchedRMSNorm"]
+__all__ = [
+    "BatchedGroupNorm",
+    "BatchedInstanceNorm1d",
+    "BatchedInstanceNorm2d",
+    "BatchedInstanceNorm3d",
+    "BatchedLayerNorm",
+    "BatchedRMSNorm",
+]
 
 
 def check_values_per_statistic(module: nn.Module, x: Tensor, count: int) -> None:
@@ -265,3 +272,153 @@ class BatchedGroupNorm(nn.Module):
         elif self.bias is None:
             parts.append("bias=False")
         return ", ".join(parts)
+
+
+class _BatchedInstanceNorm(nn.Module):
+    """Everything of InstanceNorm1d/2d/3d but the accepted input dimensions, as torch.nn's ``_InstanceNorm``."""
+
+    __constants__ = ["num_models", "num_features", "eps", "momentum", "affine", "track_running_stats"]
+    _input_ndims: tuple[int, ...]
+    _layout: str
+
+    def __init__(
+        self,
+        num_models: int,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = False,
+        track_running_stats: bool = False,
+        device=None,
+        dtype=None,
+        *,
+        bias: bool = True,
+    ) -> None:
+        factory_kwargs = {"device": device, "dtype": dtype}
+        super().__init__()
+        self.num_models = check_num_models(num_models, type(self))
+        self.num_features = num_features
+        self.eps = eps
+        self.momentum = momentum
+        self.affine = affine
+        self.track_running_stats = track_running_stats
+        register_affine(self, (num_models, num_features), affine, bias, factory_kwargs)
+        if track_running_stats:
+            self.register_buffer("running_mean", torch.zeros((num_models, num_features), **factory_kwargs))
+            self.register_buffer("running_var", torch.ones((num_models, num_features), **factory_kwargs))
+            self.register_buffer(
+                "num_batches_tracked", torch.zeros(num_models, dtype=torch.long, device=factory_kwargs["device"])
+            )
+        else:
+            self.register_buffer("running_mean", None)
+            self.register_buffer("running_var", None)
+            self.register_buffer("num_batches_tracked", None)
+        self.reset_parameters()
+
+    def reset_running_stats(self) -> None:
+        if self.track_running_stats:
+            self.running_mean.zero_()
+            self.running_var.fill_(1)
+            self.num_batches_tracked.zero_()
+
+    def reset_parameters(self) -> None:
+        self.reset_running_stats()
+        reset_affine(self)
+
+    def forward(self, input: Tensor) -> Tensor:
+        check_input(self, input, channels=("C", self.num_features), ndims=self._input_ndims, layout=self._layout)
+        use_input_stats = self.training or not self.track_running_stats
+        if use_input_stats and math.prod(input.shape[3:]) == 1:
+            raise ValueError(
+                f"{layer_name(self)}: expected more than 1 spatial element per channel when normalising with the "
+                f"input's statistics, got input shape {tuple(input.shape)}"
+            )
+        # As torch.nn: running statistics (when tracked) are updated in training mode and used in eval mode;
+        # momentum None means 0 (torch's InstanceNorm never counts num_batches_tracked up, so no cumulative
+        # average: the running statistics stay as they are).
+        return instance_norm(
+            input,
+            self.running_mean,
+            self.running_var,
+            self.weight,
+            self.bias,
+            use_input_stats,
+            0.0 if self.momentum is None else self.momentum,
+            self.eps,
+        )
+
+    def extra_repr(self) -> str:
+        parts = [f"num_models={self.num_models}", str(self.num_features)]
+        if self.eps != 1e-5:
+            parts.append(f"eps={self.eps}")
+        if self.momentum != 0.1:
+            parts.append(f"momentum={self.momentum}")
+        if self.affine:
+            parts.append("affine=True")
+            if self.bias is None:
+                parts.append("bias=False")
+        if self.track_running_stats:
+            parts.append("track_running_stats=True")
+        return ", ".join(parts)
+
+
+_INSTANCE_DOC = r"""``num_models`` independent :class:`torch.nn.{name}` layers, computed together.
+
+    Every model normalises each channel of each sample by that channel's own mean and variance over the
+    spatial dimensions; then model ``m``'s per-channel ``weight[m]`` and ``bias[m]`` apply (with ``affine``).
+    With ``track_running_stats`` every model keeps its own running statistics, updated in training mode (the
+    batch average of the samples' statistics, the variance unbiased) and used in eval mode, as torch.nn does.
+    With the input's statistics all models run in one ``F.batch_norm`` over ``M*B*C`` channels (a shared
+    batch: ``B*C``, once); with running statistics, in one per-model scale and shift.
+
+    Args:
+        num_models: number of models ``M``.
+        num_features: number of channels ``C``.
+        eps: added to the variance for numerical stability. Default: ``1e-5``.
+        momentum: weight of the new statistics in the running statistics; ``None`` leaves them unchanged,
+            as in torch.nn (``InstanceNorm`` does not count batches). Default: ``0.1``.
+        affine: if ``True``, every model learns per-channel ``weight`` and ``bias``. Default: ``False``.
+        track_running_stats: if ``True``, every model keeps running statistics and uses them in eval mode.
+            Default: ``False``.
+        bias: keyword only; if ``False``, no ``bias`` is learned (only with ``affine``). Default: ``True``.
+
+    Shape:
+        - Input: ``{shape}``. A shared batch (``x.expand(M, *x.shape)``) is normalised once and never copied
+          M times; the transposed view of a packed ``(B, M*C, *)`` tensor (what a batched convolution
+          returns) is normalised without a copy.
+        - Output: same shape as the input.
+
+    Attributes:
+        weight: ``(M, C)``, initialised to 1, as in ``torch.nn.{name}``.
+        bias: ``(M, C)``, initialised to 0.
+        running_mean: ``(M, C)`` buffer, initialised to 0 (with ``track_running_stats``).
+        running_var: ``(M, C)`` buffer, initialised to 1.
+        num_batches_tracked: ``(M,)`` long buffer, 0 (torch.nn's InstanceNorm keeps it at 0).
+
+    Examples::
+
+        >>> layer = Batched{name}(4, 6, affine=True)
+        >>> layer(torch.randn({example})).shape
+        torch.Size([{example}])
+    """
+
+
+class BatchedInstanceNorm1d(_BatchedInstanceNorm):
+    __doc__ = _INSTANCE_DOC.format(name="InstanceNorm1d", shape="(M, B, C, L)", example="4, 8, 6, 10")
+    torch_module = nn.InstanceNorm1d
+    _input_ndims = (4,)
+    _layout = "(M, B, C, L)"
+
+
+class BatchedInstanceNorm2d(_BatchedInstanceNorm):
+    __doc__ = _INSTANCE_DOC.format(name="InstanceNorm2d", shape="(M, B, C, H, W)", example="4, 8, 6, 5, 5")
+    torch_module = nn.InstanceNorm2d
+    _input_ndims = (5,)
+    _layout = "(M, B, C, H, W)"
+
+
+class BatchedInstanceNorm3d(_BatchedInstanceNorm):
+    __doc__ = _INSTANCE_DOC.format(name="InstanceNorm3d", shape="(M, B, C, D, H, W)", example="4, 8, 6, 3, 5, 5")
+    torch_module = nn.InstanceNorm3d
+    _input_ndims = (6,)
+    _layout = "(M, B, C, D, H, W)"

@@ -102,9 +102,9 @@ def load_builtins() -> None:
     global _builtins_loaded
     if _builtins_loaded:
         return
-    from . import batchnorm, conv, linear, normalization, sparse  # here: they need not load with the registry
+    from . import activation, batchnorm, conv, linear, normalization, sparse  # (need not load with the registry)
 
-    for module in (linear, conv, batchnorm, normalization, sparse):
+    for module in (linear, conv, batchnorm, normalization, sparse, activation):
         for attr in module.__all__:
             cls = getattr(module, attr)
             torch_type = getattr(cls, "torch_module", None)

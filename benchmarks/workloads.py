@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["WORKLOADS", "Workload", "GPTMini", "SmallCNN", "SmallResNet", "mlp", "per_model_loss"]
+__all__ = ["WORKLOADS", "Workload", "GPTMini", "SmallCNN", "SmallResNet", "TinyEncoder", "mlp", "per_model_loss"]
 
 
 def mlp(*sizes: int) -> nn.Sequential:
@@ -127,6 +127,20 @@ class GPTMini(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.lm_head(self.ln_f(x))
+
+
+class TinyEncoder(nn.Module):
+    """``nn.TransformerEncoder`` (2 post-norm layers, d=64, 4 heads, feed-forward 256), mean-pooled, a linear
+    classifier: torch.nn's own transformer, as users build it."""
+
+    def __init__(self, d_model: int = 64, n_head: int = 4, num_layers: int = 2, num_classes: int = 10) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(d_model, n_head, 4 * d_model, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, num_layers, enable_nested_tensor=False)
+        self.head = nn.Linear(d_model, num_classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.encoder(x).mean(1))
 
 
 def per_model_loss(logits: Tensor, target: Tensor) -> Tensor:
@@ -281,6 +295,15 @@ WORKLOADS: dict[str, Workload] = {
             batch_size=32,
             num_models=(4, 8),
             quick_num_models=(4,),
+        ),
+        Workload(
+            "transformer",
+            "nn.TransformerEncoder (2 layers, d=64, 4 heads, T=32), mean-pooled classifier, converted with stack",
+            TinyEncoder,
+            _classification_data((32, 64), 10),
+            batch_size=16,
+            num_models=(8,),
+            quick_num_models=(8,),
         ),
         Workload(
             "gpt",

@@ -1,0 +1,75 @@
+"""LayerCases for BatchedInstanceNorm1d/2d/3d (steps=3 so tracked running statistics are compared over updates)."""
+
+from cases_norm import perturbed, randn_input, shape_row, type_row
+from harness import LayerCase
+from torch import nn
+
+from batchlayers.normalization import BatchedInstanceNorm1d, BatchedInstanceNorm2d, BatchedInstanceNorm3d
+
+
+def packed_input(sample_shape):
+    """Per-model inputs as the transposed view of a packed ``(B, M*C, *)`` tensor (what a batched convolution
+    returns), which the layer normalises without a copy; a shared batch as usual."""
+    plain = randn_input(sample_shape)
+
+    def make(lead, dt):
+        if len(lead) == 1:
+            return plain(lead, dt)
+        num_models, batch = lead
+        return plain((batch, num_models), dt).transpose(0, 1)
+
+    return make
+
+
+def _case(id, batched_cls, torch_cls, num_features, spatial, make_input=randn_input, **kwargs):
+    name = batched_cls.__name__
+    wrong_ndim = (3,) if len(spatial) == 2 else (3, 3)  # a 1d input for 2d/3d, a 3d one for 1d
+    return LayerCase(
+        id=id,
+        batched=lambda m, dt: batched_cls(m, num_features, **kwargs, dtype=dt),
+        torch=lambda dt: torch_cls(num_features, **kwargs, dtype=dt),
+        prepare=perturbed,
+        input=make_input((num_features, *spatial)),
+        steps=3,
+        bad_inputs=[
+            shape_row("models", lambda m: (m + 1, 2, num_features, *spatial), rf"{name}.*dimension 0 \(models\) is 4"),
+            shape_row(
+                "channels", lambda m: (m, 2, num_features + 1, *spatial), rf"{name}.*C={num_features}.*channels\) is"
+            ),
+            shape_row("ndim", lambda m: (m, 2, num_features, *wrong_ndim), rf"{name}: expected a .*-D input"),
+            shape_row(
+                "one-value",
+                lambda m: (m, 3, num_features, *[1] * len(spatial)),
+                rf"{name}.*more than 1 spatial element",
+            ),
+            type_row(name),
+        ],
+    )
+
+
+_tracked = dict(affine=True, track_running_stats=True)
+
+CASES = [
+    _case("InstanceNorm1d", BatchedInstanceNorm1d, nn.InstanceNorm1d, 4, (5,)),
+    _case("InstanceNorm2d", BatchedInstanceNorm2d, nn.InstanceNorm2d, 3, (3, 2)),
+    _case("InstanceNorm3d", BatchedInstanceNorm3d, nn.InstanceNorm3d, 2, (2, 2, 3)),
+    _case("InstanceNorm2d-affine", BatchedInstanceNorm2d, nn.InstanceNorm2d, 3, (3, 3), affine=True, eps=1e-3),
+    _case("InstanceNorm1d-nobias", BatchedInstanceNorm1d, nn.InstanceNorm1d, 4, (5,), affine=True, bias=False),
+    _case("InstanceNorm1d-tracked", BatchedInstanceNorm1d, nn.InstanceNorm1d, 4, (5,), **_tracked),
+    _case("InstanceNorm2d-tracked", BatchedInstanceNorm2d, nn.InstanceNorm2d, 3, (2, 3), momentum=0.3, **_tracked),
+    _case("InstanceNorm3d-tracked", BatchedInstanceNorm3d, nn.InstanceNorm3d, 2, (2, 2, 2), **_tracked),
+    _case(
+        "InstanceNorm2d-tracked-noaffine", BatchedInstanceNorm2d, nn.InstanceNorm2d, 3, (2, 2), track_running_stats=True
+    ),
+    _case(
+        "InstanceNorm2d-momentum-None",
+        BatchedInstanceNorm2d,
+        nn.InstanceNorm2d,
+        3,
+        (2, 2),
+        momentum=None,
+        track_running_stats=True,
+    ),
+    _case("InstanceNorm2d-packed", BatchedInstanceNorm2d, nn.InstanceNorm2d, 3, (3, 2), packed_input, affine=True),
+    _case("InstanceNorm1d-packed-tracked", BatchedInstanceNorm1d, nn.InstanceNorm1d, 4, (5,), packed_input, **_tracked),
+]
