@@ -18,7 +18,14 @@ from .batchnorm import BatchedBatchNorm1d, BatchedBatchNorm2d, BatchedBatchNorm3
 from .checkpoint import load_checkpoint, stack_checkpoints
 from .clip_grad import clip_grad_norm_, clip_grad_value_, nonfinite_models
 from .container import Folded
-from .conv import BatchedConv1d, BatchedConv2d, BatchedConv3d
+from .conv import (
+    BatchedConv1d,
+    BatchedConv2d,
+    BatchedConv3d,
+    BatchedConvTranspose1d,
+    BatchedConvTranspose2d,
+    BatchedConvTranspose3d,
+)
 from .convert import (
     concat,
     replicate,
@@ -52,6 +59,9 @@ __all__ = [
     "BatchedConv1d",
     "BatchedConv2d",
     "BatchedConv3d",
+    "BatchedConvTranspose1d",
+    "BatchedConvTranspose2d",
+    "BatchedConvTranspose3d",
     "BatchedLayerNorm",
     "BatchedRMSNorm",
     "BatchedGroupNorm",

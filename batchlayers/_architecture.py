@@ -55,10 +55,7 @@ def _config(module: nn.Module) -> dict[str, object]:
     return {
         k: v
         for k, v in vars(module).items()
-        if k not in _MODULE_INTERNALS
-        and k not in _METADATA
-        and not k.startswith("_batchlayers")
-        and _is_plain(v)
+        if k not in _MODULE_INTERNALS and k not in _METADATA and not k.startswith("_batchlayers") and _is_plain(v)
     }
 
 

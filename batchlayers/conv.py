@@ -1,4 +1,4 @@
-"""Batched counterparts of ``torch.nn.Conv1d``, ``Conv2d`` and ``Conv3d``."""
+"""Batched counterparts of ``torch.nn.Conv1d``, ``Conv2d``, ``Conv3d`` and ``ConvTranspose1d/2d/3d``."""
 
 from __future__ import annotations
 
@@ -11,9 +11,16 @@ from torch.nn.modules.utils import _ntuple
 
 from . import backends
 from ._utils import _fmt, check_input, check_num_models, init_per_model_, layer_name
-from .functional._conv import conv, padding_for_pad
+from .functional._conv import conv, conv_transpose, padding_for_pad
 
-__all__ = ["BatchedConv1d", "BatchedConv2d", "BatchedConv3d"]
+__all__ = [
+    "BatchedConv1d",
+    "BatchedConv2d",
+    "BatchedConv3d",
+    "BatchedConvTranspose1d",
+    "BatchedConvTranspose2d",
+    "BatchedConvTranspose3d",
+]
 
 _SPATIAL_NAMES = {1: ("L",), 2: ("H", "W"), 3: ("D", "H", "W")}
 _PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
@@ -36,6 +43,8 @@ class _BatchedConvNd(nn.Module):
     ]
     _num_spatial: int
     torch_module: type[nn.Module]
+    # As in torch: a transposed convolution's weight is (in, out // groups, *k), a convolution's (out, in // groups).
+    transposed: bool = False
 
     def __init__(
         self,
@@ -84,9 +93,8 @@ class _BatchedConvNd(nn.Module):
         # torch's name for the F.pad argument of the non-zero padding modes (kept for code that reads it).
         self._reversed_padding_repeated_twice = padding_for_pad(padding, kernel_size, dilation)
         self._strategy = "auto"
-        self.weight = nn.Parameter(
-            torch.empty((num_models, out_channels, in_channels // groups, *kernel_size), **factory_kwargs)
-        )
+        channels = (in_channels, out_channels // groups) if self.transposed else (out_channels, in_channels // groups)
+        self.weight = nn.Parameter(torch.empty((num_models, *channels, *kernel_size), **factory_kwargs))
         if bias:
             self.bias = nn.Parameter(torch.empty((num_models, out_channels), **factory_kwargs))
         else:
@@ -104,10 +112,11 @@ class _BatchedConvNd(nn.Module):
         self._strategy = backends.check_conv_strategy(value, layer_name(self))
 
     def reset_parameters(self) -> None:
-        # Same as torch.nn.Conv*d.reset_parameters, one model's slice at a time (fan-in of one slice).
+        # Same as torch.nn.Conv*d.reset_parameters, one model's slice at a time (fan-in of one slice): torch
+        # computes the fan-in from the weight's dimension 1, in // groups, or out // groups when transposed.
         init_per_model_(self.weight, lambda w: init.kaiming_uniform_(w, a=math.sqrt(5)))
         if self.bias is not None:
-            fan_in = (self.in_channels // self.groups) * math.prod(self.kernel_size)
+            fan_in = self.weight.shape[2] * math.prod(self.kernel_size)
             bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0
             init_per_model_(self.bias, lambda b: init.uniform_(b, -bound, bound))
 
@@ -146,6 +155,8 @@ class _BatchedConvNd(nn.Module):
             s += f", padding={self.padding}"
         if self.dilation != (1,) * self._num_spatial:
             s += f", dilation={self.dilation}"
+        if self.transposed and self.output_padding != (0,) * self._num_spatial:
+            s += f", output_padding={self.output_padding}"
         if self.groups != 1:
             s += f", groups={self.groups}"
         if self.bias is None:
@@ -225,3 +236,197 @@ class BatchedConv2d(_BatchedConvNd):
 class BatchedConv3d(_BatchedConvNd):
     _num_spatial = 3
     torch_module = nn.Conv3d
+
+
+class _BatchedConvTransposeNd(_BatchedConvNd):
+    """What ``torch.nn.modules.conv._ConvTransposeNd`` does, for ``num_models`` models."""
+
+    __constants__ = [*_BatchedConvNd.__constants__, "output_padding"]
+    transposed = True
+
+    def __init__(
+        self,
+        num_models: int,
+        in_channels: int,
+        out_channels: int,
+        kernel_size,
+        stride=1,
+        padding=0,
+        output_padding=0,
+        groups: int = 1,
+        bias: bool = True,
+        dilation=1,
+        padding_mode: str = "zeros",
+        device=None,
+        dtype=None,
+    ) -> None:
+        name = type(self).__name__
+        if padding_mode != "zeros":  # torch's first check, before any other
+            raise ValueError(
+                f'{name}: only "zeros" padding mode is supported for transposed convolutions (as in '
+                f"torch.nn.{self.torch_module.__name__}), got padding_mode={padding_mode!r}"
+            )
+        if isinstance(padding, str):
+            # torch.nn.ConvTranspose*d accepts a string here and fails at its first call.
+            raise ValueError(f"{name}: padding must be an int or a tuple of ints, got {padding!r}")
+        super().__init__(
+            num_models,
+            in_channels,
+            out_channels,
+            kernel_size,
+            stride=stride,
+            padding=padding,
+            dilation=dilation,
+            groups=groups,
+            bias=bias,
+            padding_mode=padding_mode,
+            device=device,
+            dtype=dtype,
+        )
+        self.output_padding = _ntuple(self._num_spatial)(output_padding)
+
+    def forward(self, input: Tensor, output_size: list[int] | None = None) -> Tensor:
+        output_padding = self._output_padding(input, output_size)
+        return conv_transpose(
+            input,
+            self.weight,
+            self.bias,
+            self.stride,
+            self.padding,
+            output_padding,
+            self.groups,
+            self.dilation,
+            strategy=self._strategy,
+        )
+
+    def _output_padding(self, input: Tensor, output_size: list[int] | None) -> tuple[int, ...]:
+        """Check the input and return the output padding: the layer's own, or the one that gives
+        ``output_size`` (as ``torch.nn.ConvTranspose*d._output_padding``)."""
+        n = self._num_spatial
+        spatial = _SPATIAL_NAMES[n]
+        layout = f"(M, B, C_in, {', '.join(spatial)})"
+        check_input(self, input, channels=("C_in", self.in_channels), ndims=[3 + n], layout=layout)
+        in_sizes = input.shape[3:]
+        min_sizes = [
+            (size - 1) * s - 2 * p + d * (k - 1) + 1
+            for size, s, p, k, d in zip(in_sizes, self.stride, self.padding, self.kernel_size, self.dilation)
+        ]
+        if output_size is None:
+            output_padding = self.output_padding
+            for j, (op, s, d) in enumerate(zip(output_padding, self.stride, self.dilation)):
+                if op >= s and op >= d:
+                    raise ValueError(
+                        f"{layer_name(self)}: output_padding must be smaller than either stride or dilation, but "
+                        f"got output_padding={output_padding}, stride={self.stride}, dilation={self.dilation} "
+                        f"(dimension {spatial[j]})"
+                    )
+        else:
+            # Like torch: the spatial sizes alone, or led by the dimensions before them. (B, C_out, *) is what
+            # torch accepts for a batch and what a stacked model's code passes (its tensors are (M*B, C, *)
+            # inside); (M, B, C_out, *) is this layer's whole output shape.
+            output_size = list(output_size)
+            if len(output_size) not in (n, n + 2, n + 3):
+                raise ValueError(
+                    f"{layer_name(self)}: output_size must have {n} elements ({', '.join(spatial)}), {n + 2} "
+                    f"(B, C_out, ...) or {n + 3} (M, B, C_out, ...), got {len(output_size)}: {output_size}"
+                )
+            output_size = output_size[len(output_size) - n :]
+            max_sizes = [size + s - 1 for size, s in zip(min_sizes, self.stride)]
+            if any(not lo <= size <= hi for size, lo, hi in zip(output_size, min_sizes, max_sizes)):
+                raise ValueError(
+                    f"{layer_name(self)}: requested an output size of {output_size}, but valid sizes range from "
+                    f"{min_sizes} to {max_sizes} (for an input of {_fmt(in_sizes)}, shape {_fmt(input.shape)})"
+                )
+            output_padding = tuple(size - lo for size, lo in zip(output_size, min_sizes))
+        for name, size, lo, op in zip(spatial, in_sizes, min_sizes, output_padding):
+            if lo + op < 1:
+                raise ValueError(
+                    f"{layer_name(self)}: input {name}={size} is too small: the output would have "
+                    f"{name}_out={lo + op} (kernel_size={self.kernel_size}, stride={self.stride}, "
+                    f"padding={self.padding}, dilation={self.dilation}): shape {_fmt(input.shape)}"
+                )
+        return output_padding
+
+
+_TRANSPOSE_DOC = r"""``num_models`` independent :class:`torch.nn.{torch_name}` layers, computed together.
+
+    Model ``m`` applies the transposed convolution of ``weight[m]`` to ``input[m]`` and adds ``bias[m]``,
+    exactly as ``torch.nn.{torch_name}`` does, for every model at once: as one grouped transposed convolution
+    over channel-packed models ``(B, M*C_in, *)`` with ``M * groups`` groups, or as a loop of dense ones,
+    channels-last or not, chosen per device and shape as for :class:`BatchedConv{n}d` (see
+    :mod:`batchlayers.backends`, :func:`batchlayers.functional._conv.heuristic_transpose_strategy` and the
+    ``strategy`` attribute); every strategy computes the same result.
+
+    Args:
+        num_models: number of models ``M``.
+        in_channels, out_channels, kernel_size, stride, padding, output_padding, groups, bias, dilation,
+            padding_mode: as in :class:`torch.nn.{torch_name}`, in its order, with its defaults and checks.
+            ``padding`` is an int or a tuple; ``padding_mode`` can only be ``'zeros'``, as in torch.
+
+    Shape:
+        - Input: ``(M, B, C_in, {spatial})``, exactly {ndim} dimensions. A batch shared by all models is passed
+          as ``x.expand(M, *x.shape)`` and is never copied. Unbatched per-model inputs ``(C_in, {spatial})``
+          are not supported: add a batch dimension of 1.
+        - Output: ``(M, B, C_out, {spatial_out})``, where, per spatial dimension,
+          ``out = (in - 1) * stride - 2 * padding + dilation * (kernel_size - 1) + output_padding + 1``.
+        - ``forward(input, output_size=None)``: as in torch, ``output_size`` (a list of ints) picks the
+          output padding that gives that size, one of the ``stride`` sizes the input allows. It may hold the
+          spatial sizes alone, or be led by ``(B, C_out)`` as torch accepts (e.g. ``skip.shape`` inside a
+          stacked model) or by ``(M, B, C_out)`` (a batched tensor's ``shape``); leading entries are ignored.
+
+    Attributes:
+        weight: ``(M, in_channels, out_channels // groups, *kernel_size)``; each model's slice initialised
+            like torch's: :math:`\mathcal{{U}}(-\sqrt{{k}}, \sqrt{{k}})`, :math:`k = 1 / \text{{fan\_in}}`,
+            :math:`\text{{fan\_in}} = (C_\text{{out}} / \text{{groups}}) \prod \text{{kernel\_size}}` of one
+            model (torch's fan-in of a transposed weight).
+        bias: ``(M, out_channels)``, same distribution (if ``bias=True``).
+        strategy: ``"auto"`` (default) or one of :data:`batchlayers.backends.CONV_STRATEGIES`; settable,
+            not a constructor argument, so the constructor stays torch's.
+
+    Examples::
+
+        >>> up = {name}(8, 16, 4, 4, stride=2, padding=1)
+        >>> x = torch.randn(8, 32, 16, {example})          # a minibatch per model
+        >>> up(x).shape
+        torch.Size([8, 32, 4, {example_out}])
+        >>> up(x, output_size=[{example_size}]).shape
+        torch.Size([8, 32, 4, {example_size}])
+        >>> shared = torch.randn(32, 16, {example})        # one minibatch for all models
+        >>> up(shared.expand(8, *shared.shape)).shape
+        torch.Size([8, 32, 4, {example_out}])
+    """
+
+
+def _document_transpose(cls: type[_BatchedConvTransposeNd]) -> type[_BatchedConvTransposeNd]:
+    n = cls._num_spatial
+    spatial = _SPATIAL_NAMES[n]
+    cls.__doc__ = _TRANSPOSE_DOC.format(
+        name=cls.__name__,
+        torch_name=cls.torch_module.__name__,
+        n=n,
+        spatial=", ".join(spatial),
+        spatial_out=", ".join(f"{s}_out" for s in spatial),
+        ndim=3 + n,
+        example=", ".join(["8"] * n),
+        example_out=", ".join(["16"] * n),
+        example_size=", ".join(["17"] * n),
+    )
+    return cls
+
+
+@_document_transpose
+class BatchedConvTranspose1d(_BatchedConvTransposeNd):
+    _num_spatial = 1
+    torch_module = nn.ConvTranspose1d
+
+
+@_document_transpose
+class BatchedConvTranspose2d(_BatchedConvTransposeNd):
+    _num_spatial = 2
+    torch_module = nn.ConvTranspose2d
+
+
+@_document_transpose
+class BatchedConvTranspose3d(_BatchedConvTransposeNd):
+    _num_spatial = 3
+    torch_module = nn.ConvTranspose3d

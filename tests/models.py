@@ -247,3 +247,26 @@ class GPT(nn.Module):
         if targets is not None:
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
         return TransformerOutput(logits, loss)
+
+
+class TinyUNet(nn.Module):
+    """A small U-Net: strided convolutions down, transposed convolutions up (one grouped), skip connections
+    joined with ``cat``, and ``output_size`` taken from the skip's ``size()`` (folded inside a stacked model)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc1 = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+        self.enc2 = nn.Sequential(nn.Conv2d(8, 16, 3, stride=2, padding=1), nn.BatchNorm2d(16), nn.ReLU())
+        self.mid = nn.Sequential(nn.Conv2d(16, 16, 3, stride=2, padding=1), nn.ReLU())
+        self.up2 = nn.ConvTranspose2d(16, 16, 3, stride=2, padding=1)  # odd maps: needs output_size
+        self.dec2 = nn.Sequential(nn.Conv2d(32, 8, 3, padding=1), nn.ReLU())
+        self.up1 = nn.ConvTranspose2d(8, 8, 4, stride=2, padding=1, groups=2)
+        self.dec1 = nn.Conv2d(16, 2, 1)
+
+    def forward(self, x):
+        e1 = self.enc1(x)
+        e2 = self.enc2(e1)
+        u2 = self.up2(self.mid(e2), output_size=e2.size())
+        d2 = self.dec2(torch.cat([u2, e2], dim=1))
+        u1 = self.up1(d2, output_size=e1.shape[-2:])
+        return self.dec1(torch.cat([u1, e1], dim=1))

@@ -1,9 +1,10 @@
-"""Every torch.nn module with parameters, stacked: exact against the N originals (a batched counterpart, or
-the module's own code run per model), or refused with a clear error. README's table of torch.nn layers
-comes from here."""
+"""Every torch.nn module with parameters, stacked: exact against the N originals (swapped for a batched
+layer, computed by a batched function inside the module's own code, or that code run per model), or refused
+with a clear error. README's table of torch.nn layers comes from here."""
 
 from __future__ import annotations
 
+import models as zoo
 import pytest
 import torch
 from convert_harness import compare_training, seeded
@@ -40,7 +41,7 @@ def _rnn_all(m, x):  # the output sequence and the final hidden state, side by s
 
 
 # name: (factory, input features after (B,), how to call it)
-RUN_PER_MODEL = {
+LAYERS = {
     "MultiheadAttention": (lambda: nn.MultiheadAttention(8, 2, batch_first=True), (5, 8), lambda m, x: m(x, x, x)[0]),
     "MultiheadAttention kdim/vdim, bias_kv, zero_attn, weights": (
         lambda: nn.MultiheadAttention(8, 2, kdim=6, vdim=4, add_bias_kv=True, add_zero_attn=True, batch_first=True),
@@ -88,16 +89,24 @@ RUN_PER_MODEL = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("name", list(RUN_PER_MODEL))
-def test_torch_layers_without_a_batched_counterpart_run_per_model_exactly(name: str) -> None:
+# torch.nn types that stack swaps for a batched layer (the others keep their code, see the module docstring)
+SWAPPED = (nn.PReLU, nn.Bilinear, nn.InstanceNorm2d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+
+
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_torch_layers_stack_exactly(name: str) -> None:
     """Train steps (outputs, gradients, running statistics) and eval, against the originals."""
-    factory, features, call = RUN_PER_MODEL[name]
+    factory, features, call = LAYERS[name]
     make = (lambda: factory()) if call is None else (lambda: _Single(factory(), call))
     if features == "ids":
         make_input = lambda lead: torch.randint(0, 10, (*lead, 3))  # noqa: E731
     else:
         make_input = lambda lead: torch.randn(*lead, *features, dtype=torch.float64)  # noqa: E731
-    compare_training(stack([seeded(make, i) for i in range(3)]), [seeded(make, i) for i in range(3)], make_input)
+    batched = stack([seeded(make, i) for i in range(3)])
+    original = factory()
+    layer = batched if call is None else batched.module
+    assert type(layer).__name__.startswith("Batched") == isinstance(original, SWAPPED), type(layer)
+    compare_training(batched, [seeded(make, i) for i in range(3)], make_input)
 
 
 def _adaptive(m, x):
@@ -162,3 +171,13 @@ def test_transformer_encoder_with_padding_in_inference(nested: bool) -> None:
     out = batched(x, src_key_padding_mask=padding)  # with gradients: torch's ordinary path for both
     expected = torch.stack([m(x[i], src_key_padding_mask=padding[i]) for i, m in enumerate(models)])
     assert_close(out, expected, msg="with gradients")
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["own batches", "shared batch"])
+def test_unet_with_transposed_convolutions(shared: bool) -> None:
+    compare_training(
+        stack([seeded(zoo.TinyUNet, i) for i in range(3)]),
+        [seeded(zoo.TinyUNet, i) for i in range(3)],
+        lambda lead: torch.randn(*lead, 3, 10, 10, dtype=torch.float64),
+        shared=shared,
+    )

@@ -6,9 +6,19 @@ Every function takes inputs with the model dimension first, ``(M, B, *)``, and p
 
 from ._attention import multi_head_attention
 from ._batchnorm import batch_norm
-from ._conv import conv
+from ._conv import conv, conv_transpose
 from ._embedding import embedding
 from ._linear import linear
 from ._norm import group_norm, layer_norm, rms_norm
 
-__all__ = ["batch_norm", "conv", "embedding", "group_norm", "layer_norm", "rms_norm", "linear", "multi_head_attention"]
+__all__ = [
+    "batch_norm",
+    "conv",
+    "conv_transpose",
+    "embedding",
+    "group_norm",
+    "layer_norm",
+    "rms_norm",
+    "linear",
+    "multi_head_attention",
+]
