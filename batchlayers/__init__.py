@@ -46,6 +46,7 @@ from .normalization import (
     BatchedRMSNorm,
 )
 from .population import copy_model_, index_models_, keep_models_
+from .recurrent import BatchedGRU, BatchedGRUCell, BatchedLSTM, BatchedLSTMCell, BatchedRNN, BatchedRNNCell
 from .registry import isinstance_torch, register
 from .sparse import BatchedEmbedding
 from .verify import Verification, verify
@@ -74,6 +75,12 @@ __all__ = [
     "BatchedBatchNorm3d",
     "BatchedEmbedding",
     "BatchedMultiheadAttention",
+    "BatchedRNN",
+    "BatchedLSTM",
+    "BatchedGRU",
+    "BatchedRNNCell",
+    "BatchedLSTMCell",
+    "BatchedGRUCell",
     "Folded",
     # converters
     "stack",

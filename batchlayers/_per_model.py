@@ -55,6 +55,7 @@ from ._provenance import (
     set_tag,
 )
 from .functional import multi_head_attention as _batched_attention
+from .functional import rnn as _batched_rnn
 
 __all__ = ["call"]
 
@@ -538,6 +539,45 @@ def _multi_head_attention(ctx, func, args, kwargs):
     return refold(out.transpose(1, 2), 1), None if attention is None else refold(attention, 0)
 
 
+_RECURRENT_MODES = {"lstm": "LSTM", "gru": "GRU", "rnn_tanh": "RNN_TANH", "rnn_relu": "RNN_RELU"}
+
+
+def _recurrent(ctx, func, args, kwargs):
+    """``torch.lstm/gru/rnn_tanh/rnn_relu`` (every torch.nn.RNN/LSTM/GRU) with per-model weights:
+    ``batchlayers.functional.rnn``, the input projection of all steps one batched GEMM and the recurrence one
+    batched GEMM per step for all models. Padded input only (a PackedSequence runs per model)."""
+    if kwargs or len(args) != 9 or not isinstance(args[2], (list, tuple)):
+        return NotImplemented
+    x, hx, params, bias, num_layers, dropout, training, bidirectional, batch_first = args
+    m, d = ctx.num_models, 0 if batch_first else 1
+    states = list(hx) if isinstance(hx, (list, tuple)) else [hx]
+    if get_tag(x) != d or x.dim() != 3 or any(get_tag(h) != 1 for h in states):
+        return NotImplemented
+    if not params or any(get_tag(p) is not PerModel for p in params):
+        return NotImplemented
+    directions = 2 if bidirectional else 1
+    per_direction = len(params) // (num_layers * directions)
+    projected = per_direction == 3 + 2 * bool(bias)  # w_ih, w_hh, [b_ih, b_hh], w_hr (M, proj_size, H)
+    proj_size = params[per_direction - 1].shape[1] if projected else 0
+    mode = _RECURRENT_MODES[func.__name__]
+    h0 = tuple(explicit(h, m) for h in states)
+    out, state = _batched_rnn(
+        mode,
+        explicit(x, m),
+        h0 if mode == "LSTM" else h0[0],
+        list(params),
+        num_layers=num_layers,
+        bias=bias,
+        batch_first=batch_first,
+        dropout=dropout,
+        training=training,
+        bidirectional=bidirectional,
+        proj_size=proj_size,
+    )
+    states_out = state if mode == "LSTM" else (state,)
+    return (refold(out, d), *(refold(h, 1) for h in states_out))
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Everything else: per model
 
@@ -700,6 +740,8 @@ _FAST[F.rms_norm] = _affine_norm(F.rms_norm, ("weight",), None)
 _FAST[F.group_norm] = _affine_norm(F.group_norm, ("weight", "bias"), 1)
 _FAST[F.cross_entropy] = _FAST[F.nll_loss] = _class_loss
 _FAST[F.multi_head_attention_forward] = _multi_head_attention
+for _name_ in _RECURRENT_MODES:
+    _FAST[getattr(torch, _name_)] = _recurrent
 for _name_ in "mse_loss l1_loss smooth_l1_loss huber_loss soft_margin_loss kl_div".split():
     _FAST[getattr(F, _name_)] = _elementwise_loss
 _FAST[F.binary_cross_entropy] = _FAST[F.binary_cross_entropy_with_logits] = _elementwise_loss

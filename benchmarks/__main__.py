@@ -273,7 +273,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(markdown_table(rows))
     print("\nSummary (ms per step; single = one torch.nn model's step):\n")
     print(summary_table(rows))
-    print("\nTargets (issue 5):\n")
+    print("\nTargets (issues 5 and 9):\n")
     print(target_table(rows))
     print("\nWorkloads:\n")
     for name in args.workloads:

@@ -120,6 +120,8 @@ def _torch_func(workload: Workload, models, x, y, train, compile, optim_impl) ->
     # The official model-ensembling recipe: stack_module_state + functional_call + vmap.
     from torch.func import functional_call, replace_all_batch_norm_modules_, stack_module_state, vmap
 
+    if any(isinstance(m, nn.RNNBase) for m in models[0].modules()):
+        raise Unavailable("vmap has no batching rule for torch's LSTM/GRU/RNN kernels (aten::lstm and co.)")
     params, buffers = stack_module_state([m.train(train) for m in models])
     base = copy.deepcopy(models[0]).to("meta")
     note = ""

@@ -15,7 +15,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["WORKLOADS", "Workload", "GPTMini", "SmallCNN", "SmallResNet", "TinyEncoder", "mlp", "per_model_loss"]
+__all__ = [
+    "WORKLOADS",
+    "Workload",
+    "GPTMini",
+    "SmallCNN",
+    "SmallResNet",
+    "RecurrentClassifier",
+    "TinyEncoder",
+    "mlp",
+    "per_model_loss",
+]
 
 
 def mlp(*sizes: int) -> nn.Sequential:
@@ -141,6 +151,20 @@ class TinyEncoder(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.head(self.encoder(x).mean(1))
+
+
+class RecurrentClassifier(nn.Module):
+    """``nn.LSTM`` (batch first) over a sequence, a linear head on the last step's output: a recurrent policy
+    or sequence classifier as users write it."""
+
+    def __init__(self, input_size: int, hidden_size: int, num_layers: int, num_classes: int = 10) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(input_size, hidden_size, num_layers, batch_first=True)
+        self.head = nn.Linear(hidden_size, num_classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out, _ = self.lstm(x)
+        return self.head(out[:, -1])
 
 
 def per_model_loss(logits: Tensor, target: Tensor) -> Tensor:
@@ -302,6 +326,24 @@ WORKLOADS: dict[str, Workload] = {
             TinyEncoder,
             _classification_data((32, 64), 10),
             batch_size=16,
+            num_models=(8,),
+            quick_num_models=(8,),
+        ),
+        Workload(
+            "lstm-policy",
+            "LSTM policy (1 layer, hidden 64, T=16, 16 inputs), linear head on the last step, converted with stack",
+            lambda: RecurrentClassifier(16, 64, 1),
+            _classification_data((16, 16), 10),
+            batch_size=8,
+            num_models=(32,),
+            quick_num_models=(32,),
+        ),
+        Workload(
+            "lstm",
+            "LSTM (2 layers, hidden 256, T=32, 64 inputs), linear head on the last step, converted with stack",
+            lambda: RecurrentClassifier(64, 256, 2),
+            _classification_data((32, 64), 10),
+            batch_size=64,
             num_models=(8,),
             quick_num_models=(8,),
         ),

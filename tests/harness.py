@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 TOLERANCES = {
     torch.float64: {"rtol": 1e-10, "atol": 1e-10},
@@ -201,3 +202,18 @@ def outputs_equal(a: nn.Module, b: nn.Module, case: LayerCase, num_models: int, 
     torch.manual_seed(1)
     x = case.input((num_models, 4), dtype)
     assert_close(a(x.clone()), b(x.clone()), msg="outputs")
+
+
+class RecordOps(TorchDispatchMode):
+    """Records every aten op below autograd with the number of elements of its (first) output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[str, bool, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        first = out[0] if isinstance(out, (tuple, list)) else out
+        numel = first.numel() if isinstance(first, torch.Tensor) else 0
+        self.ops.append((str(func), func.is_view, numel))
+        return out

@@ -7,32 +7,16 @@ import copy
 import pytest
 import torch
 from cases_norm import perturbed
-from harness import assert_close, compare_with_loop, unbatch
+from harness import RecordOps, assert_close, compare_with_loop, unbatch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from batchlayers.batchnorm import BatchedBatchNorm1d, BatchedBatchNorm2d, BatchedBatchNorm3d
 from batchlayers.normalization import BatchedGroupNorm, BatchedLayerNorm, BatchedRMSNorm
 
 F64 = torch.float64
 COPY_OPS = {"aten.clone.default", "aten.copy_.default", "aten._to_copy.default"}
-
-
-class RecordOps(TorchDispatchMode):
-    """Records every aten op below autograd with the number of elements of its (first) output."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[tuple[str, bool, int]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        first = out[0] if isinstance(out, (tuple, list)) else out
-        numel = first.numel() if isinstance(first, torch.Tensor) else 0
-        self.ops.append((str(func), func.is_view, numel))
-        return out
 
 
 def copies_of_at_least(ops: RecordOps, numel: int) -> list[str]:

@@ -10,6 +10,7 @@ from ._conv import conv, conv_transpose
 from ._embedding import embedding
 from ._linear import linear
 from ._norm import group_norm, layer_norm, rms_norm
+from ._recurrent import rnn
 
 __all__ = [
     "batch_norm",
@@ -21,4 +22,5 @@ __all__ = [
     "rms_norm",
     "linear",
     "multi_head_attention",
+    "rnn",
 ]

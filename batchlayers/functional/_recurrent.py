@@ -1,0 +1,488 @@
+"""Batched multi-layer RNN, LSTM and GRU: every model's recurrence in one batched multiply per time step.
+
+A layer runs in two parts, as torch's own CPU kernels do. The input projection of all time steps, of both
+directions and of all models is one GEMM, ``bmm`` over ``(M, T*B, I) x (M, I, D*G)``. The recurrence then
+runs one GEMM per time step over ``(D*M, B, H_out) x (D*M, H_out, G)``: the reverse direction is just ``M``
+more "models" that read the time-flipped projection, so a bidirectional layer costs no more Python steps
+than a unidirectional one.
+
+Measured on a shared 2-core CPU (torch 2.13, float32, interleaved medians of 9, forward + backward, three
+runs), against a Python loop over ``M`` ``nn.LSTM`` modules (oneDNN kernels): 1-layer LSTM, hidden 64, T=16,
+B=8, M=32: 2.1-2.4x faster (1.2-1.5x with one thread); 2-layer LSTM, hidden 256, T=32, B=64, M=8: 0.7-0.95x.
+Large per-model GEMMs gain nothing from batching, and oneDNN's fused LSTM kernels beat the dozen elementwise
+ops per step here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+__all__ = ["rnn"]
+
+GATES = {"RNN_TANH": 1, "RNN_RELU": 1, "LSTM": 4, "GRU": 3}
+
+
+def rnn(
+    mode: str,
+    input: Tensor,
+    hx: Tensor | tuple[Tensor, Tensor] | None,
+    weights: Sequence[Tensor],
+    *,
+    num_layers: int,
+    bias: bool,
+    batch_first: bool,
+    dropout: float,
+    training: bool,
+    bidirectional: bool,
+    proj_size: int = 0,
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, Tensor] | tuple[Tensor, tuple[Tensor, Tensor]]:
+    r"""Run ``M`` multi-layer recurrent networks (torch's ``RNN``, ``LSTM`` or ``GRU``) at once.
+
+    Model ``m`` computes exactly what ``torch.nn.{RNN,LSTM,GRU}`` computes with the weights
+    ``[w[m] for w in weights]``: gates ``i, f, g, o`` for LSTM (with ``h = W_hr (o * tanh(c))`` when
+    ``proj_size > 0``), ``r, z, n`` for GRU with ``n = tanh(W_in x + b_in + r * (W_hn h + b_hn))``.
+
+    Args:
+        mode: ``"RNN_TANH"``, ``"RNN_RELU"``, ``"LSTM"`` or ``"GRU"``.
+        input: ``(M, B, T, I)`` if ``batch_first`` else ``(M, T, B, I)``. A batch shared by all models may be a
+            stride-0 expand; it is never copied.
+        hx: the initial hidden state ``(M, L*D, B, H_out)``, for LSTM a tuple ``(h_0, c_0)`` with ``c_0``
+            ``(M, L*D, B, H)``; ``None`` for zeros.
+        weights: ``(M, *torch shape)`` tensors in torch's ``_flat_weights`` order: per layer, forward direction
+            then reverse, ``w_ih, w_hh``, then ``b_ih, b_hh`` if ``bias``, then ``w_hr`` if ``proj_size > 0``.
+        num_layers: ``L``, the number of stacked layers.
+        bias: whether ``weights`` holds the biases.
+        batch_first: the layout of ``input`` and of the output.
+        dropout: probability of zeroing each output element of every layer but the last, in training mode;
+            every model (and every element) draws its own mask.
+        training: apply ``dropout`` only when ``True``.
+        bidirectional: ``D = 2`` directions if ``True``, else ``D = 1``.
+        proj_size: LSTM projection size (``H_out = proj_size`` if ``> 0``, else ``H_out = H``).
+        generator: the random generator of the dropout masks (default: torch's global one).
+
+    Returns:
+        ``(output, h_n)``, for LSTM ``(output, (h_n, c_n))``. ``output`` is ``(M, B, T, D*H_out)`` if
+        ``batch_first`` else ``(M, T, B, D*H_out)``; ``h_n`` is ``(M, L*D, B, H_out)``, ``c_n``
+        ``(M, L*D, B, H)``.
+
+    In eager mode the recurrence is an autograd Function with a hand-written backward, which does not support
+    double backward (``create_graph=True`` through it raises); under ``torch.compile`` it is a composition of
+    differentiable ops.
+    """
+    if mode not in GATES:
+        raise ValueError(f"rnn: mode must be one of {tuple(GATES)}, got {mode!r}")
+    if proj_size and mode != "LSTM":
+        raise ValueError(f"rnn: proj_size is only supported for LSTM, got mode={mode!r}")
+    num_directions = 2 if bidirectional else 1
+    per_direction = 2 + 2 * bool(bias) + (proj_size > 0)
+    if len(weights) != num_layers * num_directions * per_direction:
+        raise ValueError(
+            f"rnn: expected {num_layers * num_directions * per_direction} weights for {num_layers} layer(s), "
+            f"{num_directions} direction(s), bias={bias}, proj_size={proj_size}; got {len(weights)}"
+        )
+    if input.dim() != 4 or input.shape[2 if batch_first else 1] == 0:
+        raise ValueError(f"rnn: expected a 4-D input with at least one time step, got shape {tuple(input.shape)}")
+    num_models = input.shape[0]
+    batch = input.shape[1] if batch_first else input.shape[2]
+    hidden_size = weights[0].shape[1] // GATES[mode]
+    out_size = proj_size if proj_size > 0 else hidden_size
+    lstm = mode == "LSTM"
+    if hx is None:
+        zeros = input.new_zeros(num_directions * num_models, batch, out_size)
+        h0 = [zeros] * num_layers
+        c0 = [zeros if proj_size == 0 else input.new_zeros(num_directions * num_models, batch, hidden_size)]
+        c0 = c0 * num_layers
+    else:
+        h_all, c_all = hx if lstm else (hx, None)
+        h0 = [_directions_to_models(h_all, layer, num_directions) for layer in range(num_layers)]
+        c0 = [_directions_to_models(c_all, layer, num_directions) for layer in range(num_layers)] if lstm else None
+
+    time_dim = 2 if batch_first else 1
+    layer_input = input
+    h_n, c_n = [], []
+    for layer in range(num_layers):
+        start = layer * num_directions * per_direction
+        params = [weights[start + d * per_direction : start + (d + 1) * per_direction] for d in range(num_directions)]
+        output, h_last, c_last = _layer(
+            mode, layer_input, h0[layer], c0[layer] if lstm else None, params, bias, proj_size, time_dim
+        )
+        h_n.extend(h_last.view(num_directions, num_models, *h_last.shape[1:]).unbind(0))
+        if lstm:
+            c_n.extend(c_last.view(num_directions, num_models, *c_last.shape[1:]).unbind(0))
+        if dropout > 0 and training and layer < num_layers - 1:
+            output = _dropout(output, dropout, generator)
+        layer_input = output
+    h_n = torch.stack(h_n, 1)
+    return (layer_input, (h_n, torch.stack(c_n, 1))) if lstm else (layer_input, h_n)
+
+
+def _directions_to_models(state: Tensor, layer: int, num_directions: int) -> Tensor:
+    """Layer ``layer``'s ``(M, D, B, H)`` slice of an ``(M, L*D, B, H)`` state as ``(D*M, B, H)``, direction-major."""
+    if num_directions == 1:
+        return state[:, layer]
+    per_layer = state[:, layer * num_directions : (layer + 1) * num_directions]
+    return per_layer.transpose(0, 1).reshape(-1, *state.shape[2:])
+
+
+def _dropout(x: Tensor, p: float, generator: torch.Generator | None) -> Tensor:
+    if generator is None:
+        return F.dropout(x, p, training=True)
+    if p == 1:
+        return x * torch.zeros_like(x)
+    mask = torch.empty_like(x).bernoulli_(1 - p, generator=generator)
+    return x * mask * (1 / (1 - p))
+
+
+def _cat_directions(tensors: Sequence[Tensor], dim: int) -> Tensor:
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim)
+
+
+def _layer(
+    mode: str,
+    x: Tensor,
+    h0: Tensor,
+    c0: Tensor | None,
+    params: list[Sequence[Tensor]],
+    bias: bool,
+    proj_size: int,
+    time_dim: int,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """One layer, all directions: ``x`` ``(M, T, B, I)`` (or batch-first) -> the output in the same layout, and
+    the final ``(D*M, B, H_out)`` states of the directions."""
+    num_models, num_directions = x.shape[0], len(params)
+    w_ih = [p[0] for p in params]
+    gate_size = w_ih[0].shape[1]
+
+    # The input projection of every step, direction and model: one GEMM. A reshape of a stride-0 expand of
+    # a contiguous batch is a view, so a shared batch stays one copy.
+    w_in = _cat_directions(w_ih, 1).transpose(1, 2)  # (M, I, D*G)
+    x3 = x.reshape(num_models, -1, x.shape[-1])
+    b_rec = None
+    if bias and mode == "GRU":
+        # r multiplies W_hn h + b_hn, so b_hh stays in the recurrence and b_ih goes with the projection.
+        b_rec = _cat_directions([p[3] for p in params], 0)
+        projected = torch.baddbmm(_cat_directions([p[2] for p in params], 1).unsqueeze(1), x3, w_in)
+    else:
+        # RNN and LSTM add both biases before any nonlinearity: the recurrence adds b_ih + b_hh to each step's
+        # projected input, which costs no extra op there and spares the projection a pass over its output
+        # (one thread, (32, 128, 64) x (32, 64, 256): bmm 1.03 ms, baddbmm with the bias 1.55 ms).
+        if bias:
+            b_rec = _cat_directions([p[2] + p[3] for p in params], 0)  # (D*M, G)
+        projected = torch.bmm(x3, w_in)
+    projected = projected.view(*x.shape[:-1], num_directions, gate_size)
+    if time_dim == 2:
+        projected = projected.transpose(1, 2)  # (M, T, B, D, G)
+    if num_directions == 1:
+        inputs = projected.squeeze(3)
+    else:  # the reverse direction reads time backwards: (D*M, T, B, G), direction-major
+        inputs = torch.cat([projected[:, :, :, 0], projected[:, :, :, 1].flip(1)], 0)
+
+    w_rec = _cat_directions([p[1] for p in params], 0)  # (D*M, G, H_out)
+    w_proj = _cat_directions([p[-1] for p in params], 0) if proj_size > 0 else None  # (D*M, H_out, H)
+    fused = _fused_steps()
+    if mode == "LSTM":
+        steps = _LSTMSteps.apply if fused else _lstm_steps
+        hs, h_last, c_last = steps(inputs, b_rec, h0, c0, w_rec, w_proj)
+    elif mode == "GRU":
+        steps = _GRUSteps.apply if fused else _gru_steps
+        hs, h_last = steps(inputs, h0, w_rec, b_rec)
+        c_last = None
+    else:
+        steps = _RNNSteps.apply if fused else _rnn_steps
+        hs, h_last = steps(inputs, b_rec, h0, w_rec, mode == "RNN_RELU")
+        c_last = None
+
+    # hs: (D*M, T, B, H_out) in step order; the output is contiguous in the input's layout, as torch's.
+    if num_directions == 1:
+        output = hs if time_dim == 1 else hs.transpose(1, 2).contiguous()
+    else:
+        forward, backward = hs[:num_models], hs[num_models:].flip(1)
+        output = torch.cat([forward.movedim(1, time_dim), backward.movedim(1, time_dim)], -1)
+    return output, h_last, c_last
+
+
+# The recurrences, written twice. The plain versions are compositions of differentiable ops: torch.compile
+# traces them (and derives the backward itself), and they support double backward. The autograd Functions
+# run the same math without an autograd node per op and write every step into preallocated buffers; their
+# hand-written backward runs a few fused ops per step (aten's sigmoid/tanh backward kernels) and computes
+# each weight gradient as one GEMM over all steps, instead of a small GEMM and an accumulation per step.
+# Their outputs and gradients are model-major, (N, T, B, *), so that those GEMMs read them without a copy;
+# per-step buffers written by a GEMM are step-major, (T, N, B, *), since a GEMM into a strided slice copies.
+# Measured (2 cores, forward + backward, interleaved medians), Functions vs plain autograd: LSTM hidden 64,
+# T=16, B=8, M=32: 1.30x; GRU, same sizes: 1.31x; 2-layer LSTM hidden 256, T=32, B=64, M=8: 1.14x. Each
+# step's slices are made up front (one unbind per buffer), not by indexing inside the loop. A GEMM into
+# ``out=`` then ``add_`` beat ``baddbmm`` (which first copies its input into the output): 101 vs 118 us on one
+# thread for the small LSTM's (32, 8, 64) x (32, 64, 256) step.
+
+
+def _fused_steps() -> bool:
+    # Under torch.compile the compiler derives its own backward from the plain version (and dynamo would
+    # have to trace the Functions' in-place writes into buffers).
+    return not torch.compiler.is_compiling()
+
+
+def _with_bias(inputs: Tensor, bias: Tensor | None) -> Tensor:
+    return inputs if bias is None else inputs + bias[:, None, None]
+
+
+def _rnn_steps(inputs: Tensor, bias: Tensor | None, h: Tensor, w_rec: Tensor, relu: bool) -> tuple[Tensor, Tensor]:
+    inputs, w_rec_t = _with_bias(inputs, bias), w_rec.transpose(1, 2)
+    hs = []
+    for x_t in inputs.unbind(1):
+        pre = torch.baddbmm(x_t, h, w_rec_t)
+        h = pre.relu() if relu else pre.tanh()
+        hs.append(h)
+    return torch.stack(hs, 1), h
+
+
+def _lstm_steps(
+    inputs: Tensor, bias: Tensor | None, h: Tensor, c: Tensor, w_rec: Tensor, w_proj: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    inputs, w_rec_t = _with_bias(inputs, bias), w_rec.transpose(1, 2)
+    hs = []
+    for x_t in inputs.unbind(1):
+        gates = torch.baddbmm(x_t, h, w_rec_t)
+        i, f, g, o = gates.chunk(4, 2)
+        c = torch.addcmul(f.sigmoid() * c, i.sigmoid(), g.tanh())
+        h = o.sigmoid() * c.tanh()
+        if w_proj is not None:
+            h = torch.bmm(h, w_proj.transpose(1, 2))
+        hs.append(h)
+    return torch.stack(hs, 1), h, c
+
+
+def _gru_steps(inputs: Tensor, h: Tensor, w_rec: Tensor, b_rec: Tensor | None) -> tuple[Tensor, Tensor]:
+    w_rec_t = w_rec.transpose(1, 2)
+    hs = []
+    for x_t in inputs.unbind(1):
+        gh = torch.bmm(h, w_rec_t) if b_rec is None else torch.baddbmm(b_rec.unsqueeze(1), h, w_rec_t)
+        xr, xz, xn = x_t.chunk(3, 2)
+        hr, hz, hn = gh.chunk(3, 2)
+        r = (xr + hr).sigmoid()
+        z = (xz + hz).sigmoid()
+        n = torch.addcmul(xn, r, hn).tanh()
+        h = torch.addcmul(n, z, h - n)
+        hs.append(h)
+    return torch.stack(hs, 1), h
+
+
+_sigmoid_backward = torch.ops.aten.sigmoid_backward.grad_input
+_tanh_backward = torch.ops.aten.tanh_backward.grad_input
+_threshold_backward = torch.ops.aten.threshold_backward.grad_input
+
+
+def _affine_step(out: Tensor, x: Tensor, b: Tensor | None, h: Tensor, w_rec_t: Tensor) -> Tensor:
+    """``out = x + b + h @ w_rec_t``: with a bias, ``x + b`` first and the GEMM accumulating in place (no extra
+    op for the bias); without, the GEMM first."""
+    if b is None:
+        return torch.bmm(h, w_rec_t, out=out).add_(x)
+    return torch.add(x, b, out=out).baddbmm_(h, w_rec_t)
+
+
+def _rows(steps: Tensor) -> Tensor:
+    """``(N, T, B, K)`` -> ``(N, T*B, K)``: every step's rows of each model (a view when the layout allows)."""
+    return steps.reshape(steps.shape[0], -1, steps.shape[-1])
+
+
+def _weight_grad(grad_pre: Tensor, h0: Tensor, hs: Tensor) -> Tensor:
+    """``sum_t grad_pre_t^T h_{t-1}`` ``(N, G, K)``, in the weight's own layout, as two GEMMs over all steps."""
+    grad = torch.bmm(grad_pre[:, 0].transpose(1, 2), h0)
+    if grad_pre.shape[1] > 1:
+        grad = torch.baddbmm(grad, _rows(grad_pre[:, 1:]).transpose(1, 2), _rows(hs[:, :-1]))
+    return grad
+
+
+class _RNNSteps(torch.autograd.Function):
+    """``h_t = act(x_t + b + h_{t-1} W^T)`` for ``x`` ``(N, T, B, H)`` (the projected inputs), ``b`` ``(N, H)``
+    (``b_ih + b_hh``) or ``None``, ``h0`` ``(N, B, H)``, ``w_rec`` ``(N, H, H)``. Returns every ``h_t``
+    ``(N, T, B, H)`` and the last one."""
+
+    @staticmethod
+    def forward(ctx, inputs: Tensor, bias: Tensor | None, h0: Tensor, w_rec: Tensor, relu: bool):
+        n, steps, batch, hidden = inputs.shape
+        w_rec_t = w_rec.transpose(1, 2).contiguous()
+        b = None if bias is None else bias.unsqueeze(1)
+        pre = inputs.new_empty(n, batch, hidden)
+        hs = inputs.new_empty(n, steps, batch, hidden)
+        h = h0
+        for x, h_out in zip(inputs.unbind(1), hs.unbind(1)):
+            _affine_step(pre, x, b, h, w_rec_t)
+            h = torch.clamp_min(pre, 0, out=h_out) if relu else torch.tanh(pre, out=h_out)
+        ctx.relu = relu
+        ctx.has_bias = bias is not None
+        ctx.save_for_backward(h0, w_rec, hs)
+        return hs, h.clone()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_hs: Tensor, grad_last: Tensor):
+        h0, w_rec, hs = ctx.saved_tensors
+        grad_pre = torch.empty_like(hs)
+        grad_h = grad_last
+        for grad_h_t, h, d in reversed(list(zip(grad_hs.unbind(1), hs.unbind(1), grad_pre.unbind(1)))):
+            grad = grad_h_t + grad_h
+            if ctx.relu:
+                _threshold_backward(grad, h, 0, grad_input=d)
+            else:
+                _tanh_backward(grad, h, grad_input=d)
+            grad_h = torch.bmm(d, w_rec)
+        grad_w = _weight_grad(grad_pre, h0, hs) if ctx.needs_input_grad[3] else None
+        grad_b = grad_pre.sum((1, 2)) if ctx.has_bias and ctx.needs_input_grad[1] else None
+        return grad_pre, grad_b, grad_h, grad_w, None
+
+
+class _LSTMSteps(torch.autograd.Function):
+    """The LSTM recurrence for ``x`` ``(N, T, B, 4H)`` (the projected inputs), ``b`` ``(N, 4H)`` (``b_ih + b_hh``)
+    or ``None``, ``h0`` ``(N, B, P)``, ``c0`` ``(N, B, H)``, ``w_rec`` ``(N, 4H, P)``, ``w_proj`` ``(N, P, H)``
+    or ``None`` (then ``P = H``). Returns every ``h_t`` ``(N, T, B, P)``, the last ``h`` and the last ``c``.
+
+    The sigmoid runs over all four gates in one call (one contiguous pass), after ``tanh`` has read the
+    cell gate ``g``'s pre-activation into its own buffer: one op less per step than three calls on strided
+    slices, forward and backward alike.
+    """
+
+    @staticmethod
+    def forward(ctx, inputs: Tensor, bias: Tensor | None, h0: Tensor, c0: Tensor, w_rec: Tensor, w_proj: Tensor | None):
+        n, steps, batch, gates = inputs.shape
+        hidden, out_size = gates // 4, h0.shape[-1]
+        b = None if bias is None else bias.unsqueeze(1)
+        w_rec_t = w_rec.transpose(1, 2).contiguous()
+        w_proj_t = None if w_proj is None else w_proj.transpose(1, 2).contiguous()
+        acts = inputs.new_empty(steps, n, batch, gates)  # sigmoid of every gate pre-activation: i, f, (g), o
+        g_acts = inputs.new_empty(steps, n, batch, hidden)  # tanh of g's pre-activation
+        cs = inputs.new_empty(steps + 1, n, batch, hidden)  # cs[0] = c0, then every step's c
+        tanh_cs = inputs.new_empty(steps, n, batch, hidden)
+        hs = inputs.new_empty(n, steps, batch, out_size)
+        # o * tanh(c) before the projection, kept for the projection's gradient
+        rs = inputs.new_empty(n, steps, batch, hidden) if w_proj is not None else None
+        cs[0] = c0
+        # Every step's views, made up front: indexing inside the loop costs more than some of its ops.
+        i_, f_, g_pre, o_ = acts.view(steps, n, batch, 4, hidden).unbind(3)
+        views = zip(
+            inputs.unbind(1), acts, g_pre, g_acts, i_, f_, o_, cs[:-1], cs[1:], tanh_cs, hs.unbind(1),
+            rs.unbind(1) if rs is not None else [None] * steps,
+        )  # fmt: skip
+        h = h0
+        for x, a, g_pre_t, g, i, f, o, c_prev, c, tanh_c, h_out, r in views:
+            _affine_step(a, x, b, h, w_rec_t)
+            torch.tanh(g_pre_t, out=g)
+            a.sigmoid_()
+            torch.mul(f, c_prev, out=c).addcmul_(i, g)
+            torch.tanh(c, out=tanh_c)
+            if w_proj_t is None:
+                h = torch.mul(o, tanh_c, out=h_out)
+            else:
+                h = torch.bmm(torch.mul(o, tanh_c, out=r), w_proj_t)
+                h_out.copy_(h)
+        ctx.has_bias = bias is not None
+        ctx.save_for_backward(h0, w_rec, w_proj, acts, g_acts, cs, tanh_cs, hs, rs)
+        return hs, h.clone(), cs[-1].clone()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_hs: Tensor, grad_h_last: Tensor, grad_c_last: Tensor):
+        h0, w_rec, w_proj, acts, g_acts, cs, tanh_cs, hs, rs = ctx.saved_tensors
+        steps, n, batch, gates = acts.shape
+        hidden = gates // 4
+        grad_pre = acts.new_empty(n, steps, batch, gates)
+        grad_out = acts.new_empty(hs.shape) if w_proj is not None else None  # of h_t, all paths
+        # The gradients of the activated i, f, (g), o: one sigmoid backward for all four slots; g's slot stays
+        # zero and its result is overwritten by tanh's backward.
+        grad_act = acts.new_zeros(n, batch, 4, hidden)
+        scratch = acts.new_empty(n, batch, hidden)
+        i_, f_, _, o_ = acts.view(steps, n, batch, 4, hidden).unbind(3)
+        views = zip(
+            grad_hs.unbind(1), acts, g_acts, i_, f_, o_, cs[:-1], tanh_cs, grad_pre.unbind(1),
+            grad_pre.view(n, steps, batch, 4, hidden)[:, :, :, 2].unbind(1),
+            grad_out.unbind(1) if grad_out is not None else [None] * steps,
+        )  # fmt: skip
+        grad_h, grad_c = grad_h_last, grad_c_last.clone()
+        for grad_h_t, a, g, i, f, o, c_prev, tanh_c, d, d_g, grad_out_t in reversed(list(views)):
+            if w_proj is None:
+                grad_r = grad_h_t + grad_h  # of o * tanh(c)
+            else:
+                grad_r = torch.bmm(torch.add(grad_h_t, grad_h, out=grad_out_t), w_proj)
+            torch.mul(grad_r, tanh_c, out=grad_act[:, :, 3])
+            grad_c.add_(_tanh_backward(torch.mul(grad_r, o, out=scratch), tanh_c, grad_input=scratch))
+            torch.mul(grad_c, g, out=grad_act[:, :, 0])
+            torch.mul(grad_c, c_prev, out=grad_act[:, :, 1])
+            _sigmoid_backward(grad_act.view(n, batch, gates), a, grad_input=d)
+            _tanh_backward(torch.mul(grad_c, i, out=scratch), g, grad_input=d_g)
+            grad_c.mul_(f)
+            grad_h = torch.bmm(d, w_rec)
+        grad_b = grad_pre.sum((1, 2)) if ctx.has_bias and ctx.needs_input_grad[1] else None
+        grad_w_rec = _weight_grad(grad_pre, h0, hs) if ctx.needs_input_grad[4] else None
+        grad_w_proj = None
+        if w_proj is not None and ctx.needs_input_grad[5]:
+            grad_w_proj = torch.bmm(_rows(grad_out).transpose(1, 2), _rows(rs))
+        return grad_pre, grad_b, grad_h, grad_c, grad_w_rec, grad_w_proj
+
+
+class _GRUSteps(torch.autograd.Function):
+    """The GRU recurrence for ``x`` ``(N, T, B, 3H)`` (the projected inputs with ``b_ih``), ``h0`` ``(N, B, H)``,
+    ``w_rec`` ``(N, 3H, H)``, ``b_rec`` ``(N, 3H)`` or ``None``. Returns every ``h_t`` and the last one."""
+
+    @staticmethod
+    def forward(ctx, inputs: Tensor, h0: Tensor, w_rec: Tensor, b_rec: Tensor | None):
+        n, steps, batch, gates = inputs.shape
+        hidden = gates // 3
+        w_rec_t = w_rec.transpose(1, 2).contiguous()
+        b = None if b_rec is None else b_rec.unsqueeze(1)
+        ghs = inputs.new_empty(steps, n, batch, gates)  # h_{t-1} W_hh^T + b_hh
+        rzs = inputs.new_empty(steps, n, batch, 2 * hidden)  # the activated r, z
+        news = inputs.new_empty(steps, n, batch, hidden)  # n
+        hs = inputs.new_empty(n, steps, batch, hidden)
+        x_rz, x_n = inputs.split([2 * hidden, hidden], 3)
+        gh_rz, gh_n = ghs.split([2 * hidden, hidden], 3)
+        r_, z_ = rzs.split(hidden, 3)
+        views = zip(x_rz.unbind(1), x_n.unbind(1), ghs, gh_rz, gh_n, rzs, r_, z_, news, hs.unbind(1))
+        h = h0
+        for x_rz_t, x_n_t, gh, gh_rz_t, gh_n_t, rz, r, z, new, h_out in views:
+            if b is None:
+                torch.bmm(h, w_rec_t, out=gh)
+            else:
+                gh.copy_(b).baddbmm_(h, w_rec_t)
+            torch.add(x_rz_t, gh_rz_t, out=rz).sigmoid_()
+            torch.addcmul(x_n_t, r, gh_n_t, out=new).tanh_()
+            h = torch.lerp(new, h, z, out=h_out)  # n + z * (h - n)
+        ctx.has_bias = b_rec is not None
+        ctx.save_for_backward(h0, w_rec, ghs, rzs, news, hs)
+        return hs, h.clone()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_hs: Tensor, grad_last: Tensor):
+        h0, w_rec, ghs, rzs, news, hs = ctx.saved_tensors
+        steps, n, batch, gates = ghs.shape
+        hidden = gates // 3
+        grad_in = ghs.new_empty(n, steps, batch, gates)  # of x_t W_ih^T + b_ih: r, z, n
+        grad_rec = ghs.new_empty(n, steps, batch, gates)  # of h_{t-1} W_hh^T + b_hh: r, z, r * n
+        grad_rz = ghs.new_empty(n, batch, 2 * hidden)  # of the activated r and z
+        grad_in_rz, grad_in_n = grad_in.split([2 * hidden, hidden], 3)
+        grad_rec_rz, grad_rec_n = grad_rec.split([2 * hidden, hidden], 3)
+        r_, z_ = rzs.split(hidden, 3)
+        views = zip(
+            grad_hs.unbind(1), rzs, r_, z_, news, ghs[:, :, :, 2 * hidden :], [h0, *hs.unbind(1)[:-1]],
+            grad_in_rz.unbind(1), grad_in_n.unbind(1), grad_rec.unbind(1), grad_rec_rz.unbind(1),
+            grad_rec_n.unbind(1),
+        )  # fmt: skip
+        grad_h = grad_last
+        for grad_h_t, rz, r, z, new, gh_n, h_prev, d_in_rz, d_in_n, d_rec, d_rec_rz, d_rec_n in reversed(list(views)):
+            grad = grad_h_t + grad_h
+            grad_direct = grad * z
+            grad_new = _tanh_backward(grad - grad_direct, new, grad_input=d_in_n)
+            torch.mul(grad_new, gh_n, out=grad_rz[:, :, :hidden])
+            torch.mul(grad, h_prev - new, out=grad_rz[:, :, hidden:])
+            _sigmoid_backward(grad_rz, rz, grad_input=d_in_rz)
+            d_rec_rz.copy_(d_in_rz)
+            torch.mul(grad_new, r, out=d_rec_n)
+            grad_h = grad_direct.baddbmm_(d_rec, w_rec)
+        grad_w = _weight_grad(grad_rec, h0, hs) if ctx.needs_input_grad[2] else None
+        grad_b = grad_rec.sum((1, 2)) if ctx.has_bias and ctx.needs_input_grad[3] else None
+        return grad_in, grad_h, grad_w, grad_b

@@ -1,0 +1,503 @@
+"""The batched recurrent layers against a loop over torch.nn.RNN / LSTM / GRU (and their cells) holding the same
+slices: outputs, returned states, input, state and parameter gradients, over every option; then init,
+state_dict, copies, dtype, torch.compile, dropout and bad inputs."""
+
+from __future__ import annotations
+
+import copy
+import math
+import pickle
+
+import pytest
+import torch
+from harness import LayerCase, RecordOps, assert_close, check_init_matches_torch, check_state_dict_layout, unbatch
+from torch import nn
+from torch.nn.utils.rnn import pack_padded_sequence
+
+from batchlayers.functional import _recurrent
+from batchlayers.functional._recurrent import rnn
+from batchlayers.recurrent import (
+    BatchedGRU,
+    BatchedGRUCell,
+    BatchedLSTM,
+    BatchedLSTMCell,
+    BatchedRNN,
+    BatchedRNNCell,
+)
+from batchlayers.registry import constructor_kwargs
+
+F64, F32 = torch.float64, torch.float32
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """These tensors are tiny: on a busy machine, waking a second intra-op thread for each of them costs far
+    more than the work (20x slower measured on 2 shared cores)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+T, B, I, H = 4, 3, 5, 6  # noqa: E741  (time steps, batch, input and hidden size of most tests)
+
+# id -> (batched class, torch.nn class, extra constructor arguments)
+NETWORKS = {
+    "RNN_TANH": (BatchedRNN, nn.RNN, {}),
+    "RNN_RELU": (BatchedRNN, nn.RNN, {"nonlinearity": "relu"}),
+    "LSTM": (BatchedLSTM, nn.LSTM, {}),
+    "LSTM_PROJ": (BatchedLSTM, nn.LSTM, {"proj_size": 4}),
+    "GRU": (BatchedGRU, nn.GRU, {}),
+}
+CELLS = {
+    "RNNCell_TANH": (BatchedRNNCell, nn.RNNCell, {}),
+    "RNNCell_RELU": (BatchedRNNCell, nn.RNNCell, {"nonlinearity": "relu"}),
+    "LSTMCell": (BatchedLSTMCell, nn.LSTMCell, {}),
+    "GRUCell": (BatchedGRUCell, nn.GRUCell, {}),
+}
+
+
+def build(kind: str, num_models: int, dtype=F64, input_size=I, hidden_size=H, **options):
+    """The batched layer and a ``dtype -> torch.nn module`` factory with the same arguments."""
+    batched_cls, torch_cls, extra = {**NETWORKS, **CELLS}[kind]
+    kwargs = {**extra, **options}
+    batched = batched_cls(num_models, input_size, hidden_size, **kwargs, dtype=dtype)
+    return batched, lambda dt=dtype: torch_cls(input_size, hidden_size, **kwargs, dtype=dt)
+
+
+def _leaf(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().clone().requires_grad_(True)
+
+
+def _flatten_state(state) -> list[torch.Tensor]:
+    return list(state) if isinstance(state, tuple) else [state]
+
+
+def compare(
+    batched: nn.Module, modules: list[nn.Module], x: torch.Tensor, hx, *, shared: bool, where: str = ""
+) -> None:
+    """Forward and backward through ``batched`` and through ``modules`` one by one; compare the output, the
+    returned states and the gradients of the input, the initial states and every parameter.
+
+    ``x`` is one model's input when ``shared`` (the batched layer gets its stride-0 expand), else ``(M, ...)``;
+    ``hx`` is ``None``, a tensor or a tuple of ``(M, ...)`` tensors.
+    """
+    num_models = batched.num_models
+    xb, xr = _leaf(x), _leaf(x)
+    hb = None if hx is None else tuple(_leaf(h) for h in _flatten_state(hx))
+    hr = None if hx is None else tuple(_leaf(h) for h in _flatten_state(hx))
+    is_tuple = isinstance(hx, tuple) or isinstance(batched, (BatchedLSTM, BatchedLSTMCell))
+    arg = None if hb is None else (hb if is_tuple else hb[0])
+    result = batched(xb.expand(num_models, *xb.shape) if shared else xb, arg)
+
+    ref_results = []
+    for i, m in enumerate(modules):
+        state_i = None if hr is None else tuple(h[i] for h in hr)
+        ref_results.append(
+            m(xr if shared else xr[i], None if state_i is None else (state_i if is_tuple else state_i[0]))
+        )
+
+    cell = isinstance(batched, (BatchedRNNCell, BatchedLSTMCell, BatchedGRUCell))
+    if cell:  # a cell returns its new state: h, or (h, c)
+        outs = _flatten_state(result)
+        refs = [torch.stack([_flatten_state(r)[k] for r in ref_results]) for k in range(len(outs))]
+        names = ["h'", "c'"]
+    else:  # (output, h_n) or (output, (h_n, c_n))
+        outs = [result[0], *_flatten_state(result[1])]
+        refs = [torch.stack([r[0] for r in ref_results])]
+        refs += [torch.stack([_flatten_state(r[1])[k] for r in ref_results]) for k in range(len(outs) - 1)]
+        names = ["output", "h_n", "c_n"]
+    for name, out, ref in zip(names, outs, refs):
+        assert_close(out, ref, msg=f"{name} {where}")
+
+    grads = [torch.randn_like(o) for o in outs]
+    torch.autograd.backward(outs, grads)
+    ref_outs = [o for r in ref_results for o in (_flatten_state(r) if cell else [r[0], *_flatten_state(r[1])])]
+    ref_grads = [g[i] for i in range(num_models) for g in grads]
+    torch.autograd.backward(ref_outs, ref_grads)
+    assert_close(xb.grad, xr.grad, msg=f"input gradient {where}")
+    if hb is not None:
+        for k, (a, b) in enumerate(zip(hb, hr)):
+            assert_close(a.grad, b.grad, msg=f"gradient of initial state {k} {where}")
+    for name, p in batched.named_parameters():
+        ref = torch.stack([dict(m.named_parameters())[name].grad for m in modules])
+        assert_close(p.grad, ref, msg=f"gradient of {name} {where}")
+
+
+def initial_state(kind: str, num_models: int, lead: tuple[int, ...], dtype=F64):
+    """Random ``(M, *lead, H_out)`` initial states (a tuple with ``c`` for LSTMs)."""
+    out_size = NETWORKS.get(kind, (None, None, {}))[2].get("proj_size", H)
+    h = torch.randn(num_models, *lead, out_size, dtype=dtype)
+    return (h, torch.randn(num_models, *lead, H, dtype=dtype)) if "LSTM" in kind else h
+
+
+def network_input(num_models: int | None, batch_first: bool, dtype=F64) -> torch.Tensor:
+    lead = () if num_models is None else (num_models,)
+    return torch.randn(*lead, *((B, T) if batch_first else (T, B)), I, dtype=dtype)
+
+
+@pytest.mark.parametrize("num_models", [1, 3])
+@pytest.mark.parametrize("shared", [False, True], ids=["per_model", "shared"])
+@pytest.mark.parametrize("with_h0", [False, True], ids=["zeros", "h0"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("batch_first", [False, True], ids=["time_major", "batch_first"])
+@pytest.mark.parametrize("bidirectional", [False, True], ids=["uni", "bi"])
+@pytest.mark.parametrize("num_layers", [1, 2])
+@pytest.mark.parametrize("kind", NETWORKS)
+def test_network_matches_loop(kind, num_layers, bidirectional, batch_first, bias, with_h0, shared, num_models):
+    torch.manual_seed(0)
+    options = dict(num_layers=num_layers, bias=bias, batch_first=batch_first, bidirectional=bidirectional)
+    batched, make_torch = build(kind, num_models, **options)
+    modules = unbatch(batched, make_torch)
+    x = network_input(None if shared else num_models, batch_first)
+    hx = initial_state(kind, num_models, (num_layers * (2 if bidirectional else 1), B)) if with_h0 else None
+    compare(batched, modules, x, hx, shared=shared)
+
+
+@pytest.mark.parametrize("bidirectional", [False, True], ids=["uni", "bi"])
+@pytest.mark.parametrize("kind", NETWORKS)
+def test_plain_recurrence_matches_loop(monkeypatch, kind, bidirectional):
+    """The differentiable recurrence that torch.compile traces, run eagerly; it supports double backward."""
+    monkeypatch.setattr(_recurrent, "_fused_steps", lambda: False)
+    torch.manual_seed(0)
+    batched, make_torch = build(kind, 3, num_layers=2, bidirectional=bidirectional)
+    modules = unbatch(batched, make_torch)
+    compare(
+        batched, modules, network_input(3, False), initial_state(kind, 3, (2 * (1 + bidirectional), B)), shared=False
+    )
+    x = network_input(3, False).requires_grad_(True)
+    (grad,) = torch.autograd.grad(batched(x)[0].pow(2).sum(), x, create_graph=True)
+    grad.sum().backward()
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["per_model", "shared"])
+@pytest.mark.parametrize("bidirectional", [False, True], ids=["uni", "bi"])
+@pytest.mark.parametrize("kind", NETWORKS)
+@pytest.mark.filterwarnings("ignore:LSTM with projections is not supported with oneDNN")
+def test_network_float32(kind, bidirectional, shared):
+    torch.manual_seed(0)
+    batched, make_torch = build(kind, 3, F32, num_layers=2, bidirectional=bidirectional)
+    modules = unbatch(batched, make_torch)
+    hx = initial_state(kind, 3, (2 * (1 + bidirectional), B), F32)
+    compare(batched, modules, network_input(None if shared else 3, False, F32), hx, shared=shared)
+
+
+@pytest.mark.parametrize("dtype", [F64, F32], ids=["f64", "f32"])
+@pytest.mark.parametrize("num_models", [1, 3])
+@pytest.mark.parametrize("shared", [False, True], ids=["per_model", "shared"])
+@pytest.mark.parametrize("with_h0", [False, True], ids=["zeros", "h0"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("kind", CELLS)
+def test_cell_matches_loop(kind, bias, with_h0, shared, num_models, dtype):
+    torch.manual_seed(0)
+    batched, make_torch = build(kind, num_models, dtype, bias=bias)
+    modules = unbatch(batched, make_torch)
+    x = torch.randn(*(() if shared else (num_models,)), B, I, dtype=dtype)
+    hx = initial_state(kind, num_models, (B,), dtype) if with_h0 else None
+    compare(batched, modules, x, hx, shared=shared)
+
+
+def test_cell_steps_match_torch_over_a_sequence():
+    """A cell driven step by step carries its state like torch's (the state gradient flows through time)."""
+    torch.manual_seed(0)
+    batched, make_torch = build("LSTMCell", 3)
+    modules = unbatch(batched, make_torch)
+
+    class Unrolled(nn.Module):
+        def __init__(self, cell):
+            super().__init__()
+            self.cell = cell
+            self.num_models = getattr(cell, "num_models", None)
+
+        def forward(self, xs, state=None):
+            hs = []
+            for x_t in xs.unbind(-3):
+                state = self.cell(x_t, state)
+                hs.append(state[0])
+            return torch.stack(hs, -3), state
+
+    unrolled = Unrolled(batched)
+    for name, p in batched.named_parameters():  # the reference reads gradients under the cell's own names
+        unrolled.register_parameter(name, p)
+    refs = [Unrolled(m) for m in modules]
+    for r, m in zip(refs, modules):
+        for name, p in m.named_parameters():
+            r.register_parameter(name, p)
+    x = torch.randn(3, T, B, I, dtype=F64)
+    xb, xr = _leaf(x), _leaf(x)
+    yb, (hb, cb) = unrolled(xb)
+    outs = [unrolled_ref(xr[i]) for i, unrolled_ref in enumerate(refs)]
+    assert_close(yb, torch.stack([o[0] for o in outs]), msg="outputs")
+    assert_close(cb, torch.stack([o[1][1] for o in outs]), msg="c")
+    g = torch.randn_like(yb)
+    yb.backward(g)
+    for i, o in enumerate(outs):
+        o[0].backward(g[i])
+    assert_close(xb.grad, xr.grad, msg="input gradient")
+    for name, p in batched.named_parameters():
+        assert_close(p.grad, torch.stack([dict(m.named_parameters())[name].grad for m in modules]), msg=name)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Init, state_dict, copies, dtype, constructor arguments.
+
+LAYOUT_CASES = [
+    LayerCase(id=f"{kind}-{tag}", batched=lambda m, dt, k=kind, o=o: build(k, m, dt, **o)[0],
+              torch=lambda dt, k=kind, o=o: build(k, 1, dt, **o)[1](dt), input=None)
+    for kind in NETWORKS
+    for tag, o in [("plain", {}), ("deep-bi-nobias", dict(num_layers=2, bidirectional=True, bias=False))]
+] + [
+    LayerCase(id=kind, batched=lambda m, dt, k=kind: build(k, m, dt)[0],
+              torch=lambda dt, k=kind: build(k, 1, dt)[1](dt), input=None)
+    for kind in CELLS
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", LAYOUT_CASES, ids=lambda c: c.id)
+def test_init_like_torch_per_model(case):
+    check_init_matches_torch(case, num_models=4, torch_samples=8)
+    torch.manual_seed(0)
+    batched = case.batched(5, F64)
+    bound = 1 / math.sqrt(batched.hidden_size)
+    for name, p in batched.named_parameters():
+        for i in range(5):
+            assert p[i].abs().max() <= bound, f"{name}[{i}] exceeds the bound {bound}"
+        assert p.abs().max() > 0.8 * bound, f"{name} does not span the bound {bound}"
+
+
+@pytest.mark.parametrize("case", LAYOUT_CASES, ids=lambda c: c.id)
+def test_state_dict_layout(case):
+    check_state_dict_layout(case)
+    batched, ref = case.batched(3, F64), case.torch(F64)
+    if hasattr(ref, "_flat_weights_names"):
+        assert batched._flat_weights_names == ref._flat_weights_names
+        assert [[p.shape[1:] for p in ps] for ps in batched.all_weights] == [
+            [p.shape for p in ps] for ps in ref.all_weights
+        ]
+
+
+@pytest.mark.parametrize("kind", [*NETWORKS, *CELLS])
+def test_constructor_arguments_read_back_like_torch(kind):
+    options = {} if kind in CELLS else dict(num_layers=2, batch_first=True, bidirectional=True, bias=False)
+    if kind in NETWORKS and kind != "LSTM_PROJ":
+        options["dropout"] = 0.25
+    batched, make_torch = build(kind, 3, **options)
+    ref = make_torch()
+    names = ["input_size", "hidden_size", "bias", "num_layers", "batch_first", "dropout", "bidirectional"]
+    for name in [*names, "proj_size", "nonlinearity", "mode"]:
+        if hasattr(ref, name):
+            assert getattr(batched, name) == getattr(ref, name), name
+    assert batched.torch_module is type(ref)
+    assert batched.extra_repr().startswith("num_models=3")
+    # nn.RNN/LSTM/GRU.__init__ take (*args, **kwargs): their arguments are RNNBase's (plus nonlinearity)
+    signature_of = nn.RNNBase if kind in NETWORKS else type(ref)
+    assert constructor_kwargs(batched, signature_of) == constructor_kwargs(ref, signature_of)
+
+
+@pytest.mark.parametrize("kind", NETWORKS)
+def test_no_grad_and_inference_mode_give_the_same_output(kind):
+    torch.manual_seed(0)
+    batched, _ = build(kind, 3, num_layers=2, bidirectional=True)
+    x, hx = network_input(3, True), initial_state(kind, 3, (4, B))
+    batched.batch_first = True
+    expected = batched(x, hx)[0]
+    with torch.no_grad():
+        assert_close(batched(x, hx)[0], expected, msg="no_grad")
+    with torch.inference_mode():
+        assert_close(batched(x, hx)[0], expected.detach(), msg="inference_mode")
+
+
+def test_copies_and_dtype():
+    torch.manual_seed(0)
+    batched, make_torch = build("LSTM_PROJ", 3, F32, num_layers=2, bidirectional=True)
+    x = network_input(3, False, F32)
+    for clone in (copy.deepcopy(batched), pickle.loads(pickle.dumps(batched))):
+        for (name, p), q in zip(batched.named_parameters(), clone.parameters()):
+            assert torch.equal(p, q) and p.data_ptr() != q.data_ptr(), f"{name} not copied"
+        assert torch.equal(clone(x)[0], batched(x)[0])
+    batched = batched.to(F64)
+    assert all(p.dtype == F64 for p in batched.parameters())
+    modules = unbatch(batched, lambda: make_torch(F64))
+    compare(batched, modules, x.double(), initial_state("LSTM_PROJ", 3, (4, B)), shared=False)
+
+
+@pytest.mark.parametrize("kind", ["LSTM_PROJ", "GRU", "RNN_RELU", "GRUCell"])
+def test_compile_fullgraph(kind):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    options = {} if kind in CELLS else dict(num_layers=2, bidirectional=True, batch_first=True)
+    eager, _ = build(kind, 3, **options)
+    compiled_copy = copy.deepcopy(eager)
+    compiled = torch.compile(compiled_copy, fullgraph=True, backend="aot_eager")
+    x = torch.randn(3, B, I, dtype=F64) if kind in CELLS else network_input(3, True)
+    outs_eager = _flatten_state(eager(x)) if kind in CELLS else [eager(x)[0]]
+    outs_compiled = _flatten_state(compiled(x)) if kind in CELLS else [compiled(x)[0]]
+    for a, b in zip(outs_compiled, outs_eager):
+        assert_close(a, b, msg="compiled output")
+    grads = [torch.randn_like(o) for o in outs_eager]
+    torch.autograd.backward(outs_eager, grads)
+    torch.autograd.backward(outs_compiled, grads)
+    for (name, p), q in zip(eager.named_parameters(), compiled_copy.parameters()):
+        assert_close(q.grad, p.grad, msg=f"compiled gradient of {name}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Dropout.
+
+
+@pytest.mark.parametrize("kind", ["LSTM", "GRU", "RNN_TANH"])
+def test_dropout_masks_are_independent_per_model(kind):
+    torch.manual_seed(0)
+    batched, _ = build(kind, 3, num_layers=2, dropout=0.5)
+    with torch.no_grad():  # every model gets model 0's weights
+        for p in batched.parameters():
+            p.copy_(p[:1].expand_as(p))
+    x = network_input(None, False)
+    shared = x.expand(3, *x.shape)
+    batched.eval()
+    y_eval = batched(shared)[0]
+    for i in range(1, 3):  # equal up to rounding: the batched GEMM may round each model's slice differently
+        assert_close(y_eval[i], y_eval[0], msg="identical models differ in eval mode")
+    batched.dropout = 0.0
+    batched.train()
+    assert_close(batched(shared)[0], y_eval, msg="eval with dropout vs train without")
+    batched.dropout = 0.5
+    y_train = batched(shared)[0]
+    assert not torch.allclose(y_train, y_eval), "dropout changed nothing in train mode"
+    for i in range(1, 3):
+        assert not torch.allclose(y_train[i], y_train[0]), f"models 0 and {i} drew the same dropout mask"
+    y_train.sum().backward()
+    assert all(p.grad is not None for p in batched.parameters())
+
+
+def test_dropout_generator_is_reproducible():
+    torch.manual_seed(0)
+    batched, _ = build("LSTM", 3, num_layers=3)
+    x = network_input(3, False)
+    options = dict(num_layers=3, bias=True, batch_first=False, dropout=0.3, training=True, bidirectional=False)
+    a = rnn("LSTM", x, None, batched._flat_weights, **options, generator=torch.Generator().manual_seed(5))[0]
+    b = rnn("LSTM", x, None, batched._flat_weights, **options, generator=torch.Generator().manual_seed(5))[0]
+    c = rnn("LSTM", x, None, batched._flat_weights, **options, generator=torch.Generator().manual_seed(6))[0]
+    d = rnn("LSTM", x, None, batched._flat_weights, **{**options, "training": False})[0]
+    assert torch.equal(a, b) and not torch.allclose(a, c) and not torch.allclose(a, d)
+
+
+def test_dropout_on_one_layer_warns_like_torch():
+    with pytest.warns(UserWarning, match="num_layers greater than 1"):
+        BatchedGRU(2, I, H, dropout=0.5)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The functional form and the shared batch.
+
+
+@pytest.mark.parametrize("batch_first", [False, True], ids=["time_major", "batch_first"])
+def test_shared_input_is_not_copied(batch_first):
+    # I = 13 so that no intermediate of the layer has the size of M copies of the batch.
+    batched, _ = build("LSTM", 3, input_size=13, hidden_size=4, batch_first=batch_first, bidirectional=True)
+    x = torch.randn(*((B, T) if batch_first else (T, B)), 13, dtype=F64)
+    with RecordOps() as ops:
+        batched(x.expand(3, *x.shape))
+    copies = [name for name, is_view, n in ops.ops if not is_view and n == 3 * x.numel()]
+    assert copies == [], "the shared batch was copied M times"
+
+
+def test_functional_takes_torch_flat_weights_order():
+    torch.manual_seed(0)
+    ref = nn.LSTM(I, H, num_layers=2, bidirectional=True, proj_size=3, dtype=F64)
+    weights = [getattr(ref, name).detach().unsqueeze(0) for name in ref._flat_weights_names]
+    x = torch.randn(1, T, B, I, dtype=F64)
+    out, (h, c) = rnn(
+        "LSTM", x, None, weights, num_layers=2, bias=True, batch_first=False, dropout=0.0, training=False,
+        bidirectional=True, proj_size=3,
+    )  # fmt: skip
+    ref_out, (ref_h, ref_c) = ref(x[0])
+    assert_close(out[0], ref_out, msg="output")
+    assert_close(h[0], ref_h, msg="h_n")
+    assert_close(c[0], ref_c, msg="c_n")
+    with pytest.raises(ValueError, match="expected 20 weights"):
+        rnn("LSTM", x, None, weights[:-1], num_layers=2, bias=True, batch_first=False, dropout=0.0,
+            training=False, bidirectional=True, proj_size=3)  # fmt: skip
+    with pytest.raises(ValueError, match="mode must be one of"):
+        rnn("LSTMX", x, None, weights, num_layers=2, bias=True, batch_first=False, dropout=0.0,
+            training=False, bidirectional=True, proj_size=3)  # fmt: skip
+
+
+def test_fused_recurrence_refuses_double_backward():
+    batched, _ = build("GRU", 2)
+    x = network_input(2, False).requires_grad_(True)
+    (grad,) = torch.autograd.grad(batched(x)[0].pow(2).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|differentiate twice"):
+        grad.sum().backward()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Bad input.
+
+_M = 3
+BAD_INPUTS = [
+    # (id, layer kind, input maker, hx maker, exception, message regex)
+    ("models", "LSTM", lambda: torch.randn(_M + 1, T, B, I), None, ValueError,
+     r"BatchedLSTM.*\(M, T, B, input_size\) with M=3.*dimension 0 \(models\) is 4, not 3"),
+    ("features", "GRU", lambda: torch.randn(_M, T, B, I + 1), None, ValueError,
+     rf"BatchedGRU.*input_size={I}.*dimension 3 \(input_size\) is {I + 1}"),
+    ("unbatched", "RNN_TANH", lambda: torch.randn(_M, T, I), None, ValueError,
+     r"BatchedRNN: expected a 4-D input \(M, T, B, input_size\).*got 3-D shape \(3, 4, 5\); unbatched inputs "
+     r"are not supported, pass a batch of one \(input.unsqueeze\(2\)\)"),
+    ("unbatched_batch_first", "LSTM_BF", lambda: torch.randn(_M, T, I), None, ValueError,
+     r"BatchedLSTM.*4-D input \(M, B, T, input_size\).*input.unsqueeze\(1\)"),
+    ("ndim", "GRU", lambda: torch.randn(_M, T, B, 1, I), None, ValueError,
+     r"BatchedGRU: expected a 4-D input \(M, T, B, input_size\).*got 5-D shape"),
+    ("packed", "LSTM", lambda: pack_padded_sequence(torch.randn(T, B, I), [T] * B), None, TypeError,
+     r"BatchedLSTM: PackedSequence input is not supported; pad the sequences"),
+    ("not_a_tensor", "GRU", lambda: [[0.0] * I] * T, None, TypeError, r"BatchedGRU.*Tensor, got list"),
+    ("dtype", "GRU", lambda: torch.randn(_M, T, B, I, dtype=F32), None, ValueError,
+     r"BatchedGRU: input dtype torch.float32 does not match the weights' torch.float64"),
+    ("h0_shape", "GRU", lambda: torch.randn(_M, T, B, I), lambda: torch.randn(_M, 2, B, H), ValueError,
+     r"BatchedGRU: expected h_0 \(M, L\*D, B, H\) of shape \(3, 1, 3, 6\), got \(3, 2, 3, 6\)"),
+    ("lstm_hx_not_tuple", "LSTM", lambda: torch.randn(_M, T, B, I), lambda: torch.randn(_M, 1, B, H), TypeError,
+     r"BatchedLSTM: expected hx to be a tuple \(h_0, c_0\)"),
+    ("c0_shape", "LSTM_PROJ", lambda: torch.randn(_M, T, B, I),
+     lambda: (torch.randn(_M, 1, B, 4), torch.randn(_M, 1, B, 4)), ValueError,
+     r"BatchedLSTM: expected c_0 \(M, L\*D, B, H\) of shape \(3, 1, 3, 6\), got \(3, 1, 3, 4\)"),
+    ("cell_models", "LSTMCell", lambda: torch.randn(_M + 1, B, I), None, ValueError,
+     r"BatchedLSTMCell.*\(M, B, input_size\) with M=3.*dimension 0 \(models\) is 4"),
+    ("cell_unbatched", "GRUCell", lambda: torch.randn(_M, I), None, ValueError,
+     r"BatchedGRUCell: expected a 3-D input \(M, B, input_size\).*input.unsqueeze\(1\)"),
+    ("cell_hx", "RNNCell_TANH", lambda: torch.randn(_M, B, I), lambda: torch.randn(_M, B + 1, H), ValueError,
+     r"BatchedRNNCell: expected h \(M, B, H\) of shape \(3, 3, 6\), got \(3, 4, 6\)"),
+    ("cell_packed", "GRUCell", lambda: pack_padded_sequence(torch.randn(T, B, I), [T] * B), None, TypeError,
+     r"BatchedGRUCell: PackedSequence"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("row", BAD_INPUTS, ids=[r[0] for r in BAD_INPUTS])
+def test_bad_input_raises(row):
+    _, kind, make_input, make_hx, exc, pattern = row
+    options = {}
+    if kind == "LSTM_BF":
+        kind, options = "LSTM", {"batch_first": True}
+    batched, _ = build(kind, _M, **options)
+    x = make_input()
+    if isinstance(x, torch.Tensor) and x.dtype == F32 and "dtype" not in row[0]:
+        x = x.double()
+    hx = None if make_hx is None else make_hx()
+    hx = None if hx is None else (tuple(h.double() for h in hx) if isinstance(hx, tuple) else hx.double())
+    with pytest.raises(exc, match=pattern):
+        batched(x, hx)
+
+
+@pytest.mark.parametrize(
+    "make,pattern",
+    [
+        (lambda: BatchedLSTM(2, 4, 4, proj_size=4), r"BatchedLSTM: proj_size has to be smaller than hidden_size"),
+        (lambda: BatchedRNN(2, 4, 4, nonlinearity="gelu"), r"BatchedRNN: unknown nonlinearity 'gelu'"),
+        (lambda: BatchedGRU(2, 4, 4, num_layers=2, dropout=1.5), r"BatchedGRU: dropout should be a number in \[0, 1\]"),
+        (lambda: BatchedGRU(2, 0, 4), r"BatchedGRU: input_size must be greater than zero"),
+        (lambda: BatchedLSTM(0, 4, 4), r"BatchedLSTM: num_models must be at least 1"),
+        (lambda: BatchedRNNCell(2, 4, 4, nonlinearity="gelu"), r"BatchedRNNCell: unknown nonlinearity"),
+    ],
+)
+def test_bad_arguments_raise(make, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        make()
