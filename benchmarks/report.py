@@ -133,6 +133,7 @@ TARGETS = [
     ("(same, inference only)", "mlp-wide", "infer", 64, "pct_gemm", "batchlayers", ">=", 70),
     ("small CNN M=16: >= 1.2x the loop", "cnn", "train", 16, "speedup_vs_loop", "batchlayers", ">=", 1.2),
     ("small CNN M=16: >= 1.5x torch.func", "cnn", "train", 16, "speedup_vs_torch_func", "batchlayers", ">=", 1.5),
+    ("U-Net M=8: >= 1x the loop", "unet", "train", 8, "speedup_vs_loop", "batchlayers", ">=", 1),
     ("LSTM policy M=32: >= 3x the loop", "lstm-policy", "train", 32, "speedup_vs_loop", "batchlayers", ">=", 3),
     ("LSTM 2x256 M=8: >= 0.9x the loop", "lstm", "train", 8, "speedup_vs_loop", "batchlayers", ">=", 0.9),
     (

@@ -167,6 +167,36 @@ class RecurrentClassifier(nn.Module):
         return self.head(out[:, -1])
 
 
+class SmallUNet(nn.Module):
+    """A small U-Net for segmentation: two strided convolutions down, two transposed convolutions up, skip
+    connections by ``cat``, BatchNorm; per-pixel class scores, channels last (``(B, H, W, classes)``)."""
+
+    def __init__(self, num_classes: int = 4) -> None:
+        super().__init__()
+        self.enc1 = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU())
+        self.enc2 = nn.Sequential(nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.BatchNorm2d(32), nn.ReLU())
+        self.mid = nn.Sequential(nn.Conv2d(32, 32, 3, stride=2, padding=1), nn.ReLU())
+        self.up2 = nn.ConvTranspose2d(32, 32, 4, stride=2, padding=1)
+        self.dec2 = nn.Sequential(nn.Conv2d(64, 16, 3, padding=1), nn.ReLU())
+        self.up1 = nn.ConvTranspose2d(16, 16, 4, stride=2, padding=1)
+        self.head = nn.Conv2d(32, num_classes, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        e1 = self.enc1(x)
+        e2 = self.enc2(e1)
+        d2 = self.dec2(torch.cat([self.up2(self.mid(e2)), e2], dim=1))
+        return self.head(torch.cat([self.up1(d2), e1], dim=1)).permute(0, 2, 3, 1)
+
+
+def _segmentation_data(sample_shape: tuple[int, ...], num_classes: int):
+    def make(lead: Sequence[int], generator: torch.Generator) -> tuple[Tensor, Tensor]:
+        x = torch.randn(*lead, *sample_shape, generator=generator)
+        y = torch.randint(num_classes, (*lead, *sample_shape[1:]), generator=generator)
+        return x, y
+
+    return make
+
+
 def per_model_loss(logits: Tensor, target: Tensor) -> Tensor:
     """Each model's mean cross entropy: ``(M, B, *, C)`` logits and ``(M, B, *)`` targets -> ``(M,)``."""
     num_models = logits.shape[0]
@@ -319,6 +349,15 @@ WORKLOADS: dict[str, Workload] = {
             batch_size=32,
             num_models=(4, 8),
             quick_num_models=(4,),
+        ),
+        Workload(
+            "unet",
+            "small U-Net (convs down, ConvTranspose2d up, skips, BatchNorm), 3x32x32 segmentation, stacked",
+            SmallUNet,
+            _segmentation_data((3, 32, 32), 4),
+            batch_size=8,
+            num_models=(8,),
+            quick_num_models=(8,),
         ),
         Workload(
             "transformer",

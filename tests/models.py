@@ -270,3 +270,46 @@ class TinyUNet(nn.Module):
         d2 = self.dec2(torch.cat([u2, e2], dim=1))
         u1 = self.up1(d2, output_size=e1.shape[-2:])
         return self.dec1(torch.cat([u1, e1], dim=1))
+
+
+class Seq2SeqGRU(nn.Module):
+    """An attention seq2seq model: bidirectional GRU encoder, a GRUCell decoder stepped in Python with dot
+    attention over the encoder states (``bmm``), the decoder's state bridged from both final encoder states."""
+
+    def __init__(self, vocab: int = 12, hidden: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.encoder = nn.GRU(hidden, hidden, batch_first=True, bidirectional=True)
+        self.bridge = nn.Linear(2 * hidden, hidden)
+        self.attend = nn.Linear(hidden, 2 * hidden, bias=False)
+        self.decoder = nn.GRUCell(3 * hidden, hidden)
+        self.out = nn.Linear(hidden, vocab)
+
+    def forward(self, src, tgt):
+        encoded, final = self.encoder(self.embed(src))  # (B, S, 2H), (2, B, H)
+        state = torch.tanh(self.bridge(torch.cat([final[0], final[1]], dim=-1)))
+        logits = []
+        for t in range(tgt.size(1)):
+            scores = torch.bmm(encoded, self.attend(state).unsqueeze(-1)).squeeze(-1)  # (B, S)
+            context = torch.bmm(scores.softmax(-1).unsqueeze(1), encoded).squeeze(1)  # (B, 2H)
+            state = self.decoder(torch.cat([self.embed(tgt[:, t]), context], dim=-1), state)
+            logits.append(self.out(state))
+        return torch.stack(logits, dim=1)
+
+
+class LSTMLanguageModel(nn.Module):
+    """A 2-layer LSTM language model with the output head tied to the embedding, loss in forward."""
+
+    def __init__(self, vocab: int = 11, hidden: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.lstm = nn.LSTM(hidden, hidden, num_layers=2, batch_first=True)
+        self.head = nn.Linear(hidden, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, idx, targets=None):
+        out, _ = self.lstm(self.embed(idx))
+        logits = self.head(out)
+        if targets is None:
+            return logits
+        return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())

@@ -181,3 +181,41 @@ def test_unet_with_transposed_convolutions(shared: bool) -> None:
         lambda lead: torch.randn(*lead, 3, 10, 10, dtype=torch.float64),
         shared=shared,
     )
+
+
+class _Pair(nn.Module):
+    """Source and target token ids side by side in one (B, S + T) input, for compare_training."""
+
+    def __init__(self, model: nn.Module, split: int) -> None:
+        super().__init__()
+        self.model, self.split = model, split
+
+    def forward(self, ids):
+        return self.model(ids[:, : self.split], ids[:, self.split :])
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["own batches", "shared batch"])
+def test_seq2seq_gru_with_attention(shared: bool) -> None:
+    make = lambda: _Pair(zoo.Seq2SeqGRU(), 5)  # noqa: E731
+    compare_training(
+        stack([seeded(make, i) for i in range(3)]),
+        [seeded(make, i) for i in range(3)],
+        lambda lead: torch.randint(0, 12, (*lead, 9)),
+        shared=shared,
+    )
+
+
+def test_lstm_language_model_with_tied_weights() -> None:
+    """Training against the originals, the in-forward loss per model, and unstack keeps the tie."""
+    from batchlayers import unstack
+
+    models = [seeded(zoo.LSTMLanguageModel, i) for i in range(3)]
+    references = [seeded(zoo.LSTMLanguageModel, i) for i in range(3)]
+    batched = stack(models)
+    compare_training(batched, references, lambda lead: torch.randint(0, 11, (*lead, 6)))
+    idx, targets = torch.randint(0, 11, (3, 4, 6)), torch.randint(0, 11, (3, 4, 6))
+    _, losses = batched(idx, targets)
+    assert_close(losses, torch.stack([r(idx[i], targets[i])[1] for i, r in enumerate(references)]), msg="loss")
+    for back, reference in zip(unstack(batched), references):
+        assert back.head.weight is back.embed.weight
+        assert_close(back(idx[0]), reference(idx[0]), msg="unstacked")
