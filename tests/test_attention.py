@@ -8,6 +8,8 @@ import itertools
 import pytest
 import torch
 from harness import assert_close
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from batchlayers.attention import BatchedMultiheadAttention
@@ -146,3 +148,71 @@ def test_bad_input_raises(case: str) -> None:
     make, kwargs, pattern = BAD[case]
     with pytest.raises(ValueError, match=pattern):
         BatchedMultiheadAttention(M, E, HEADS, batch_first=True)(*make(), **kwargs)
+
+
+def _pair(batch_first: bool = True) -> tuple[BatchedMultiheadAttention, list[nn.MultiheadAttention]]:
+    torch.manual_seed(0)
+    batched = BatchedMultiheadAttention(M, E, HEADS, batch_first=batch_first, dtype=torch.float64)
+    return batched, _loop(batched, batch_first=batch_first)
+
+
+@pytest.mark.parametrize(
+    "how", ["deepcopy", "pickle", "to float32", "compile fullgraph"], ids=lambda h: h.replace(" ", "-")
+)
+def test_copies_conversions_and_compile(how: str) -> None:
+    import copy
+    import pickle
+
+    batched, _ = _pair()
+    x = torch.randn(M, B, L, E, dtype=torch.float64)
+    expected, weights = batched(x, x, x)
+    if how == "deepcopy":
+        other = copy.deepcopy(batched)
+    elif how == "pickle":
+        other = pickle.loads(pickle.dumps(batched))
+    elif how == "to float32":
+        other = copy.deepcopy(batched).float()
+        assert all(p.dtype == torch.float32 for p in other.parameters())
+        out, _ = other(x.float(), x.float(), x.float())
+        torch.testing.assert_close(out, expected.float(), rtol=1e-4, atol=1e-5)
+        return
+    else:
+        torch._dynamo.reset()
+        other = torch.compile(copy.deepcopy(batched), fullgraph=True, backend="aot_eager")
+    out, w = other(x, x, x)
+    assert_close(out, expected, msg=how)
+    assert_close(w, weights, msg=f"{how} weights")
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    heads=st.sampled_from([1, 2, 4]),
+    batch=st.integers(1, 3),
+    target=st.integers(1, 5),
+    source=st.integers(1, 5),
+    num_models=st.integers(1, 3),
+    need_weights=st.booleans(),
+    padding=st.booleans(),
+)
+def test_property_any_shape_matches_loop(heads, batch, target, source, num_models, need_weights, padding) -> None:
+    torch.manual_seed(0)
+    batched = BatchedMultiheadAttention(num_models, 8, heads, batch_first=True, dtype=torch.float64)
+    modules = []
+    for i in range(num_models):
+        module = nn.MultiheadAttention(8, heads, batch_first=True, dtype=torch.float64)
+        module.load_state_dict({k: v[i] for k, v in batched.state_dict().items()})
+        modules.append(module)
+    q = torch.randn(num_models, batch, target, 8, dtype=torch.float64)
+    kv = torch.randn(num_models, batch, source, 8, dtype=torch.float64)
+    mask = None
+    if padding:
+        mask = torch.rand(num_models, batch, source) < 0.3
+        mask[..., 0] = False
+    out, w = batched(q, kv, kv, key_padding_mask=mask, need_weights=need_weights)
+    refs = [
+        m(q[i], kv[i], kv[i], key_padding_mask=None if mask is None else mask[i], need_weights=need_weights)
+        for i, m in enumerate(modules)
+    ]
+    assert_close(out, torch.stack([r[0] for r in refs]), msg="output")
+    if need_weights:
+        assert_close(w, torch.stack([r[1] for r in refs]), msg="weights")
