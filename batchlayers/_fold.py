@@ -296,7 +296,14 @@ class UnfoldLeafInputs:
     def __call__(self, layer: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         call = _current_call()
         if call is None:
+            if any(isinstance(get_tag(t), int) for t in (*args, *kwargs.values()) if isinstance(t, Tensor)):
+                raise ValueError(
+                    f"{layer_name(layer)} was called with a stacked model's folded samples after that model's call "
+                    "ended: torch.utils.checkpoint recomputes parts of forward in backward, outside the stacked "
+                    "call. Turn activation checkpointing off before stacking"
+                )
             return None  # called on its own: an ordinary batched layer taking (M, B, *)
+        call.tracker.refuse_checkpointing(layer_name(layer))
         call.tracker.pause()  # from here to the end of FoldLeafOutput: batchlayers' own code, not tracked
         try:
             return self._unfold(layer, args, kwargs, call)

@@ -64,6 +64,7 @@ def call(ctx, func: Callable, args: tuple, kwargs: dict) -> object:
     """Run ``func`` on arguments of which at least one is a per-model tensor (``ctx``: the tracker)."""
     if func in _PASS:
         return func(*args, **kwargs)
+    ctx.refuse_checkpointing(_name(func))
     rule = _RULES.get(func)
     if rule is not None and rule.over_samples is not None:
         tagged = _tagged(args, kwargs)

@@ -54,6 +54,8 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -66,6 +68,7 @@ from torch.overrides import TorchFunctionMode
 __all__ = ["Lost", "PerModel", "Tracker", "get_tag", "set_tag"]
 
 _ATTR = "_batchlayers_models"
+_CHECKPOINT_FILE = os.path.join("torch", "utils", "checkpoint.py")
 
 
 @dataclass(frozen=True)
@@ -107,6 +110,7 @@ class Tracker(TorchFunctionMode):
         self.popped = 0  # > 0: off torch's mode stack (eager; see pause())
         self.size_read = False  # the folded size of a tagged tensor was read into an int
         self.eager_only = False  # refuse to be traced by torch.compile (see FoldInputs.tag_per_model)
+        self.grad_enabled = torch.is_grad_enabled()  # at the start of the call (see refuse_checkpointing)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
@@ -146,6 +150,7 @@ class Tracker(TorchFunctionMode):
     def _over_samples(self, name: str, func, args: tuple, kwargs: dict) -> object:
         """A reduction over the models' samples (a loss, ``x.mean(0)``, ``x.max()``): each model's own, a
         per-model value (see ``batchlayers._per_model``)."""
+        self.refuse_checkpointing(name)
         if torch.compiler.is_compiling():
             raise RuntimeError(
                 f"batchlayers: {name} reduces over the models' samples, which gives per-model values whose "
@@ -157,6 +162,27 @@ class Tracker(TorchFunctionMode):
         if isinstance(indices, Tensor):
             set_tag(indices, Lost(f"the indices of {name} over the models' samples"))
         return out
+
+    def refuse_checkpointing(self, what: str) -> None:
+        """Raise when ``torch.utils.checkpoint`` runs this part of the forward: it is recomputed in backward,
+        outside the stacked call, where batched layers, per-model values and per-model reductions would not be
+        followed (a silent wrong gradient, or an unclear error)."""
+        if torch.compiler.is_compiling():
+            return
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        checkpointed = hooks is not None and "_checkpoint_hook" in getattr(hooks[0], "__qualname__", "")
+        if not checkpointed and self.grad_enabled and not torch.is_grad_enabled():  # use_reentrant=True
+            frame = sys._getframe(1)
+            while frame is not None and not checkpointed:
+                code = frame.f_code
+                checkpointed = code.co_name == "forward" and code.co_filename.endswith(_CHECKPOINT_FILE)
+                frame = frame.f_back
+        if checkpointed:
+            raise ValueError(
+                f"{what} runs inside torch.utils.checkpoint in a stacked model's forward: checkpointing recomputes "
+                "it in backward, outside the stacked call, where batchlayers cannot follow it. Turn activation "
+                "checkpointing off before stacking (transformers: model.gradient_checkpointing_disable())"
+            )
 
     def pause(self) -> None:
         """Stop tracking until :meth:`resume`: batchlayers' own code (fold hooks, batched layers) runs

@@ -492,3 +492,46 @@ def test_batch_sized_from_constants_is_exact(how: str, batch: int) -> None:
     x = torch.randn(2, batch, 6, 4, dtype=torch.float64)
     expected = torch.stack([m(x[i]) for i, m in enumerate(models)])
     assert_close(stack(models)(x), expected, msg=how)
+
+
+class _Checkpointed(nn.Module):
+    """A segment of forward under torch.utils.checkpoint, recomputed in backward."""
+
+    def __init__(self, segment: str, reentrant: bool) -> None:
+        super().__init__()
+        self.fc, self.out = nn.Linear(4, 4), nn.Linear(4, 2)
+        self.gamma = nn.Parameter(torch.rand(4) + 0.5)
+        self.segment, self.reentrant = segment, reentrant
+
+    def forward(self, x):
+        segments = {
+            "a batched layer": lambda t: torch.tanh(self.fc(t)),
+            "a per-model parameter": lambda t: torch.tanh(t) * self.gamma,
+            "a reduction over the samples": lambda t: torch.tanh(t - t.mean(0)),
+            "elementwise only": lambda t: torch.tanh(t) * 2,
+        }
+        h = torch.utils.checkpoint.checkpoint(segments[self.segment], self.fc(x), use_reentrant=self.reentrant)
+        return self.out(h + self.gamma)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("segment", ["a batched layer", "a per-model parameter", "a reduction over the samples"])
+def test_checkpointed_segments_are_refused_in_forward(segment: str, reentrant: bool) -> None:
+    """Recomputed in backward, outside the stacked call, such a segment would not be followed: refused before
+    anything is computed wrongly, naming what runs inside."""
+    batched = stack([_Checkpointed(segment, reentrant) for _ in range(2)])
+    x = torch.randn(2, 3, 4, requires_grad=True)
+    with pytest.raises(ValueError, match=r"runs inside torch.utils.checkpoint .*Turn activation checkpointing off"):
+        batched(x)
+    assert torch.overrides._get_current_function_mode_stack() == []
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_checkpointed_elementwise_segment_is_exact(reentrant: bool) -> None:
+    """Elementwise code on the samples computes the same values with or without the tracker: exact."""
+    factory = lambda: _Checkpointed("elementwise only", reentrant)  # noqa: E731
+    compare_training(
+        stack([seeded(factory, i) for i in range(3)]),
+        [seeded(factory, i) for i in range(3)],
+        lambda lead: torch.randn(*lead, 4, dtype=torch.float64, requires_grad=True),
+    )
