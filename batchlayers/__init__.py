@@ -48,7 +48,7 @@ from .normalization import (
 from .population import copy_model_, index_models_, keep_models_
 from .recurrent import BatchedGRU, BatchedGRUCell, BatchedLSTM, BatchedLSTMCell, BatchedRNN, BatchedRNNCell
 from .registry import isinstance_torch, register
-from .sparse import BatchedEmbedding
+from .sparse import BatchedEmbedding, BatchedEmbeddingBag
 from .verify import Verification, verify
 
 __version__ = "0.1.0"
@@ -74,6 +74,7 @@ __all__ = [
     "BatchedBatchNorm2d",
     "BatchedBatchNorm3d",
     "BatchedEmbedding",
+    "BatchedEmbeddingBag",
     "BatchedMultiheadAttention",
     "BatchedRNN",
     "BatchedLSTM",

@@ -90,7 +90,15 @@ LAYERS = {
 
 
 # torch.nn types that stack swaps for a batched layer (the others keep their code, see the module docstring)
-SWAPPED = (nn.PReLU, nn.Bilinear, nn.InstanceNorm2d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+SWAPPED = (
+    nn.PReLU,
+    nn.Bilinear,
+    nn.InstanceNorm2d,
+    nn.ConvTranspose1d,
+    nn.ConvTranspose2d,
+    nn.ConvTranspose3d,
+    nn.EmbeddingBag,
+)
 
 
 @pytest.mark.parametrize("name", list(LAYERS))
@@ -119,6 +127,10 @@ REFUSED = {
         r"multi_head_attention_forward.*samples on the batch dimension",
     ),
     "GRU time-major": (lambda: _Single(nn.GRU(8, 6), _first), r"torch.gru.*samples on the batch dimension"),
+    "EmbeddingBag with offsets": (
+        lambda: _Single(nn.EmbeddingBag(10, 8), lambda m, x: m(x.flatten().long().abs() % 10, torch.arange(0, 6, 2))),
+        r"cannot be split among the models|ambiguous",
+    ),
     "AdaptiveLogSoftmaxWithLoss": (
         lambda: _Single(nn.AdaptiveLogSoftmaxWithLoss(8, 20, [5, 10], div_value=2.0), _adaptive),
         r"Tensor.nonzero \(batchlayers has no rule for it\)",

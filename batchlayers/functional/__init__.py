@@ -7,7 +7,7 @@ Every function takes inputs with the model dimension first, ``(M, B, *)``, and p
 from ._attention import multi_head_attention
 from ._batchnorm import batch_norm
 from ._conv import conv, conv_transpose
-from ._embedding import embedding
+from ._embedding import embedding, embedding_bag
 from ._linear import linear
 from ._norm import group_norm, layer_norm, rms_norm
 from ._recurrent import rnn
@@ -17,6 +17,7 @@ __all__ = [
     "conv",
     "conv_transpose",
     "embedding",
+    "embedding_bag",
     "group_norm",
     "layer_norm",
     "rms_norm",
