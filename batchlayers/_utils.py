@@ -9,7 +9,9 @@ from torch import Tensor, nn
 
 __all__ = [
     "check_num_models",
+    "check_device",
     "check_input",
+    "check_norm_dtypes",
     "init_per_model_",
     "is_shared",
     "layer_name",
@@ -58,6 +60,7 @@ def check_input(
     """
     if not isinstance(x, Tensor):
         raise TypeError(f"{layer_name(module)}: expected the {what} to be a Tensor, got {type(x).__name__}")
+    check_device(module, x, what)
     num_models = module.num_models
     named = [channels, *trailing] if channels is not None else list(trailing)
     expected = f"{layout} with M={num_models}" + "".join(f", {n}={s}" for n, s in named)
@@ -87,6 +90,54 @@ def check_input(
                 f"{layer_name(module)}: expected {what} {expected}, but dimension {dim} ({name}) is "
                 f"{x.shape[dim]}: shape {_fmt(x.shape)}"
             )
+
+
+def _first_tensor(module: nn.Module) -> Tensor | None:
+    """The layer's first parameter or buffer (its own first, then its submodules'), or ``None``."""
+    for tensors in (module._parameters, module._buffers):
+        for t in tensors.values():
+            if t is not None:
+                return t
+    for t in (*module.parameters(), *module.buffers()):
+        return t
+    return None
+
+
+def check_device(module: nn.Module, x: Tensor, what: str) -> None:
+    """Raise naming the layer when ``x`` is not on the device of the layer's parameters (if it has any)."""
+    # torch.nn raises for most mixes (a meta input with CPU weights, a CUDA input with CPU weights), but some
+    # of its kernels silently return uninitialised memory for them (F.conv*d with meta weights and a CPU input,
+    # F.embedding with meta indices); so every batched layer refuses every mix.
+    reference = _first_tensor(module)
+    if reference is not None and x.device != reference.device:
+        raise RuntimeError(
+            f"{layer_name(module)}: expected the {what} on {reference.device}, where the layer's parameters are, "
+            f"got it on {x.device}; move the {what} (.to({str(reference.device)!r})) or the layer"
+        )
+
+
+_REDUCED_FLOATS = (torch.float16, torch.bfloat16)
+
+
+def check_norm_dtypes(owner: nn.Module | str, x: Tensor, params: Sequence[Tensor | None]) -> bool:
+    """torch's dtype rule for a normalization's parameters (weight, bias, running statistics); returns whether
+    the call is mixed-precision.
+
+    As torch.nn's norm kernels do: parameters of the input's dtype, or float32 parameters with a float16 or
+    bfloat16 input (mixed precision: computed in float32, the result in the input's dtype); any other mix
+    raises a ``RuntimeError``, as torch's does.
+    """
+    dtypes = {p.dtype for p in params if p is not None}
+    if not dtypes or dtypes == {x.dtype}:
+        return False
+    if x.dtype in _REDUCED_FLOATS and dtypes == {torch.float32}:
+        return True
+    name = layer_name(owner) if isinstance(owner, nn.Module) else owner
+    found = ", ".join(sorted(str(d) for d in dtypes))
+    raise RuntimeError(
+        f"{name}: input dtype {x.dtype} does not match the parameters' ({found}); like torch.nn's norms, this "
+        "layer takes parameters of the input's dtype, or float32 parameters with a float16/bfloat16 input"
+    )
 
 
 def is_shared(x: Tensor) -> bool:

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import init
 
-from ._utils import check_input, check_num_models, init_per_model_, layer_name
+from ._utils import check_device, check_input, check_num_models, init_per_model_, layer_name
 from .functional._attention import multi_head_attention
 from .linear import BatchedLinear
 
@@ -175,6 +175,9 @@ class BatchedMultiheadAttention(nn.Module):
 
     def _check_masks(self, key_padding_mask, attn_mask, batch: int, tgt_len: int, src_len: int) -> None:
         m, rows = self.num_models, batch * self.num_heads
+        for name, mask in (("key_padding_mask", key_padding_mask), ("attn_mask", attn_mask)):
+            if isinstance(mask, Tensor):
+                check_device(self, mask, name)
         if key_padding_mask is not None and tuple(key_padding_mask.shape) != (m, batch, src_len):
             raise ValueError(
                 f"{layer_name(self)}: expected key_padding_mask (M, B, S) = {(m, batch, src_len)}, got "

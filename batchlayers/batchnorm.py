@@ -7,7 +7,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from ._utils import check_input, check_num_models
+from ._utils import check_input, check_norm_dtypes, check_num_models
 from .functional._batchnorm import batch_norm
 from .normalization import check_values_per_statistic, register_affine, reset_affine
 
@@ -67,6 +67,11 @@ class _BatchedBatchNorm(nn.Module):
 
     def forward(self, input: Tensor) -> Tensor:
         check_input(self, input, channels=("C", self.num_features), ndims=self._input_ndims, layout=self._layout)
+        # As torch.nn: running statistics are used in eval mode when present, updated in training mode
+        # only when tracked.
+        track = not self.training or self.track_running_stats
+        running_mean, running_var = (self.running_mean, self.running_var) if track else (None, None)
+        check_norm_dtypes(self, input, (self.weight, self.bias, running_mean, running_var))
         use_batch_stats = self.training or self.running_mean is None
         if use_batch_stats:
             check_values_per_statistic(self, input, input.shape[1] * math.prod(input.shape[3:]))
@@ -78,13 +83,10 @@ class _BatchedBatchNorm(nn.Module):
                 # Cumulative average, each model by its own count (checkpoints may have seen different numbers
                 # of batches); a tensor, so no data-dependent Python value and no graph break.
                 momentum = self.num_batches_tracked.to(self.running_mean.dtype).reciprocal()
-        # As torch.nn: running statistics are used in eval mode when present, updated in training mode
-        # only when tracked.
-        track = not self.training or self.track_running_stats
         return batch_norm(
             input,
-            self.running_mean if track else None,
-            self.running_var if track else None,
+            running_mean,
+            running_var,
             self.weight,
             self.bias,
             use_batch_stats,

@@ -81,7 +81,8 @@ class ModelBatchSampler(Sampler[Tensor]):
         mode: ``"shuffle"`` (own order per model), ``"bootstrap"`` (own resample with replacement per
             model) or ``"shared"`` (one batch for all models). Default: ``"shuffle"``.
         drop_last: drop each epoch's last, smaller batch. Default: ``False``.
-        seed: seed of every stream. Default: ``None``, drawn once from torch's global generator (so
+        seed: seed of every stream, an int in ``[0, 2**64 - 1]`` (the seeds ``torch.Generator.manual_seed``
+            tells apart). Default: ``None``, drawn once from torch's global generator (so
             ``torch.manual_seed`` makes it reproducible); the seed used is kept in :attr:`seed`.
 
     Shape:
@@ -125,6 +126,10 @@ class ModelBatchSampler(Sampler[Tensor]):
             seed = int(torch.empty((), dtype=torch.int64).random_().item())
         elif isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"{name}: seed must be an int or None, got {type(seed).__name__}")
+        elif not 0 <= seed <= _MASK64:
+            # The streams hash the seed's 64 bits, as torch.Generator.manual_seed keeps them (a negative seed is
+            # its two's complement there): any other int would silently give the stream of another seed.
+            raise ValueError(f"{name}: seed must be in [0, 2**64 - 1], got {seed}")
         self.mode = mode
         self.drop_last = drop_last
         self.seed = seed

@@ -177,6 +177,18 @@ class BatchedBilinear(nn.Module):
                 f"{layer_name(self)}: expected input1 (M, *, in1_features) and input2 (M, *, in2_features) with the "
                 f"same (M, *), got shapes {tuple(input1.shape)} and {tuple(input2.shape)}"
             )
+        tensors = {"input1": input1, "input2": input2, "weight": self.weight, "bias": self.bias}
+        dtypes = {t.dtype for t in tensors.values() if t is not None}
+        if len(dtypes) > 1:
+            found = ", ".join(f"{name}: {t.dtype}" for name, t in tensors.items() if t is not None)
+            raise RuntimeError(
+                f"{layer_name(self)}: all tensors must have the same dtype (as for F.bilinear), got {found}"
+            )
+        if torch.is_autocast_enabled(input1.device.type):
+            # F.bilinear is on no autocast list and returns its inputs' dtype; here the matrix multiplies would
+            # autocast and the product promote the result to float32 (a float16 layer's output), so no autocast.
+            with torch.autocast(input1.device.type, enabled=False):
+                return _bilinear(input1, input2, self.weight, self.bias)
         return _bilinear(input1, input2, self.weight, self.bias)
 
     def extra_repr(self) -> str:

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import init
 
-from ._utils import check_input, check_num_models, layer_name
+from ._utils import check_input, check_norm_dtypes, check_num_models, layer_name
 from .functional._norm import group_norm, instance_norm, layer_norm, rms_norm
 
 __all__ = [
@@ -142,6 +142,7 @@ class BatchedLayerNorm(_BatchedTrailingNorm):
 
     def forward(self, input: Tensor) -> Tensor:
         self._check_input(input)
+        check_norm_dtypes(self, input, (self.weight, self.bias))
         return layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
 
 
@@ -258,6 +259,7 @@ class BatchedGroupNorm(nn.Module):
 
     def forward(self, input: Tensor) -> Tensor:
         check_input(self, input, channels=("C", self.num_channels), layout="(M, B, C, *)")
+        check_norm_dtypes(self, input, (self.weight, self.bias))
         # torch.nn checks this per sample group in both modes: batch size times channels per group.
         values = input.shape[1] * (self.num_channels // self.num_groups) * math.prod(input.shape[3:])
         check_values_per_statistic(self, input, values)
@@ -327,6 +329,7 @@ class _BatchedInstanceNorm(nn.Module):
 
     def forward(self, input: Tensor) -> Tensor:
         check_input(self, input, channels=("C", self.num_features), ndims=self._input_ndims, layout=self._layout)
+        check_norm_dtypes(self, input, (self.weight, self.bias))  # the running statistics may have any dtype
         use_input_stats = self.training or not self.track_running_stats
         if use_input_stats and math.prod(input.shape[3:]) == 1:
             raise ValueError(

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from torch.nn import init
 from torch.nn.utils.rnn import PackedSequence
 
-from ._utils import check_input, check_num_models, init_per_model_, layer_name
+from ._utils import check_device, check_input, check_num_models, init_per_model_, layer_name
 from .functional._recurrent import GATES, rnn
 
 __all__ = ["BatchedRNN", "BatchedLSTM", "BatchedGRU", "BatchedRNNCell", "BatchedLSTMCell", "BatchedGRUCell"]
@@ -45,6 +45,7 @@ def _check_state(module: nn.Module, state: object, expected: tuple[int, ...], wh
         raise ValueError(
             f"{layer_name(module)}: expected {what} of shape {_shape(expected)}, got {_shape(state.shape)}"
         )
+    check_device(module, state, what)
     if state.dtype != input.dtype:
         raise ValueError(f"{layer_name(module)}: {what} dtype {state.dtype} does not match the input's {input.dtype}")
 

@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .._utils import is_shared
-from ._norm import channel_view, per_model_affine
+from .._utils import check_norm_dtypes, is_shared
+from ._norm import channel_view, mixed_result, per_model_affine, running_stats_norm, upcast
 
 __all__ = ["batch_norm"]
 
@@ -42,10 +42,19 @@ def batch_norm(
             ``1 / num_batches_tracked``, which differs between models that have seen different numbers of
             batches).
         eps: added to the variance.
+
+    Dtypes as in torch: parameters and running statistics of ``x``'s dtype, or all float32 with a
+    float16/bfloat16 ``x`` (computed in float32, the result in ``x``'s dtype).
+
+    An empty batch (``B = 0`` or an empty spatial size) leaves the running statistics as they are, as torch's
+    kernel does (it returns before updating them); the output is empty.
     """
     num_models, batch, num_channels = x.shape[:3]
     spatial = x.shape[3:]
     param_view = channel_view(num_models, x.dim(), num_channels)
+    mixed = check_norm_dtypes("batch_norm", x, (weight, bias, running_mean, running_var))
+    if training and x.numel() == 0:
+        running_mean = running_var = None  # nothing to learn from: torch leaves the statistics untouched
     use_batch_stats = training or running_mean is None
     update_stats = training and running_mean is not None
     per_model_momentum = isinstance(momentum, Tensor)
@@ -53,7 +62,11 @@ def batch_norm(
     if is_shared(x):
         source = x[0]
         if not use_batch_stats:
-            return _shared_eval(source, running_mean, running_var, weight, bias, eps, param_view)
+            return running_stats_norm(source, running_mean, running_var, weight, bias, eps, param_view)
+        if mixed:
+            # The per-model affine below runs outside torch's kernel: normalise in float32, round once.
+            out = batch_norm(upcast(x), running_mean, running_var, weight, bias, training, momentum, eps)
+            return mixed_result(out, x)
         if not update_stats:
             normalized = F.batch_norm(source, None, None, training=True, eps=eps)
             return per_model_affine(normalized, num_models, weight, bias, param_view)
@@ -95,23 +108,3 @@ def _update_running_stats(
         momentum = momentum.to(running_mean.dtype).unsqueeze(1)
     running_mean.mul_(1 - momentum).add_(momentum * batch_mean)
     running_var.mul_(1 - momentum).add_(momentum * batch_var)
-
-
-def _shared_eval(
-    source: Tensor,
-    running_mean: Tensor,
-    running_var: Tensor,
-    weight: Tensor | None,
-    bias: Tensor | None,
-    eps: float,
-    param_view: list[int],
-) -> Tensor:
-    """Eval mode on one shared batch: each model's running statistics and affine folded into one per-model
-    scale and shift, ``x * scale + shift`` (the form torch's CPU kernel uses), broadcast over the models."""
-    scale = torch.rsqrt(running_var + eps)
-    if weight is not None:
-        scale = scale * weight
-    shift = -running_mean * scale
-    if bias is not None:
-        shift = shift + bias
-    return torch.addcmul(shift.view(param_view), source, scale.view(param_view))

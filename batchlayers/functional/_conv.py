@@ -92,9 +92,10 @@ def _pack_models(x: Tensor, memory_format: torch.memory_format | None) -> Tensor
     the output of another grouped convolution in the same layout, else one copy, made straight into the
     channels-last layout when that is wanted: (B, *, M*C) contiguous."""
     batch, spatial = x.shape[1], x.shape[3:]
+    channels = x.shape[0] * x.shape[2]  # explicit, not -1: an empty batch (B = 0) has no size to infer it from
     if memory_format is None:
-        return x.transpose(0, 1).reshape(batch, -1, *spatial)
-    return x.permute(1, *range(3, x.dim()), 0, 2).reshape(batch, *spatial, -1).movedim(-1, 1)
+        return x.transpose(0, 1).reshape(batch, channels, *spatial)
+    return x.permute(1, *range(3, x.dim()), 0, 2).reshape(batch, *spatial, channels).movedim(-1, 1)
 
 
 def _grouped(x: Tensor, weight: Tensor, bias: Tensor | None, opts: _Options) -> Tensor:

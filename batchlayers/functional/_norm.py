@@ -8,9 +8,34 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .._utils import is_shared
+from .._utils import check_norm_dtypes, is_shared
 
 __all__ = ["group_norm", "instance_norm", "layer_norm", "rms_norm"]
+
+_REDUCED_FLOATS = (torch.float16, torch.bfloat16)
+
+
+def upcast(x: Tensor) -> Tensor:
+    """A float16/bfloat16 ``x`` in float32, the precision torch's norm kernels compute it in (a shared batch stays
+    one stride-0 expand of one converted batch); other dtypes as they are."""
+    if x.dtype not in _REDUCED_FLOATS:
+        return x
+    if is_shared(x):
+        return x[0].float().expand(x.shape)
+    return x.float()
+
+
+def mixed_result(out: Tensor, x: Tensor, *, autocast_fp32: bool = False) -> Tensor:
+    """The float32 result of a mixed-precision call (a float16/bfloat16 ``x``, float32 parameters) rounded once to
+    ``x``'s dtype, the dtype torch's kernels return.
+
+    ``autocast_fp32``: the torch op is on CUDA autocast's float32 list (``layer_norm``, ``group_norm``): under it torch
+    casts the input up and returns float32, so the float32 result stays. CPU autocast leaves norms alone (checked
+    against torch 2.13); the CUDA side is torch's documented policy, not run here.
+    """
+    if autocast_fp32 and x.device.type != "cpu" and torch.is_autocast_enabled(x.device.type):
+        return out
+    return out.to(x.dtype)
 
 
 def per_model_affine(
@@ -65,11 +90,15 @@ def layer_norm(
     Args:
         x: ``(M, *, *normalized_shape)``; a shared stride-0 batch is normalised once.
         normalized_shape: the trailing shape normalised over.
-        weight, bias: ``(M, *normalized_shape)`` or ``None``.
+        weight, bias: ``(M, *normalized_shape)`` or ``None``; as for torch, of ``x``'s dtype, or float32 with a
+            float16/bfloat16 ``x`` (computed in float32, the result in ``x``'s dtype).
     """
-    return _normalize_trailing(
-        x, normalized_shape, lambda s: F.layer_norm(s, list(normalized_shape), eps=eps), weight, bias
+    mixed = check_norm_dtypes("layer_norm", x, (weight, bias))
+    source = upcast(x) if mixed else x
+    out = _normalize_trailing(
+        source, normalized_shape, lambda s: F.layer_norm(s, list(normalized_shape), eps=eps), weight, bias
     )
+    return mixed_result(out, x, autocast_fp32=True) if mixed else out
 
 
 def rms_norm(
@@ -84,11 +113,15 @@ def rms_norm(
         x: ``(M, *, *normalized_shape)``; a shared stride-0 batch is normalised once.
         normalized_shape: the trailing shape normalised over.
         weight: ``(M, *normalized_shape)`` or ``None``.
-        eps: ``None`` means ``torch.finfo(x.dtype).eps``, as in torch.
+        eps: ``None`` means ``torch.finfo(x.dtype).eps`` (float32's for a float16/bfloat16 ``x``), as in torch.
+
+    As torch's ``rms_norm``: a float16/bfloat16 ``x`` is normalised in float32, multiplied by the weight in the
+    promoted dtype, and the result returned in ``x``'s dtype, whatever the weight's dtype.
     """
-    return _normalize_trailing(
-        x, normalized_shape, lambda s: F.rms_norm(s, list(normalized_shape), eps=eps), weight, None
+    out = _normalize_trailing(
+        upcast(x), normalized_shape, lambda s: F.rms_norm(s, list(normalized_shape), eps=eps), weight, None
     )
+    return out.to(x.dtype)  # torch's composite ends with type_as(input)
 
 
 def group_norm(
@@ -108,15 +141,20 @@ def group_norm(
     Args:
         x: ``(M, B, C, *)``; a shared stride-0 batch is normalised once.
         num_groups: groups per model.
-        weight, bias: ``(M, C)`` or ``None``.
+        weight, bias: ``(M, C)`` or ``None``; as for torch, of ``x``'s dtype, or float32 with a float16/bfloat16
+            ``x`` (computed in float32, the result in ``x``'s dtype).
     """
     num_models, batch, num_channels = x.shape[:3]
     spatial = x.shape[3:]
     param_view = channel_view(num_models, x.dim(), num_channels)
+    packed_layout = not is_shared(x) and x.stride(0) == num_channels * x.stride(2)
+    if check_norm_dtypes("group_norm", x, (weight, bias)) and not packed_layout:
+        # The packed layout runs torch's own mixed-precision kernel; the others apply the affine themselves.
+        return mixed_result(group_norm(upcast(x), num_groups, weight, bias, eps), x, autocast_fp32=True)
     if is_shared(x):
         normalized = F.group_norm(x[0], num_groups, eps=eps)
         return per_model_affine(normalized, num_models, weight, bias, param_view)
-    if x.stride(0) == num_channels * x.stride(2):
+    if packed_layout:
         packed = x.transpose(0, 1).reshape(batch, num_models * num_channels, *spatial)
         flat_weight = None if weight is None else weight.reshape(-1)
         flat_bias = None if bias is None else bias.reshape(-1)
@@ -157,16 +195,36 @@ def instance_norm(
             ``False`` needs running statistics.
         momentum: factor of the running-statistics update.
         eps: added to the variance.
+
+    Dtypes as in torch: ``weight`` and ``bias`` of ``x``'s dtype, or float32 with a float16/bfloat16 ``x``
+    (computed in float32, the result in ``x``'s dtype); the running statistics, of any dtype, are used (and
+    updated) in the weight's dtype (``x``'s without a weight) and written back in their own.
     """
     num_models, batch, num_channels = x.shape[:3]
     spatial = x.shape[3:]
     param_view = channel_view(num_models, x.dim(), num_channels)
-    shared = is_shared(x)
+    # An empty shared batch (B = 0 or an empty spatial size) takes the per-model path, which calls torch's kernels
+    # as F.instance_norm does and so gives torch's result for it (the statistics as they are for an empty spatial
+    # size; NaN statistics, or torch's error with an affine, for B = 0).
+    shared = is_shared(x) and x.numel() > 0
+    mixed = check_norm_dtypes("instance_norm", x, (weight, bias))
+    if not use_input_stats and (running_mean is None or running_var is None):
+        raise ValueError("instance_norm: running_mean and running_var are needed when use_input_stats is False")
+    stats_dtype = x.dtype if weight is None else weight.dtype
+    if running_mean is not None and (running_mean.dtype != stats_dtype or running_var.dtype != stats_dtype):
+        mean, var = running_mean.to(stats_dtype), running_var.to(stats_dtype)
+        out = instance_norm(x, mean, var, weight, bias, use_input_stats, momentum, eps)
+        if use_input_stats:
+            with torch.no_grad():
+                running_mean.copy_(mean)
+                running_var.copy_(var)
+        return out
     if not use_input_stats:
-        if running_mean is None or running_var is None:
-            raise ValueError("instance_norm: running_mean and running_var are needed when use_input_stats is False")
-        return _running_stats_norm(x[0] if shared else x, running_mean, running_var, weight, bias, eps, param_view)
+        return running_stats_norm(x[0] if shared else x, running_mean, running_var, weight, bias, eps, param_view)
 
+    if shared and mixed:
+        # The per-model affine below runs outside torch's kernel: normalise in float32, round once.
+        return mixed_result(instance_norm(upcast(x), running_mean, running_var, weight, bias, True, momentum, eps), x)
     if shared:
         source = x[0]
         flat = source.reshape(1, batch * num_channels, *spatial)
@@ -219,7 +277,7 @@ def _blend_running_stats(
         running.copy_(blended.mean(1))
 
 
-def _running_stats_norm(
+def running_stats_norm(
     source: Tensor,
     running_mean: Tensor,
     running_var: Tensor,
@@ -230,11 +288,17 @@ def _running_stats_norm(
 ) -> Tensor:
     """Normalisation by each model's running statistics, folded with its affine into one per-model scale and
     shift, ``x * scale + shift`` (the form of torch's CPU batch-norm kernel in eval mode); ``source`` is
-    ``(M, B, C, *)`` or one shared ``(B, C, *)`` batch, broadcast over the models."""
-    scale = torch.rsqrt(running_var + eps)
+    ``(M, B, C, *)`` or one shared ``(B, C, *)`` batch, broadcast over the models.
+
+    A float16/bfloat16 ``source`` is computed in float32, as torch's kernel does, and the result rounded once to
+    its dtype (also with float32 statistics and affine, torch's mixed precision).
+    """
+    opmath = torch.float32 if source.dtype in _REDUCED_FLOATS else source.dtype
+    scale = torch.rsqrt(running_var.to(opmath) + eps)
     if weight is not None:
-        scale = scale * weight
-    shift = -running_mean * scale
+        scale = scale * weight.to(opmath)
+    shift = -running_mean.to(opmath) * scale
     if bias is not None:
-        shift = shift + bias
-    return torch.addcmul(shift.view(param_view), source, scale.view(param_view))
+        shift = shift + bias.to(opmath)
+    out = torch.addcmul(shift.view(param_view), source, scale.view(param_view))
+    return out if out.dtype == source.dtype else mixed_result(out, source)
