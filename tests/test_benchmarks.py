@@ -31,7 +31,9 @@ def test_every_workload_runs_and_contenders_agree(tmp_path, capsys):
     assert {(r["workload"], r["mode"]) for r in timed} == {(w, m) for w in WORKLOADS for m in ("train", "infer")}
     for row in timed:
         where = f"{row['workload']} {row['mode']} {row['contender']}"
-        assert row["median_ms"] > 0, where
+        # one timed call per contender here: a fresh-clone CI run once read 0.0 ms for one of them (a VM clock
+        # step), so only that it was timed is asserted
+        assert row["median_ms"] >= 0 and row["rounds"] >= 1, where
         # torch.func's recipe has no BatchNorm running statistics, so its eval outputs differ by design.
         no_running_stats = "BatchNorm without running stats" in (row.get("note") or "")
         if not (row["contender"] == "torch.func" and no_running_stats and row["mode"] == "infer"):
