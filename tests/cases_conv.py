@@ -72,5 +72,14 @@ CASES = [
           groups=2),
     _case("Conv3d-stride-dilation-nobias", BatchedConv3d, 2, 2, (1, 2, 2), (4, 5, 4), stride=(1, 2, 1),
           padding=(0, 1, 1), dilation=(1, 1, 2), bias=False),
+    # 'same' with zero padding and a kernel (and dilation) that differs per dimension: each dimension's padding
+    # is its own (torch pads inside the convolution when every dimension's padding is symmetric).
+    _case("Conv2d-same-zeros-rect-dilated", BatchedConv2d, 2, 3, (3, 5), (6, 9), padding="same", dilation=(1, 2)),
+    _case("Conv2d-same-zeros-rect-even-groups", BatchedConv2d, 4, 2, (5, 2), (7, 6), padding="same", dilation=(1, 2),
+          groups=2),
+    _case("Conv3d-same-zeros-rect-last1", BatchedConv3d, 2, 3, (3, 5, 1), (4, 7, 3), padding="same",
+          dilation=(2, 1, 1)),
+    _case("Conv3d-same-zeros-rect-first1", BatchedConv3d, 2, 2, (1, 3, 5), (3, 5, 8), padding="same",
+          dilation=(1, 2, 1)),
 ]
 # fmt: on

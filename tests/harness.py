@@ -217,3 +217,14 @@ class RecordOps(TorchDispatchMode):
         numel = first.numel() if isinstance(first, torch.Tensor) else 0
         self.ops.append((str(func), func.is_view, numel))
         return out
+
+
+def assert_uniform_init(p: Tensor, bound: float, name: str) -> None:
+    """``p`` ``(M, *)`` holds M independent draws of U(-bound, bound): with enough models the largest |value|
+    comes close to the bound (a halved or doubled bound shows), no model's slice goes past it, the values are
+    centred and every model gets values of its own."""
+    per_model = p.detach().flatten(1).abs().amax(dim=1)
+    assert (per_model <= bound).all(), f"{name}: a model's max |value| {per_model.max():.4f} > bound {bound:.4f}"
+    assert per_model.max() > 0.9 * bound, f"{name}: max |value| {per_model.max():.4f} <= 0.9 * bound {bound:.4f}"
+    assert p.mean().abs() < 0.2 * bound, f"{name}: mean {p.mean():.4f} is not centred"
+    assert not torch.equal(p[0], p[1]), f"{name}: models 0 and 1 got the same values"

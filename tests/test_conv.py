@@ -3,16 +3,25 @@ path without M-fold copies, the packed output layout, strategy selection and arg
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
-from harness import assert_close, compare_with_loop, unbatch
+from harness import assert_close, assert_uniform_init, compare_with_loop, unbatch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from batchlayers import backends
-from batchlayers.conv import BatchedConv1d, BatchedConv2d, BatchedConv3d
+from batchlayers.conv import (
+    BatchedConv1d,
+    BatchedConv2d,
+    BatchedConv3d,
+    BatchedConvTranspose1d,
+    BatchedConvTranspose2d,
+    BatchedConvTranspose3d,
+)
 from batchlayers.functional import _conv as conv_impl
 from batchlayers.functional._conv import conv
 
@@ -29,6 +38,7 @@ CONFIGS = {
     "2d-depthwise-same-replicate": (2, 4, 8, 2, (5, 6), dict(padding="same", groups=4, padding_mode="replicate")),
     "3d-groups-dilation": (3, 4, 2, 2, (4, 5, 4), dict(dilation=(1, 2, 1), groups=2, padding=(1, 0, 1))),
     "3d-valid-replicate": (3, 2, 2, 2, (3, 4, 3), dict(padding="valid", padding_mode="replicate")),
+    "3d-same-zeros-rect-dilated": (3, 2, 3, (1, 3, 5), (3, 5, 8), dict(padding="same", dilation=(1, 2, 1))),
 }
 # fmt: on
 
@@ -332,3 +342,41 @@ def test_same_padding_even_kernel_does_not_warn(strategy: str, shared: bool, mon
     y = layer(x.expand(3, *x.shape) if shared else x.expand(3, *x.shape).clone())
     assert_close(y, expected, msg="output")
     assert paddings and all(p == 0 for p in paddings), f"F.conv2d got padding {paddings}"
+
+
+# (class, in, out, kernel, kwargs): grouped and depthwise layers, whose fan-in is (in / groups) * prod(kernel).
+# fmt: off
+GROUPED = {
+    "1d-groups": (BatchedConv1d, 4, 6, 3, dict(groups=2)),
+    "2d-depthwise": (BatchedConv2d, 4, 8, 3, dict(groups=4)),
+    "2d-groups-rect": (BatchedConv2d, 6, 9, (2, 3), dict(groups=3)),
+    "3d-depthwise": (BatchedConv3d, 3, 3, (1, 2, 3), dict(groups=3)),
+    "transpose2d-groups": (BatchedConvTranspose2d, 4, 6, 3, dict(groups=2)),
+    "transpose1d-depthwise": (BatchedConvTranspose1d, 4, 4, 3, dict(groups=4)),
+    "transpose3d-groups": (BatchedConvTranspose3d, 4, 2, (1, 2, 2), dict(groups=2)),
+}
+# fmt: on
+
+
+@pytest.mark.parametrize("config", GROUPED.values(), ids=GROUPED.keys())
+def test_grouped_init_bounds_are_torchs(config) -> None:
+    """Weight and bias are uniform on [-bound, bound] with torch's bound, computed from the torch.nn module's
+    own fan-in: with 64 models the largest |value| comes close to the bound (a halved or doubled bound is
+    seen), no model's slice goes past it, and each model gets values of its own."""
+    cls, c_in, c_out, kernel, kwargs = config
+    num_models = 64
+    torch.manual_seed(0)
+    batched = cls(num_models, c_in, c_out, kernel, **kwargs, dtype=torch.float64)
+    reference = cls.torch_module(c_in, c_out, kernel, **kwargs, dtype=torch.float64)
+    fan_in, _ = nn.init._calculate_fan_in_and_fan_out(reference.weight)
+    # torch: kaiming_uniform_(a=sqrt(5)) for the weight, U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for the bias.
+    weight_bound = nn.init.calculate_gain("leaky_relu", math.sqrt(5)) * math.sqrt(3 / fan_in)
+    bias_bound = 1 / math.sqrt(fan_in)
+    for name, bound in [("weight", weight_bound), ("bias", bias_bound)]:
+        p = getattr(batched, name).detach()
+        ref = getattr(reference, name).detach()
+        assert p.shape == (num_models, *ref.shape), f"{name}: {tuple(p.shape)}"
+        assert ref.abs().max() <= bound, f"torch's own {name} exceeds the bound: the reference is wrong"
+        assert_uniform_init(p, bound, name)
+        batched.reset_parameters()
+        assert_uniform_init(getattr(batched, name).detach(), bound, f"{name} after reset_parameters()")

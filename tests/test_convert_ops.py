@@ -175,3 +175,14 @@ def test_shared_buffer_of_a_module_reused_under_two_names() -> None:
     other.load_state_dict(stack_state_dicts([m.state_dict() for m in models]))
     x = torch.randn(3, 2, 4, dtype=torch.float64)
     assert_close(other(x), torch.stack([m(x[i]) for i, m in enumerate(models)]), msg="outputs")
+
+
+def test_unstack_state_dict_gives_copies() -> None:
+    """Writing into an unstacked state dict never changes the stacked model."""
+    batched = stack([nn.Linear(3, 2) for _ in range(3)])
+    before = {k: v.clone() for k, v in batched.state_dict().items()}
+    for state in unstack_state_dict(batched.state_dict()):
+        for v in state.values():
+            v.add_(1.0)
+    for k, v in batched.state_dict().items():
+        assert torch.equal(v, before[k]), k

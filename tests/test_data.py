@@ -136,6 +136,48 @@ def test_kept_models_go_on_with_their_own_streams() -> None:
     assert pruned.sampler.model_ids.tolist() == [1]
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    "steps",
+    [
+        [[2, 0, 3], [1, 2]],
+        [[2, 0, 3], torch.tensor([False, True, True])],
+        [[4, 1, 3, 0], [3, 0, 2], [2, 0]],
+        [[3, 3, 1], [2, 0, 1]],
+    ],
+    ids=["positions-differ", "then-mask", "three-drops", "duplicates"],
+)
+def test_successive_keep_models_compose_stream_ids(mode: str, steps: list) -> None:
+    """After several keep_models_ calls, each surviving model draws exactly the batches of its original stream:
+    the stream ids compose (a later index is a position among the models kept before), checked against a fresh
+    sampler of all five streams, indexed by the original ids."""
+    num_models, seed = 5, 21
+    sampler = ModelBatchSampler(num_models, num_samples=13, batch_size=4, mode=mode, seed=seed)
+    reference = ModelBatchSampler(num_models, num_samples=13, batch_size=4, mode=mode, seed=seed)
+    ids = list(range(num_models))
+    for epoch, step in enumerate([None, *steps]):
+        if step is not None:
+            sampler.keep_models_(step)
+            positions = step.nonzero().flatten().tolist() if isinstance(step, torch.Tensor) else step
+            ids = [ids[p] for p in positions]
+        assert sampler.model_ids.tolist() == ids
+        assert sampler.num_models == len(ids)
+        reference.set_epoch(epoch)
+        expected = epoch_streams(reference)
+        got = epoch_streams(sampler)
+        assert torch.equal(got, expected[ids] if mode != "shared" else expected[[0] * len(ids)]), f"epoch {epoch}"
+        if mode == "bootstrap":
+            assert torch.equal(sampler.bootstrap_indices(), reference.bootstrap_indices()[ids])
+    loader = ModelTensorLoader(torch.arange(13.0), num_models=num_models, batch_size=4, mode=mode, seed=seed)
+    for step in steps:
+        loader.keep_models_(step)
+    assert loader.sampler.model_ids.tolist() == ids
+    reference.set_epoch(0)
+    expected = epoch_streams(reference)
+    got = torch.cat([b[0] for b in loader], dim=1).long()
+    assert torch.equal(got, expected[ids] if mode != "shared" else expected[[0] * len(ids)])
+
+
 def test_tensor_loader_gathers_each_models_indices() -> None:
     x, y = torch.randn(25, 2, 3), torch.randint(5, (25,))
     loader = ModelTensorLoader(x, y, num_models=3, batch_size=8, mode="bootstrap", seed=10)
