@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import gc
+import json
 import os
+import pickle
+import zipfile
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -24,12 +27,90 @@ def load_checkpoint(
 ) -> Mapping[str, Tensor]:
     """One checkpoint file: a ``.safetensors`` file, or anything ``torch.load`` reads (``weights_only=True`` by
     default: a checkpoint file can run code when unpickled, so only plain tensors and containers are read;
-    ``mmap`` as in ``torch.load``)."""
-    if os.fspath(path).endswith(".safetensors"):
-        from safetensors.torch import load_file
+    ``mmap`` as in ``torch.load``).
 
-        return load_file(os.fspath(path), device=str(map_location))
-    return torch.load(path, map_location=map_location, weights_only=weights_only, mmap=mmap)
+    Raises:
+        ValueError: the file is not a checkpoint, or is truncated or corrupt (the reader's own error is
+            chained as ``__cause__``).
+    """
+    return _load(path, "load_checkpoint", map_location=map_location, weights_only=weights_only, mmap=mmap)
+
+
+def _load(path, where: str, *, map_location, weights_only: bool, mmap: bool) -> Mapping[str, Tensor]:
+    safetensors = isinstance(path, (str, os.PathLike)) and os.fspath(path).endswith(".safetensors")
+    try:
+        if safetensors:
+            from safetensors.torch import load_file
+
+            return load_file(os.fspath(path), device=str(map_location))
+        return torch.load(path, map_location=map_location, weights_only=weights_only, mmap=mmap)
+    except (FileNotFoundError, IsADirectoryError, PermissionError):
+        raise
+    except Exception as error:
+        if not isinstance(path, (str, os.PathLike)):
+            raise
+        try:
+            problem = _safetensors_problem(path) if safetensors else _torch_file_problem(path, error, mmap)
+        except OSError:
+            problem = None
+        if problem is None:
+            raise  # the file looks sound: the reader's own error says what is wrong
+        raise ValueError(f"{where}: '{os.fspath(path)}' {problem}") from error
+
+
+# what torch.save's legacy (pre-1.6, non-zip) format starts with: its magic number pickled with protocol 2
+_LEGACY_MAGIC = pickle.dumps(torch.serialization.MAGIC_NUMBER, protocol=2)
+
+
+def _torch_file_problem(path: str | os.PathLike, error: Exception, mmap: bool) -> str | None:
+    """Why ``torch.load`` could not read ``path``, when the file itself is at fault; else None."""
+    size = os.path.getsize(path)
+    if size == 0:
+        return "is empty (0 bytes), not a checkpoint: was it cut short while being written?"
+    with open(path, "rb") as f:
+        head = f.read(len(_LEGACY_MAGIC))
+    if head.startswith(b"PK\x03\x04"):
+        if not zipfile.is_zipfile(path):
+            return (
+                f"is truncated or corrupt: it starts like a torch.save zip archive but has no end record "
+                f"({size} bytes; was it cut short while being written or copied?)"
+            )
+        return None
+    if head == _LEGACY_MAGIC:
+        # torch.save's legacy format: with mmap torch's own message (save it again, or pass mmap=False) is right
+        if not mmap and isinstance(error, (EOFError, RuntimeError)):
+            return f"is truncated or corrupt: a legacy torch.save file that could not be read to its end ({error})"
+        return None
+    return (
+        f"is not a checkpoint: it is neither a torch.save zip archive nor a legacy torch.save file (its first "
+        f"bytes are {head[:8]!r})"
+    )
+
+
+def _safetensors_problem(path: str | os.PathLike) -> str | None:
+    """Why ``path`` is not a sound safetensors file, or None if its layout is sound."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if size < 8:
+            return f"is not a safetensors file, or is truncated: it has {size} bytes, less than the 8-byte header size"
+        header_size = int.from_bytes(head, "little")
+        if 8 + header_size > size:
+            return (
+                f"is not a safetensors file, or is truncated: its first 8 bytes give a header of {header_size} "
+                f"bytes but the file has {size} bytes"
+            )
+        try:
+            header = json.loads(f.read(header_size))
+            end = max((e["data_offsets"][1] for k, e in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            return "is not a safetensors file: its header is not a safetensors JSON header"
+    if 8 + header_size + end != size:
+        return (
+            f"is truncated or corrupt: its header describes {8 + header_size + end} bytes of tensors and header "
+            f"but the file has {size} bytes"
+        )
+    return None
 
 
 def stack_checkpoints(
@@ -74,7 +155,8 @@ def stack_checkpoints(
     aliases = {n: [a for a in names if a != n] for names in names_by_tensor(model) for n in names}
     result = _skeleton(model, len(paths))
     for i, path in enumerate(paths):
-        state = load_checkpoint(path, map_location=map_location, weights_only=weights_only, mmap=mmap)
+        where = f"stack_checkpoints (file {i + 1} of {len(paths)})"
+        state = _load(path, where, map_location=map_location, weights_only=weights_only, mmap=mmap)
         if key is not None:
             if not isinstance(state, Mapping) or key not in state:
                 raise KeyError(f"stack_checkpoints: '{path}' holds no entry '{key}'")

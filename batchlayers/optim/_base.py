@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -168,7 +169,24 @@ class BatchedOptimizer(Optimizer):
         for key in self.per_model_hyperparameters:
             value = self._get(group, key)
             name = self._key_name(key)
+            if not isinstance(value, (Tensor, numbers.Real)):
+                got = (
+                    f"a {type(value).__name__} of {len(value)} values"
+                    if isinstance(value, (list, tuple))
+                    else f"a {type(value).__name__}"
+                )
+                raise TypeError(
+                    f"{type(self).__name__}: {name} must be a float or a tensor of shape (M,) = ({num_models},), "
+                    f"one value per model, got {got}"
+                    + ("; pass torch.tensor([...]) for per-model values" if isinstance(value, (list, tuple)) else "")
+                )
             if isinstance(value, Tensor):
+                if value.is_meta:
+                    raise ValueError(
+                        f"{type(self).__name__}: {name} is a tensor on the meta device, which holds no values; "
+                        f"expected a float or an (M,) = ({num_models},) tensor with values (on any device: it is "
+                        f"copied to the parameters' device {device})"
+                    )
                 if value.dim() == 0:
                     value = value.item()
                 elif value.shape != (num_models,):
@@ -213,6 +231,8 @@ class BatchedOptimizer(Optimizer):
                 self._adopt_hyperparameters(group)
                 value = self._get(group, key)
             return value.as_subclass(Tensor)
+        if not isinstance(value, numbers.Real):
+            self._adopt_hyperparameters(group)  # raises: names the hyperparameter and what it got
         return value
 
     # -- state dict ------------------------------------------------------------------------------------
@@ -230,6 +250,7 @@ class BatchedOptimizer(Optimizer):
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._check_num_models(state_dict)  # before anything changes: torch's load replaces state and groups
         super().load_state_dict(state_dict)
         for group in self.param_groups:
             self._adopt_hyperparameters(group)
@@ -237,6 +258,38 @@ class BatchedOptimizer(Optimizer):
                 step = self.state.get(p, {}).get("step")
                 if isinstance(step, Tensor):
                     self.state[p]["step"] = step.to(p.device)
+
+    def _check_num_models(self, state_dict: dict[str, Any]) -> None:
+        """Refuse a state dict saved for a different number of models than each group's parameters hold."""
+        saved_groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+        if not isinstance(saved_groups, list) or len(saved_groups) != len(self.param_groups):
+            return  # torch's load_state_dict reports this
+        saved_state = state_dict.get("state", {})
+        for index, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
+            if len(saved.get("params", ())) != len(group["params"]):
+                return  # torch's load_state_dict reports this
+            num_models = self._group_num_models(group)
+            found: list[tuple[str, int]] = []
+            for key in self.per_model_hyperparameters:
+                try:
+                    value = self._get(saved, key)
+                except (KeyError, IndexError, TypeError):
+                    continue
+                if isinstance(value, Tensor) and value.dim() > 0:
+                    found.append((self._key_name(key), value.shape[0]))
+            for saved_id, p in zip(saved["params"], group["params"]):
+                entries = saved_state.get(saved_id, {})
+                for name, value in entries.items() if isinstance(entries, dict) else ():
+                    if isinstance(value, Tensor) and value.dim() > 0 and p.dim() > 0:
+                        found.append((f"state '{name}' of a parameter of shape {tuple(p.shape)}", value.shape[0]))
+            for what, saved_models in found:
+                if saved_models != num_models:
+                    raise ValueError(
+                        f"{type(self).__name__}.load_state_dict: the state dict was saved for M = {saved_models} "
+                        f"models ({what} in param group {index}), but this optimizer's parameters hold "
+                        f"M = {num_models}; nothing was loaded. Select the saved models first, or build the "
+                        f"optimizer for a model of {saved_models} models"
+                    )
 
     # -- stepping --------------------------------------------------------------------------------------
 
