@@ -706,18 +706,30 @@ def _getitem(ctx, name, args, kwargs, out, tagged) -> None:
 
 
 def _per_sample_rows(x: Tensor, index: object) -> bool:
-    """``x[torch.arange(B), idx]`` (B read from the folded batch; a pooled token per sample): the first index
-    is the identity on the samples and the others are per sample, so row ``i`` of the result is sample ``i``'s."""
+    """``x[torch.arange(B), idx]`` (a pooled token per sample) and ``mask[arange(B)[:, None, None, None],
+    kv[None, None, None, :]]`` (transformers' mask building): the first index is the identity on the samples
+    along its first dimension (size 1 elsewhere); every other index either is the same for every sample (size
+    1 along that dimension, no samples) or holds each sample's own values there. Row ``i`` of the result (the
+    broadcast index's first dimension) is then sample ``i``'s."""
     if get_tag(x) != 0 or not isinstance(index, tuple) or len(index) < 2:
         return False
+    if not all(isinstance(i, Tensor) or i == slice(None) for i in index):
+        return False  # (an int, None or Ellipsis among them moves the broadcast dimensions)
     first, rest = index[0], [i for i in index[1:] if isinstance(i, Tensor)]
-    if not isinstance(first, Tensor) or get_tag(first) is not None or first.dim() != 1:
+    n = x.shape[0]
+    if not isinstance(first, Tensor) or get_tag(first) is not None or first.dim() < 1:
         return False
-    if first.shape[0] != x.shape[0] or first.dtype.is_floating_point or first.dtype == torch.bool:
+    if first.shape[0] != n or first.numel() != n or first.dtype.is_floating_point or first.dtype == torch.bool:
         return False
-    if any(i.dim() > 1 or (i.dim() == 1 and (get_tag(i) != 0 or i.shape[0] != x.shape[0])) for i in rest):
-        return False
-    return torch.equal(first, torch.arange(x.shape[0], device=first.device, dtype=first.dtype))
+    k = first.dim()
+    for i in rest:
+        if i.dtype == torch.bool or i.dim() > k:
+            return False
+        lead = i.shape[0] if i.dim() == k else 1  # its size along the broadcast first dimension
+        tag = get_tag(i)
+        if (tag is None and lead != 1) or (tag is not None and (tag != 0 or lead != n)):
+            return False
+    return torch.equal(first.flatten(), torch.arange(n, device=first.device, dtype=first.dtype))
 
 
 def _index_position(x: Tensor, index: object, d: int) -> Tag:

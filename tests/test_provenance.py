@@ -535,3 +535,41 @@ def test_checkpointed_elementwise_segment_is_exact(reentrant: bool) -> None:
         [seeded(factory, i) for i in range(3)],
         lambda lead: torch.randn(*lead, 4, dtype=torch.float64, requires_grad=True),
     )
+
+
+class _MaskByIndex(nn.Module):
+    """transformers' mask building: padding[arange(B)[:, None, None], kv[None, None, :]] broadcast with a
+    causal (T, T) mask, then attention scores masked per sample."""
+
+    def __init__(self, order: str) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.order = order
+
+    def forward(self, x, padding):
+        B, T, _ = x.shape
+        rows = torch.arange(B) if self.order == "arange" else torch.arange(B).flip(0)
+        keep = padding[rows[:, None, None], torch.arange(T)[None, None, :]]  # (B, 1, T)
+        keep = keep & torch.ones(T, T, dtype=torch.bool).tril()  # (B, T, T)
+        h = self.fc(x)
+        scores = (h @ h.transpose(1, 2)).masked_fill(~keep, float("-inf"))
+        return scores.softmax(-1) @ h
+
+
+@pytest.mark.parametrize("seq", [5, 6], ids=["T != M*B", "T == M*B"])
+def test_masks_built_by_indexing_with_arange_are_per_sample(seq: int) -> None:
+    """Exact; with T == M*B the (T, T) causal mask made after reading the sizes may be batch-sized, and its
+    tril then runs over what may be the samples: refused, never guessed."""
+    models = [seeded(lambda: _MaskByIndex("arange"), i) for i in range(2)]
+    x = torch.randn(2, 3, seq, 4, dtype=torch.float64)
+    padding = torch.rand(2, 3, seq) > 0.3
+    padding[..., 0] = True
+    if seq == 6:
+        with pytest.raises(ValueError, match=r"Tensor.tril over the dimension that holds the models' samples"):
+            stack(models)(x, padding)
+        return
+    out = stack(models)(x, padding)
+    assert_close(out, torch.stack([m(x[i], padding[i]) for i, m in enumerate(models)]), msg="masked attention")
+    shuffled = stack([_MaskByIndex("flipped"), _MaskByIndex("flipped")])
+    with pytest.raises(ValueError, match=r"fc|output"):
+        shuffled(x.float(), padding)

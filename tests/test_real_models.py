@@ -12,7 +12,7 @@ import torch
 import transformers as tf
 from harness import assert_close
 
-from batchlayers import stack, unstack
+from batchlayers import stack, unstack, verify
 
 M, B, T = 2, 3, 5  # M * B != T; test_provenance covers the coincidences
 _LM = dict(vocab_size=50, bos_token_id=0, eos_token_id=0)
@@ -169,3 +169,29 @@ def test_cached_decoding_is_exact(name: str) -> None:
                 m(input_ids=token[i], use_cache=True, **{cache: getattr(r, cache)})
                 for i, (m, r) in enumerate(zip(models, refs))
             ]
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared padded batch", "own padded batches"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "mistral", "opt", "clip-text", "bert", "t5", "bart"])
+def test_padded_attention_masks(name: str, shared: bool) -> None:
+    """Padding in the attention mask (transformers builds its masks by indexing with arange(B) and kv
+    positions). A shared padded batch is exact for every model; with each model's own batch, padding present
+    in one model's batch only: exact, or refused where the architecture branches on ``mask.all()`` (the
+    encoders), never silently wrong."""
+    models = _originals(name)
+    batched = stack(models)
+    lead = (B,) if shared else (M, B)
+    ids = torch.randint(3, 50, (*lead, T))
+    mask = torch.ones(*lead, T, dtype=torch.long)
+    mask[(0,) * len(lead) + (slice(-2, None),)] = 0  # the first sample (of model 0 only, when not shared)
+    inputs = {"input_ids": ids, "attention_mask": mask}
+    if name in ("t5", "bart"):
+        inputs["decoder_input_ids"] = ids[..., :4]
+    if shared:
+        inputs = {k: v.expand(M, *v.shape) for k, v in inputs.items()}
+    if not shared and name in ("bert", "t5", "bart"):
+        with pytest.raises(ValueError, match=r"Tensor.__bool__ .*different results for different models"):
+            batched(**inputs)
+        return
+    result = verify(models, batched, **inputs)
+    assert result.passed.all(), f"{name}\n{result}"
