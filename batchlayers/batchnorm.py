@@ -4,22 +4,20 @@ from __future__ import annotations
 
 import math
 
-import torch
 from torch import Tensor, nn
 
-from ._utils import check_input, check_norm_dtypes, check_num_models
+from ._utils import check_input, check_norm_dtypes
 from .functional._batchnorm import batch_norm
-from .normalization import check_values_per_statistic, register_affine, reset_affine
+from .normalization import BatchedNormBase, check_values_per_statistic
 
 __all__ = ["BatchedBatchNorm1d", "BatchedBatchNorm2d", "BatchedBatchNorm3d"]
 
 
-class _BatchedBatchNorm(nn.Module):
+class _BatchedBatchNorm(BatchedNormBase):
     """Everything of BatchNorm1d/2d/3d but the accepted input dimensions, as torch.nn's ``_BatchNorm``."""
 
-    __constants__ = ["num_models", "num_features", "eps", "momentum", "affine", "track_running_stats"]
-    _input_ndims: tuple[int, ...]
-    _layout: str
+    _default_affine = True
+    _default_track_running_stats = True
 
     def __init__(
         self,
@@ -34,36 +32,7 @@ class _BatchedBatchNorm(nn.Module):
         *,
         bias: bool = True,
     ) -> None:
-        factory_kwargs = {"device": device, "dtype": dtype}
-        super().__init__()
-        self.num_models = check_num_models(num_models, type(self))
-        self.num_features = num_features
-        self.eps = eps
-        self.momentum = momentum
-        self.affine = affine
-        self.track_running_stats = track_running_stats
-        register_affine(self, (num_models, num_features), affine, bias, factory_kwargs)
-        if track_running_stats:
-            self.register_buffer("running_mean", torch.zeros((num_models, num_features), **factory_kwargs))
-            self.register_buffer("running_var", torch.ones((num_models, num_features), **factory_kwargs))
-            self.register_buffer(
-                "num_batches_tracked", torch.zeros(num_models, dtype=torch.long, device=factory_kwargs["device"])
-            )
-        else:
-            self.register_buffer("running_mean", None)
-            self.register_buffer("running_var", None)
-            self.register_buffer("num_batches_tracked", None)
-        self.reset_parameters()
-
-    def reset_running_stats(self) -> None:
-        if self.track_running_stats:
-            self.running_mean.zero_()
-            self.running_var.fill_(1)
-            self.num_batches_tracked.zero_()
-
-    def reset_parameters(self) -> None:
-        self.reset_running_stats()
-        reset_affine(self)
+        super().__init__(num_models, num_features, eps, momentum, affine, track_running_stats, device, dtype, bias=bias)
 
     def forward(self, input: Tensor) -> Tensor:
         check_input(self, input, channels=("C", self.num_features), ndims=self._input_ndims, layout=self._layout)
@@ -93,20 +62,6 @@ class _BatchedBatchNorm(nn.Module):
             momentum,
             self.eps,
         )
-
-    def extra_repr(self) -> str:
-        parts = [f"num_models={self.num_models}", str(self.num_features)]
-        if self.eps != 1e-5:
-            parts.append(f"eps={self.eps}")
-        if self.momentum != 0.1:
-            parts.append(f"momentum={self.momentum}")
-        if not self.affine:
-            parts.append("affine=False")
-        elif self.bias is None:
-            parts.append("bias=False")
-        if not self.track_running_stats:
-            parts.append("track_running_stats=False")
-        return ", ".join(parts)
 
 
 _DOC = r"""``num_models`` independent :class:`torch.nn.{name}` layers, computed together.

@@ -276,21 +276,25 @@ class BatchedGroupNorm(nn.Module):
         return ", ".join(parts)
 
 
-class _BatchedInstanceNorm(nn.Module):
-    """Everything of InstanceNorm1d/2d/3d but the accepted input dimensions, as torch.nn's ``_InstanceNorm``."""
+class BatchedNormBase(nn.Module):
+    """The parameters and running statistics of BatchNorm and InstanceNorm, as torch.nn's ``_NormBase``: per-model
+    affine ``(M, C)`` and, when tracked, ``running_mean``/``running_var`` ``(M, C)`` and ``num_batches_tracked``
+    ``(M,)``. Subclasses give torch's defaults of ``affine`` and ``track_running_stats``."""
 
     __constants__ = ["num_models", "num_features", "eps", "momentum", "affine", "track_running_stats"]
     _input_ndims: tuple[int, ...]
     _layout: str
+    _default_affine: bool
+    _default_track_running_stats: bool
 
     def __init__(
         self,
         num_models: int,
         num_features: int,
-        eps: float = 1e-5,
-        momentum: float | None = 0.1,
-        affine: bool = False,
-        track_running_stats: bool = False,
+        eps: float,
+        momentum: float | None,
+        affine: bool,
+        track_running_stats: bool,
         device=None,
         dtype=None,
         *,
@@ -327,6 +331,42 @@ class _BatchedInstanceNorm(nn.Module):
         self.reset_running_stats()
         reset_affine(self)
 
+    def extra_repr(self) -> str:
+        parts = [f"num_models={self.num_models}", str(self.num_features)]
+        if self.eps != 1e-5:
+            parts.append(f"eps={self.eps}")
+        if self.momentum != 0.1:
+            parts.append(f"momentum={self.momentum}")
+        if self.affine != self._default_affine:
+            parts.append(f"affine={self.affine}")
+        if self.affine and self.bias is None:
+            parts.append("bias=False")
+        if self.track_running_stats != self._default_track_running_stats:
+            parts.append(f"track_running_stats={self.track_running_stats}")
+        return ", ".join(parts)
+
+
+class _BatchedInstanceNorm(BatchedNormBase):
+    """Everything of InstanceNorm1d/2d/3d but the accepted input dimensions, as torch.nn's ``_InstanceNorm``."""
+
+    _default_affine = False
+    _default_track_running_stats = False
+
+    def __init__(
+        self,
+        num_models: int,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = False,
+        track_running_stats: bool = False,
+        device=None,
+        dtype=None,
+        *,
+        bias: bool = True,
+    ) -> None:
+        super().__init__(num_models, num_features, eps, momentum, affine, track_running_stats, device, dtype, bias=bias)
+
     def forward(self, input: Tensor) -> Tensor:
         check_input(self, input, channels=("C", self.num_features), ndims=self._input_ndims, layout=self._layout)
         check_norm_dtypes(self, input, (self.weight, self.bias))  # the running statistics may have any dtype
@@ -349,20 +389,6 @@ class _BatchedInstanceNorm(nn.Module):
             0.0 if self.momentum is None else self.momentum,
             self.eps,
         )
-
-    def extra_repr(self) -> str:
-        parts = [f"num_models={self.num_models}", str(self.num_features)]
-        if self.eps != 1e-5:
-            parts.append(f"eps={self.eps}")
-        if self.momentum != 0.1:
-            parts.append(f"momentum={self.momentum}")
-        if self.affine:
-            parts.append("affine=True")
-            if self.bias is None:
-                parts.append("bias=False")
-        if self.track_running_stats:
-            parts.append("track_running_stats=True")
-        return ", ".join(parts)
 
 
 _INSTANCE_DOC = r"""``num_models`` independent :class:`torch.nn.{name}` layers, computed together.
