@@ -184,12 +184,7 @@ class BatchedEmbedding(nn.Module):
 
         The tensor becomes the weight as is (not copied); ``freeze=True`` makes it not require grad.
         """
-        if not isinstance(embeddings, Tensor) or embeddings.dim() != 3:
-            got = f"shape {_fmt(embeddings.shape)}" if isinstance(embeddings, Tensor) else type(embeddings).__name__
-            raise ValueError(
-                f"{cls.__name__}.from_pretrained: expected embeddings (M, num_embeddings, embedding_dim), got {got}"
-            )
-        num_models, num_embeddings, embedding_dim = embeddings.shape
+        num_models, num_embeddings, embedding_dim = _pretrained_shape(cls, embeddings)
         return cls(
             num_models,
             num_embeddings,
@@ -383,12 +378,7 @@ class BatchedEmbeddingBag(nn.Module):
 
         The tensor becomes the weight as is (not copied); ``freeze=True`` makes it not require grad.
         """
-        if not isinstance(embeddings, Tensor) or embeddings.dim() != 3:
-            got = f"shape {_fmt(embeddings.shape)}" if isinstance(embeddings, Tensor) else type(embeddings).__name__
-            raise ValueError(
-                f"{cls.__name__}.from_pretrained: expected embeddings (M, num_embeddings, embedding_dim), got {got}"
-            )
-        num_models, num_embeddings, embedding_dim = embeddings.shape
+        num_models, num_embeddings, embedding_dim = _pretrained_shape(cls, embeddings)
         bag = cls(
             num_models,
             num_embeddings,
@@ -417,3 +407,13 @@ class BatchedEmbeddingBag(nn.Module):
         if self.padding_idx is not None:
             s += f", padding_idx={self.padding_idx}"
         return s
+
+
+def _pretrained_shape(cls: type, embeddings: object) -> torch.Size:
+    """``(M, num_embeddings, embedding_dim)`` of the tables given to ``cls.from_pretrained``, or a ValueError."""
+    if not isinstance(embeddings, Tensor) or embeddings.dim() != 3:
+        got = f"shape {_fmt(embeddings.shape)}" if isinstance(embeddings, Tensor) else type(embeddings).__name__
+        raise ValueError(
+            f"{cls.__name__}.from_pretrained: expected embeddings (M, num_embeddings, embedding_dim), got {got}"
+        )
+    return embeddings.shape
