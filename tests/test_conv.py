@@ -53,10 +53,12 @@ def _fresh_backend_settings():
     backends.conv.clear_cache()
 
 
-def _build(config, num_models, dtype=torch.float64):
+def _build(config, num_models, dtype=torch.float64, classes=CLASSES):
+    """A batched (transposed) convolution of a ``CONFIGS`` entry, the torch.nn modules holding its slices,
+    and an input maker."""
     dims, c_in, c_out, kernel, spatial, kwargs = config
-    batched = CLASSES[dims](num_models, c_in, c_out, kernel, **kwargs, dtype=dtype)
-    modules = unbatch(batched, lambda: CLASSES[dims].torch_module(c_in, c_out, kernel, **kwargs, dtype=dtype))
+    batched = classes[dims](num_models, c_in, c_out, kernel, **kwargs, dtype=dtype)
+    modules = unbatch(batched, lambda: classes[dims].torch_module(c_in, c_out, kernel, **kwargs, dtype=dtype))
     return batched, modules, lambda lead: torch.randn(*lead, c_in, *spatial, dtype=dtype)
 
 

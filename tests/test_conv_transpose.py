@@ -7,7 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 from harness import assert_close, compare_with_loop, unbatch
-from test_conv import _StorageSizes
+from test_conv import _build as conv_build
+from test_conv import (
+    _fresh_backend_settings,  # noqa: F401 (autouse: each test starts from the defaults)
+    _StorageSizes,
+)
 from torch import nn
 
 from batchlayers import backends
@@ -33,21 +37,8 @@ CONFIGS = {
 # fmt: on
 
 
-@pytest.fixture(autouse=True)
-def _fresh_backend_settings():
-    """Tests change the global settings; each one starts from the defaults and an empty cache."""
-    saved = backends.conv.strategy, backends.conv.benchmark
-    backends.conv.clear_cache()
-    yield
-    backends.conv.strategy, backends.conv.benchmark = saved
-    backends.conv.clear_cache()
-
-
 def _build(config, num_models, dtype=torch.float64):
-    dims, c_in, c_out, kernel, spatial, kwargs = config
-    batched = CLASSES[dims](num_models, c_in, c_out, kernel, **kwargs, dtype=dtype)
-    modules = unbatch(batched, lambda: CLASSES[dims].torch_module(c_in, c_out, kernel, **kwargs, dtype=dtype))
-    return batched, modules, lambda lead: torch.randn(*lead, c_in, *spatial, dtype=dtype)
+    return conv_build(config, num_models, dtype, classes=CLASSES)
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["per_model", "shared"])
