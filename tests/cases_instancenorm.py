@@ -1,7 +1,6 @@
 """LayerCases for BatchedInstanceNorm1d/2d/3d (steps=3 so tracked running statistics are compared over updates)."""
 
-from cases_norm import perturbed, randn_input, shape_row, type_row
-from harness import LayerCase
+from cases_norm import channel_stats_case, randn_input
 from torch import nn
 
 from batchlayers.normalization import BatchedInstanceNorm1d, BatchedInstanceNorm2d, BatchedInstanceNorm3d
@@ -22,29 +21,8 @@ def packed_input(sample_shape):
 
 
 def _case(id, batched_cls, torch_cls, num_features, spatial, make_input=randn_input, **kwargs):
-    name = batched_cls.__name__
-    wrong_ndim = (3,) if len(spatial) == 2 else (3, 3)  # a 1d input for 2d/3d, a 3d one for 1d
-    return LayerCase(
-        id=id,
-        batched=lambda m, dt: batched_cls(m, num_features, **kwargs, dtype=dt),
-        torch=lambda dt: torch_cls(num_features, **kwargs, dtype=dt),
-        prepare=perturbed,
-        input=make_input((num_features, *spatial)),
-        steps=3,
-        bad_inputs=[
-            shape_row("models", lambda m: (m + 1, 2, num_features, *spatial), rf"{name}.*dimension 0 \(models\) is 4"),
-            shape_row(
-                "channels", lambda m: (m, 2, num_features + 1, *spatial), rf"{name}.*C={num_features}.*channels\) is"
-            ),
-            shape_row("ndim", lambda m: (m, 2, num_features, *wrong_ndim), rf"{name}: expected a .*-D input"),
-            shape_row(
-                "one-value",
-                lambda m: (m, 3, num_features, *[1] * len(spatial)),
-                rf"{name}.*more than 1 spatial element",
-            ),
-            type_row(name),
-        ],
-    )
+    one_value = (3, "more than 1 spatial element")
+    return channel_stats_case(id, batched_cls, torch_cls, num_features, spatial, one_value, make_input, **kwargs)
 
 
 _tracked = dict(affine=True, track_running_stats=True)

@@ -35,6 +35,32 @@ def type_row(name):
     return ("type", lambda m, dt: [[0.0] * 4] * m, TypeError, rf"{name}.*Tensor")
 
 
+def channel_stats_case(id, batched_cls, torch_cls, num_features, spatial, one_value, make_input=randn_input, **kwargs):
+    """A LayerCase for the BatchNorm/InstanceNorm families, ``(M, B, C, *spatial)`` inputs, 3 steps so the running
+    statistics are compared over updates. ``one_value``: ``(batch, message)`` of an input with one value per
+    statistic, which torch.nn refuses."""
+    name = batched_cls.__name__
+    wrong_ndim = (3,) if len(spatial) == 2 else (3, 3)  # a 1d input for 2d/3d, another number of dims for 1d
+    batch, message = one_value
+    return LayerCase(
+        id=id,
+        batched=lambda m, dt: batched_cls(m, num_features, **kwargs, dtype=dt),
+        torch=lambda dt: torch_cls(num_features, **kwargs, dtype=dt),
+        prepare=perturbed,
+        input=make_input((num_features, *spatial)),
+        steps=3,
+        bad_inputs=[
+            shape_row("models", lambda m: (m + 1, 2, num_features, *spatial), rf"{name}.*dimension 0 \(models\) is 4"),
+            shape_row(
+                "channels", lambda m: (m, 2, num_features + 1, *spatial), rf"{name}.*C={num_features}.*channels\) is"
+            ),
+            shape_row("ndim", lambda m: (m, 2, num_features, *wrong_ndim), rf"{name}: expected a .*-D input"),
+            shape_row("one-value", lambda m: (m, batch, num_features, *[1] * len(spatial)), rf"{name}.*{message}"),
+            type_row(name),
+        ],
+    )
+
+
 def _trailing_case(id, batched_cls, torch_cls, normalized_shape, extra_dims=(), **kwargs):
     name = batched_cls.__name__
     ns = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
