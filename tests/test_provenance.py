@@ -573,3 +573,38 @@ def test_masks_built_by_indexing_with_arange_are_per_sample(seq: int) -> None:
     shuffled = stack([_MaskByIndex("flipped"), _MaskByIndex("flipped")])
     with pytest.raises(ValueError, match=r"fc|output"):
         shuffled(x.float(), padding)
+
+
+# (the std over a single sample is nan for the originals too: no B=1 case for it)
+_COINCIDING = [(p, b) for p in REDUCES for b in (1, 2) if not (b == 1 and p == "standardised over the batch")]
+
+
+@pytest.mark.parametrize(
+    "pattern, batch", _COINCIDING, ids=[f"{p}-{'B=1' if b == 1 else 'M*B==C'}" for p, b in _COINCIDING]
+)
+def test_reductions_over_the_samples_when_sizes_coincide(pattern: str, batch: int) -> None:
+    """Two models with 4 features: B=2 makes M*B equal the feature size, B=1 leaves one sample per model."""
+    factory = lambda: _Reduces(pattern)  # noqa: E731
+    compare_training(
+        stack([seeded(factory, i) for i in range(2)]),
+        [seeded(factory, i) for i in range(2)],
+        lambda lead: torch.randn(*lead, 4, dtype=torch.float64),
+        batch=batch,
+    )
+
+
+@pytest.mark.parametrize("batch", [1, 3], ids=["B=1", "M*B*T == tokens"])
+def test_in_forward_token_loss_when_sizes_coincide(batch: int) -> None:
+    """Tokens flattened to (M*B*T, C) with T == M*B (B=3) or B=1: each model's loss is its own."""
+    factory = lambda: _InForwardLoss(_tokens_ce)  # noqa: E731
+    batched, references = stack([seeded(factory, i) for i in range(2)]), [seeded(factory, i) for i in range(2)]
+    x = torch.randn(2, batch, 6, 4, dtype=torch.float64)
+    y = torch.randint(0, 3, (2, batch, 6))
+    y[0, 0, :2] = -1
+    out = batched(x, y)
+    expected = torch.stack([r(x[i], y[i]) for i, r in enumerate(references)])
+    assert_close(out, expected, msg="losses")
+    out.sum().backward()
+    expected.sum().backward()
+    for key, p in batched.named_parameters():
+        assert_close(p.grad, torch.stack([dict(r.named_parameters())[key].grad for r in references]), msg=key)
