@@ -230,6 +230,7 @@ class UnfoldOutputs:
             return None  # the pre-hook refused the input; nothing to unwind
         call = calls.pop()
         call.tracker.__exit__(None, None, None)
+        call.tracker.check_copied_views()
         if output is None:
             return None
         num_models = call.num_models
@@ -408,8 +409,12 @@ class FoldLeafOutput:
                     t = t if leading_one or leading_one is None else t.reshape(num_models, *t.shape[2:])
                     set_tag(t, PerModel)
                     return t
-            # contiguous: user code calls .view on layer outputs, which torch.nn layers allow
-            t = t.reshape(num_models * t.shape[1], *t.shape[2:]).contiguous()
+            # The memory format the batched layer produced (channels-last stays channels-last): torch.nn layers
+            # accept any, and a .view() that needs torch.nn's layout is made of a copy (Tracker._view). A
+            # compiled graph has no tracker to do that, and inductor plans its own layouts: contiguous there.
+            t = t.reshape(num_models * t.shape[1], *t.shape[2:])
+            if torch.compiler.is_compiling():
+                t = t.contiguous()
             if dim:
                 t = t.movedim(0, dim)
             set_tag(t, dim)

@@ -68,6 +68,7 @@ from torch.overrides import TorchFunctionMode
 __all__ = ["Lost", "PerModel", "Tracker", "get_tag", "set_tag"]
 
 _ATTR = "_batchlayers_models"
+_VIEWS = frozenset({Tensor.view, Tensor.view_as})
 _CHECKPOINT_FILE = os.path.join("torch", "utils", "checkpoint.py")
 
 
@@ -111,6 +112,9 @@ class Tracker(TorchFunctionMode):
         self.size_read = False  # the folded size of a tagged tensor was read into an int
         self.eager_only = False  # refuse to be traced by torch.compile (see FoldInputs.tag_per_model)
         self.grad_enabled = torch.is_grad_enabled()  # at the start of the call (see refuse_checkpointing)
+        # (tensor, version at the copy, what): storage that a .view() of a layer output was copied from or to
+        # (see _view); any later in-place write to either would not reach the other, as it would in torch.
+        self.copied_views: list[tuple[Tensor, int, str]] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
@@ -132,10 +136,12 @@ class Tracker(TorchFunctionMode):
             if isinstance(func, torch._ops.OpOverload):
                 return func(*args, **kwargs)  # a compiled graph running: its ops are on the stored tensors
             return _per_model.call(self, func, args, kwargs)
+        if self.copied_views:
+            self.check_copied_views()
         entry = _RULES.get(func)
         if entry is not None and entry.over_samples and entry.over_samples(entry.name, args, kwargs, tagged):
             return self._over_samples(entry.name, func, args, kwargs)
-        out = func(*args, **kwargs)
+        out = self._view(func, args, kwargs) if func in _VIEWS else func(*args, **kwargs)
         if isinstance(out, (tuple, list)) and torch.compiler.is_compiling():
             # torch.compile cannot store an attribute on the outputs of a multi-output op (split, sort): tag
             # views of them instead.
@@ -146,6 +152,34 @@ class Tracker(TorchFunctionMode):
         else:
             entry.rule(self, entry.name, args, kwargs, out, tagged)
         return out
+
+    def _view(self, func, args: tuple, kwargs: dict) -> Tensor:
+        """``x.view(...)``, ``x.view_as(y)``. Batched layers may return their outputs in another memory format
+        than torch.nn's (channels-last from a grouped convolution), where a view that the original allows has
+        no strides: the view is then made of a contiguous copy, as torch.nn's layout would allow it. A copy
+        does not alias its source, so an in-place write to either afterwards is refused (see
+        ``check_copied_views``) instead of silently not reaching the other."""
+        try:
+            return func(*args, **kwargs)
+        except RuntimeError as error:
+            x = args[0]
+            if not isinstance(get_tag(x), int) or "view size is not compatible" not in str(error):
+                raise
+        out = func(x.contiguous(), *args[1:], **kwargs)
+        what = f"{_name(func)} of a layer output that a batched layer keeps in another memory format"
+        for t in (x, out):
+            self.copied_views.append((t, t._version, what))
+        return out
+
+    def check_copied_views(self) -> None:
+        for t, version, what in self.copied_views:
+            if t._version != version:
+                self.copied_views = []  # reported once (the root's output hook runs after an error in forward too)
+                raise RuntimeError(
+                    f"batchlayers: a tensor was written in place after {what}; that .view() is a copy in the "
+                    "stacked model (the original's is an alias), so the write would not reach the other. Use an "
+                    "out-of-place operation there, or call .contiguous() before .view()"
+                )
 
     def _over_samples(self, name: str, func, args: tuple, kwargs: dict) -> object:
         """A reduction over the models' samples (a loss, ``x.mean(0)``, ``x.max()``): each model's own, a

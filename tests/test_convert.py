@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from batchlayers import backends
 from batchlayers.convert import shared_buffers, stack, unstack
 from batchlayers.linear import BatchedLinear
 from batchlayers.registry import isinstance_torch
@@ -380,3 +381,47 @@ def test_batched_layers_called_with_keywords() -> None:
     batched = stack(models)
     x = torch.randn(3, 2, 5, 4, dtype=torch.float64)
     assert_close(batched(x), torch.stack([m(x[i]) for i, m in enumerate(models)]), msg="output")
+
+
+class _FlattenByView(nn.Module):
+    """conv -> (BatchNorm) -> ReLU -> ``.view(B, -1)`` -> Linear, optionally writing in place into the view or
+    into its source afterwards (an alias in the original: the write reaches both)."""
+
+    def __init__(self, norm: bool, write: str | None) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.norm = nn.BatchNorm2d(4) if norm else nn.Identity()
+        self.fc = nn.Linear(4 * 5 * 5, 2)
+        self.write = write
+
+    def forward(self, x):
+        h = torch.relu(self.norm(self.conv(x)))
+        y = h.view(h.size(0), -1)
+        if self.write == "view":
+            y.mul_(2)
+        elif self.write == "source":
+            h[:, 0] = 0
+        return self.fc(y) + h.mean()
+
+
+@pytest.mark.parametrize("strategy", ["loop", "loop_channels_last", "grouped", "grouped_channels_last"])
+@pytest.mark.parametrize("norm", [False, True], ids=["conv", "conv-bn"])
+def test_view_of_a_layer_output_in_any_memory_format(strategy: str, norm: bool) -> None:
+    """Batched layers keep the memory format they compute in (channels-last stays channels-last); a
+    ``.view`` that torch.nn's contiguous outputs allow works on them too, exactly."""
+    references = [seeded(lambda: _FlattenByView(norm, None), seed) for seed in range(3)]
+    with backends.conv.flags(strategy=strategy):
+        compare_training(stack(references), references, lambda lead: torch.randn(*lead, 3, 5, 5, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("write", ["view", "source"])
+def test_in_place_write_through_a_copied_view_is_refused(write: str) -> None:
+    """Where the stacked model's ``.view`` had to copy (a channels-last output), an in-place write to the view
+    or to its source would not reach the other as in the original: refused, never a silent difference."""
+    references = [seeded(lambda: _FlattenByView(False, write), seed) for seed in range(2)]
+    stacked = stack(references)
+    x = torch.randn(2, 4, 3, 5, 5, dtype=torch.float64)
+    with backends.conv.flags(strategy="loop_channels_last"), pytest.raises(RuntimeError, match="written in place"):
+        stacked(x)
+    with backends.conv.flags(strategy="loop"):  # contiguous outputs: the view is an alias, exact
+        assert_close(stacked(x), torch.stack([r(xi) for r, xi in zip(references, x)]))
