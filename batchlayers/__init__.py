@@ -15,7 +15,7 @@ from . import backends, functional, losses, optim
 from .activation import BatchedPReLU
 from .attention import BatchedMultiheadAttention
 from .batchnorm import BatchedBatchNorm1d, BatchedBatchNorm2d, BatchedBatchNorm3d
-from .checkpoint import load_checkpoint, stack_checkpoints
+from .checkpoint import load, load_checkpoint, save, stack_checkpoints
 from .clip_grad import clip_grad_norm_, clip_grad_value_, nonfinite_models
 from .container import Folded
 from .conv import (
@@ -90,6 +90,8 @@ __all__ = [
     "unstack_state_dict",
     "stack_checkpoints",
     "load_checkpoint",
+    "save",
+    "load",
     "select",
     "concat",
     "replicate",

@@ -1,13 +1,26 @@
-"""Loading N checkpoint files into one stacked model without holding N models in memory."""
+"""Checkpoint files: crash-safe saving (``save``), loading with clear errors (``load``, ``load_checkpoint``),
+and loading N checkpoint files into one stacked model without holding N models in memory (``stack_checkpoints``).
+
+A checksum written by ``save(..., checksum=True)`` is a SHA-256 digest of every tensor's bytes (with its
+dtype and shape), in the order the tensors are met walking the saved dicts, lists and tuples. A torch file
+holds it beside the data, ``{"__batchlayers_checksum__": {...}, "data": obj}``; a ``.safetensors`` file in
+its metadata under ``"batchlayers.checksum"``. Every loader here verifies it and unwraps the data.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import gc
+import hashlib
 import json
 import os
 import pickle
+import secrets
+import stat
 import zipfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -15,7 +28,266 @@ from torch import Tensor, nn
 from ._architecture import check_models, names_by_tensor, tensor_table
 from .convert import _skeleton
 
-__all__ = ["load_checkpoint", "stack_checkpoints"]
+__all__ = ["load", "load_checkpoint", "save", "stack_checkpoints"]
+
+_CHECKSUM_KEY = "__batchlayers_checksum__"  # the torch-file wrapper's entry
+_METADATA_KEY = "batchlayers.checksum"  # the safetensors metadata entry
+# sha256 (SHA-NI) hashed 100 MB in 0.06 s on a 2-core Xeon VM, blake2b in 0.12 s, so checksums use sha256
+_ALGORITHM = "sha256"
+
+
+def save(obj: Any, path: str | os.PathLike, *, checksum: bool = False) -> None:
+    """Write ``obj`` to ``path`` so that a crash never leaves a half-written checkpoint behind.
+
+    The file is written to a temporary file in the same directory (``.<name>.tmp-<pid>-<random>``), flushed
+    to disk (``os.fsync``), then renamed onto ``path`` in one step (``os.replace``), and the directory is
+    flushed too (on POSIX). Until the rename, a file already at ``path`` is untouched: after a crash, a
+    kill or a full disk, ``path`` holds either the previous file or the new one, whole, never a mix. On an
+    exception the temporary file is removed; after a hard kill (``SIGKILL``, power loss) it may remain,
+    hidden, next to ``path``.
+
+    Args:
+        obj: what to save. For a path ending in ``.safetensors``, a flat dict of ``str`` -> ``Tensor`` (a
+            ``state_dict()``), written with safetensors; for any other path, anything ``torch.save`` writes
+            (nested dicts, optimizer state dicts, ...). ``obj`` is not changed.
+        path: the file to write (``str`` or ``os.PathLike``). Its directory must exist. A symbolic link is
+            followed: the file it points to is replaced.
+        checksum: also store a SHA-256 digest of every tensor's bytes, dtype and shape (for tensors in
+            nested dicts, lists and tuples), which ``batchlayers.load``, ``load_checkpoint`` and
+            ``stack_checkpoints`` verify, naming the first tensor that differs. A torch file then holds
+            ``{"__batchlayers_checksum__": ..., "data": obj}`` (those loaders return ``obj``); a
+            ``.safetensors`` file keeps the digest in its metadata and stays an ordinary safetensors
+            file. Costs about one extra read of the tensors at save and at load (measured in README).
+
+    Raises:
+        TypeError: ``path`` is not a ``str`` or ``os.PathLike``; or a ``.safetensors`` file was given
+            anything but a flat dict of ``str`` -> ``Tensor`` (the offending key is named); or
+            ``checksum=True`` meets a sparse, quantized or meta tensor.
+        FileNotFoundError: the directory of ``path`` does not exist.
+        IsADirectoryError: ``path`` is a directory.
+
+    Examples::
+
+        >>> batchlayers.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, "run/last.pt")
+        >>> batchlayers.save(model.state_dict(), "run/model.safetensors", checksum=True)
+        >>> model.load_state_dict(batchlayers.load("run/model.safetensors"))
+    """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(
+            f"save: path must be a str or os.PathLike (the file is replaced by renaming a temporary file onto "
+            f"it), got a {type(path).__name__}"
+        )
+    path = os.fsdecode(os.fspath(path))
+    target = os.path.realpath(path) if os.path.islink(path) else path
+    directory = os.path.dirname(os.path.abspath(target))
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"save: cannot write '{path}': its directory '{directory}' does not exist")
+    if os.path.isdir(target):
+        raise IsADirectoryError(f"save: cannot write '{path}': it is a directory")
+    write: Callable[[str], None]
+    if path.endswith(".safetensors"):
+        tensors = _flat_tensors(obj, path)
+        metadata = {_METADATA_KEY: json.dumps(_checksum(tensors))} if checksum else None
+
+        def write(temporary: str) -> None:
+            from safetensors.torch import save_file
+
+            save_file(tensors, temporary, metadata=metadata)
+
+    else:
+        payload = {_CHECKSUM_KEY: _checksum(obj), "data": obj} if checksum else obj
+
+        def write(temporary: str) -> None:
+            torch.save(payload, temporary)
+
+    _replace_atomically(target, directory, write)
+
+
+def _flat_tensors(obj: Any, path: str) -> dict[str, Tensor]:
+    """``obj`` as safetensors wants it (contiguous, detached), or a TypeError naming what does not fit."""
+    if not isinstance(obj, Mapping):
+        raise TypeError(
+            f"save: '{path}' is a .safetensors file, which holds a flat dict of str -> Tensor, but got an object "
+            f"of type {type(obj).__name__} (save it to a torch file, e.g. '.pt', instead)"
+        )
+    for key, value in obj.items():
+        if not isinstance(key, str):
+            raise TypeError(
+                f"save: '{path}' is a .safetensors file, whose keys must be str, but key {key!r} is of type "
+                f"{type(key).__name__}"
+            )
+        if not isinstance(value, Tensor):
+            raise TypeError(
+                f"save: '{path}' is a .safetensors file, which holds only tensors, but entry '{key}' is of type "
+                f"{type(value).__name__} (save nested dicts, optimizer states and other values to a torch "
+                f"file, e.g. '.pt', instead)"
+            )
+    # safetensors refuses non-contiguous tensors; copies are made here so that obj itself is never changed
+    return {key: value.detach().contiguous() for key, value in obj.items()}
+
+
+def _replace_atomically(target: str, directory: str, write: Callable[[str], None]) -> None:
+    """``write`` a temporary file next to ``target``, flush it to disk and rename it onto ``target``."""
+    name = os.path.basename(target)[:180]  # room for the suffix within the usual 255-byte name limit
+    temporary = os.path.join(directory, f".{name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    binary = getattr(os, "O_BINARY", 0)
+    # O_EXCL: never clobber another writer's file. Mode 0o666 less the umask, what a new file gets anyway.
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | binary, 0o666)
+    try:
+        try:
+            mode = stat.S_IMODE(os.fstat(fd).st_mode)
+        finally:
+            os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            mode = stat.S_IMODE(os.stat(target).st_mode)  # a replaced file keeps its permissions
+        os.chmod(temporary, stat.S_IRUSR | stat.S_IWUSR)  # writable by its writer whatever the umask
+        write(temporary)
+        fd = os.open(temporary, os.O_RDWR | binary)
+        try:
+            os.fsync(fd)  # the data is on disk before the rename makes it the checkpoint
+        finally:
+            os.close(fd)
+        os.chmod(temporary, mode)
+        os.replace(temporary, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(temporary)
+        raise
+    _fsync_directory(directory)
+
+
+def _fsync_directory(directory: str) -> None:
+    """Flush the rename itself to disk (POSIX); skipped where directories cannot be opened (Windows)."""
+    if os.name != "posix":
+        return
+    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    except OSError as error:
+        # some file systems (e.g. network or FUSE ones) do not support fsync on a directory
+        if error.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
+
+def _named_tensors(obj: Any, prefix: str = "", active: set[int] | None = None) -> Iterator[tuple[str, Tensor]]:
+    """Every tensor in ``obj``'s nested dicts, lists and tuples, named by its path, in a defined order:
+    dicts in their insertion order (which pickle keeps), sequences by index."""
+    if isinstance(obj, Tensor):
+        yield prefix, obj
+        return
+    if not isinstance(obj, (Mapping, list, tuple)):
+        return
+    active = set() if active is None else active
+    if id(obj) in active:  # a container holding itself: pickle keeps the cycle, the walk stops
+        return
+    active.add(id(obj))
+    if isinstance(obj, Mapping):
+        for key, value in obj.items():
+            name = (f"{prefix}.{key}" if prefix else key) if isinstance(key, str) else f"{prefix}[{key!r}]"
+            yield from _named_tensors(value, name, active)
+    else:
+        for i, value in enumerate(obj):
+            yield from _named_tensors(value, f"{prefix}[{i}]", active)
+    active.discard(id(obj))
+
+
+def _digest(tensor: Tensor, name: str) -> str:
+    if tensor.layout != torch.strided or tensor.is_quantized or tensor.is_nested or tensor.is_meta:
+        raise TypeError(
+            f"checksum: tensor '{name}' is a {tensor.layout} {'quantized ' if tensor.is_quantized else ''}"
+            f"{'meta ' if tensor.is_meta else ''}tensor; checksums cover dense tensors that hold their data"
+        )
+    data = tensor.detach().cpu().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
+    return hashlib.new(_ALGORITHM, memoryview(data.numpy())).hexdigest()
+
+
+def _checksum(obj: Any) -> dict[str, Any]:
+    """What ``save(..., checksum=True)`` stores: ``[name, dtype, shape, digest]`` for every tensor, in order."""
+    entries = [[name, str(t.dtype), list(t.shape), _digest(t, name)] for name, t in _named_tensors(obj)]
+    return {"algorithm": _ALGORITHM, "tensors": entries}
+
+
+def _verify(found: list[tuple[str, Tensor]], checksum: Any, where: str, path: Any, by_name: bool) -> None:
+    """A ValueError naming the file and the first tensor that differs from what ``save`` recorded in
+    ``checksum`` (a JSON string when ``by_name``, i.e. from safetensors metadata)."""
+    file = f"{where}: '{os.fspath(path) if isinstance(path, (str, os.PathLike)) else path}'"
+    try:
+        checksum = json.loads(checksum) if by_name else checksum
+        algorithm = checksum["algorithm"]
+        entries = [(str(n), str(d), [int(x) for x in shape], str(h)) for n, d, shape, h in checksum["tensors"]]
+    except (KeyError, TypeError, ValueError) as error:
+        raise ValueError(f"{file} is corrupt: its checksum record is not one batchlayers.save writes") from error
+    if by_name:
+        order = {entry[0]: i for i, entry in enumerate(entries)}
+        found = sorted(found, key=lambda item: order.get(item[0], len(order)))
+    if algorithm != _ALGORITHM:
+        raise ValueError(f"{file} has a checksum of an unknown algorithm {algorithm!r} (expected {_ALGORITHM!r})")
+    for i, (name, dtype, shape, digest) in enumerate(entries):
+        if i >= len(found):
+            raise ValueError(
+                f"{file} is corrupt: it holds {len(found)} tensors but was saved with {len(entries)} (the first "
+                f"missing one is '{name}')"
+            )
+        got_name, tensor = found[i]
+        if got_name != name:
+            raise ValueError(f"{file} is corrupt: tensor {i} is '{got_name}' but was saved as '{name}'")
+        if str(tensor.dtype) != dtype or list(tensor.shape) != shape:
+            raise ValueError(
+                f"{file} is corrupt: tensor '{name}' is {tensor.dtype} of shape {tuple(tensor.shape)} but was "
+                f"saved as {dtype} of shape {tuple(shape)}"
+            )
+        got = _digest(tensor, name)
+        if got != digest:
+            raise ValueError(
+                f"{file} is corrupt: the bytes of tensor '{name}' differ from those it was saved with "
+                f"({algorithm} {got[:16]}... instead of {digest[:16]}...): the file was changed or damaged "
+                f"after it was written"
+            )
+    if len(found) > len(entries):
+        raise ValueError(
+            f"{file} is corrupt: it holds {len(found)} tensors but was saved with {len(entries)} (the first "
+            f"extra one is '{found[len(entries)][0]}')"
+        )
+
+
+def load(
+    path: str | os.PathLike,
+    *,
+    map_location: Any = None,
+    weights_only: bool = True,
+    mmap: bool = False,
+    verify: bool = True,
+    **kwargs: Any,
+) -> Any:
+    """Read what ``batchlayers.save`` wrote (or any ``torch.save`` or ``.safetensors`` file), verifying its
+    checksum if it has one.
+
+    Args:
+        path: the file. A path ending in ``.safetensors`` is read with safetensors, anything else with
+            ``torch.load``.
+        map_location: as in ``torch.load``; for a ``.safetensors`` file, the device (default ``"cpu"``).
+        weights_only: passed to ``torch.load``; keep ``True`` for files you did not write yourself.
+        mmap: passed to ``torch.load``.
+        verify: check the checksum that ``save(..., checksum=True)`` stored, if any. A file saved without
+            one is read exactly as ``torch.load`` / ``safetensors.torch.load_file`` read it.
+        **kwargs: further ``torch.load`` arguments (e.g. ``pickle_module``); none for ``.safetensors``.
+
+    Returns:
+        The saved object (for a file saved with ``checksum=True``, the object itself, not the wrapper).
+
+    Raises:
+        ValueError: the file is not a checkpoint, is truncated or corrupt, or its tensors differ from the
+            checksum stored with them (the file and the first differing tensor are named).
+
+    Examples::
+
+        >>> batchlayers.save({"model": model.state_dict(), "step": 7}, "last.pt", checksum=True)
+        >>> batchlayers.load("last.pt")["step"]
+        7
+    """
+    return _load(path, "load", verify=verify, map_location=map_location, weights_only=weights_only, mmap=mmap, **kwargs)
 
 
 def load_checkpoint(
@@ -27,35 +299,64 @@ def load_checkpoint(
 ) -> Mapping[str, Tensor]:
     """One checkpoint file: a ``.safetensors`` file, or anything ``torch.load`` reads (``weights_only=True`` by
     default: a checkpoint file can run code when unpickled, so only plain tensors and containers are read;
-    ``mmap`` as in ``torch.load``).
+    ``mmap`` as in ``torch.load``). A checksum stored by ``batchlayers.save(..., checksum=True)`` is verified.
 
     Raises:
         ValueError: the file is not a checkpoint, or is truncated or corrupt (the reader's own error is
-            chained as ``__cause__``).
+            chained as ``__cause__``), or its tensors differ from its stored checksum.
     """
     return _load(path, "load_checkpoint", map_location=map_location, weights_only=weights_only, mmap=mmap)
 
 
-def _load(path, where: str, *, map_location, weights_only: bool, mmap: bool) -> Mapping[str, Tensor]:
+def _load(path, where: str, *, verify: bool = True, **torch_kwargs) -> Any:
     safetensors = isinstance(path, (str, os.PathLike)) and os.fspath(path).endswith(".safetensors")
+    if safetensors:
+        device = _safetensors_device(where, **torch_kwargs)
+    checksum = None
     try:
         if safetensors:
+            from safetensors import safe_open
             from safetensors.torch import load_file
 
-            return load_file(os.fspath(path), device=str(map_location))
-        return torch.load(path, map_location=map_location, weights_only=weights_only, mmap=mmap)
+            state = load_file(os.fspath(path), device=device)
+            with safe_open(os.fspath(path), "pt") as f:
+                checksum = (f.metadata() or {}).get(_METADATA_KEY)
+        else:
+            state = torch.load(path, **torch_kwargs)
+            if isinstance(state, dict) and state.keys() == {_CHECKSUM_KEY, "data"}:
+                checksum, state = state[_CHECKSUM_KEY], state["data"]
     except (FileNotFoundError, IsADirectoryError, PermissionError):
         raise
     except Exception as error:
         if not isinstance(path, (str, os.PathLike)):
             raise
         try:
+            mmap = torch_kwargs.get("mmap", False)
             problem = _safetensors_problem(path) if safetensors else _torch_file_problem(path, error, mmap)
         except OSError:
             problem = None
         if problem is None:
             raise  # the file looks sound: the reader's own error says what is wrong
         raise ValueError(f"{where}: '{os.fspath(path)}' {problem}") from error
+    if verify and checksum is not None:
+        # safetensors orders tensors its own way: they are compared in the order they were saved
+        _verify(list(_named_tensors(state)), checksum, where, path, by_name=safetensors)
+    return state
+
+
+def _safetensors_device(where: str, *, map_location=None, weights_only=True, mmap=False, **unsupported) -> str:
+    """The device to read a ``.safetensors`` file to; ``weights_only`` and ``mmap`` have nothing to do
+    (safetensors never runs code and always maps the file)."""
+    if unsupported:
+        raise TypeError(f"{where}: {sorted(unsupported)} are torch.load arguments, not ones for a .safetensors file")
+    if map_location is None:
+        return "cpu"
+    if not isinstance(map_location, (str, torch.device)):
+        raise TypeError(
+            f"{where}: map_location for a .safetensors file is a device (str or torch.device), got a "
+            f"{type(map_location).__name__}"
+        )
+    return str(map_location)
 
 
 # what torch.save's legacy (pre-1.6, non-zip) format starts with: its magic number pickled with protocol 2
@@ -131,7 +432,7 @@ def stack_checkpoints(
         model: one instance of the architecture; only its structure, configuration, dtype and its
             non-persistent buffers are used, not its weights.
         paths: checkpoint files holding ``model.state_dict()``-style dicts: ``.safetensors`` files or
-            ``torch.save`` files.
+            ``torch.save`` files (or ``batchlayers.save`` files: a checksum stored with them is verified).
         key: when each file holds a dict with the state dict under a key (e.g. ``"model"``), that key.
         map_location: where tensors are loaded before being copied into the stacked model (its device is
             ``model``'s).

@@ -1,9 +1,12 @@
 """Separately trained models, converted into one batched model, evaluated and trained together, unstacked back.
 
 The models are an ordinary PyTorch CNN class (``DigitsNet``, nothing batchlayers-specific in it), trained one
-by one with different seeds the usual way and saved as checkpoint files (``.pt`` and ``.safetensors``). Then:
+by one with different seeds the usual way and saved as checkpoint files (``.pt`` and ``.safetensors``) with
+``batchlayers.save``, which never leaves a half-written file behind and here stores a checksum of the tensors.
+Then:
 
-1. ``batchlayers.stack_checkpoints`` loads all files into one stacked model, one file at a time;
+1. ``batchlayers.stack_checkpoints`` loads all files into one stacked model, one file at a time, verifying
+   each file's checksum;
 2. every model is evaluated on the test set in one call (the batch given once, shared by all models), and
    matches the same model evaluated on its own;
 3. all models are fine-tuned together (each on its own shuffled minibatches, each with exactly its own
@@ -25,10 +28,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from digits_common import load_digits_split, predict_shared, train_epochs
-from safetensors.torch import save_model
 from torch import Tensor, nn
 
-from batchlayers.checkpoint import stack_checkpoints
+from batchlayers.checkpoint import save, stack_checkpoints
 from batchlayers.convert import unstack
 from batchlayers.data import ModelTensorLoader
 
@@ -90,18 +92,16 @@ def run(
     x_test, y_test = data["test"]
     out.mkdir(parents=True, exist_ok=True)
 
-    # Separately trained models, saved as checkpoint files of both common formats.
+    # Separately trained models, saved as checkpoint files of both common formats: written to a temporary file
+    # and renamed onto the name, so a crash never leaves a half-written checkpoint; checksum=True stores a
+    # digest of the tensors, which stack_checkpoints verifies.
     paths, own = [], []
     for i in range(num_models):
         model = train_one(seed + i, data, epochs, width, batch_size=64, lr=3e-3)
         with torch.no_grad():
             own.append(model(x_test))
-        if i % 2:
-            path = out / f"digits_{i}.safetensors"
-            save_model(model, str(path))
-        else:
-            path = out / f"digits_{i}.pt"
-            torch.save(model.state_dict(), path)
+        path = out / (f"digits_{i}.safetensors" if i % 2 else f"digits_{i}.pt")
+        save(model.state_dict(), path, checksum=True)
         paths.append(path)
         del model
     own_logits = torch.stack(own)
@@ -128,7 +128,7 @@ def run(
         with torch.no_grad():
             unstacked_logits.append(model(x_test))
         path = out / f"digits_{i}_finetuned.pt"
-        torch.save(model.state_dict(), path)
+        save(model.state_dict(), path)
         unstacked_paths.append(path)
     unstacked_logits = torch.stack(unstacked_logits)
     ensemble = finetuned_logits.softmax(-1).mean(0)
