@@ -136,21 +136,11 @@ def held_bytes(tensors: Sequence[Tensor]) -> int:
 
 
 def keep_freed_memory() -> bool:
-    """Ask glibc to keep freed memory instead of returning it to the system (``mallopt``).
+    """``batchlayers.backends.cpu.keep_freed_memory()``: glibc keeps freed memory for reuse, so large tensors do
+    not page-fault every step. Returns whether it was applied (glibc only)."""
+    import batchlayers
 
-    PyTorch's CPU allocator does not cache: a tensor above glibc's mmap threshold gets fresh pages, and every
-    first touch is a page fault. A 10-20-2 MLP step at M=1024 took about 1000 faults and 1.2x longer
-    untuned. Returns whether the settings were applied (glibc only).
-    """
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        m_trim_threshold, m_mmap_threshold = -1, -3
-        return bool(libc.mallopt(m_mmap_threshold, 1 << 30)) and bool(libc.mallopt(m_trim_threshold, 1 << 31))
-    except (OSError, AttributeError):
-        return False
+    return batchlayers.backends.cpu.keep_freed_memory()
 
 
 def gemm_gflops(device: torch.device, dtype: torch.dtype, size: int = 1024, reps: int = 10) -> float:
