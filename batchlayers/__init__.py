@@ -49,6 +49,7 @@ from .population import copy_model_, index_models_, keep_models_
 from .recurrent import BatchedGRU, BatchedGRUCell, BatchedLSTM, BatchedLSTMCell, BatchedRNN, BatchedRNNCell
 from .registry import isinstance_torch, register
 from .sparse import BatchedEmbedding, BatchedEmbeddingBag
+from .train_state import TrainState
 from .verify import Verification, verify
 
 __version__ = "0.1.0"
@@ -109,6 +110,7 @@ __all__ = [
     "ModelBatchSampler",
     "ModelTensorLoader",
     "model_data_loader",
+    "TrainState",
     # submodules
     "backends",
     "functional",
