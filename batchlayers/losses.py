@@ -211,6 +211,21 @@ def cross_entropy(
     Returns:
         ``(M,)`` (or the unreduced ``(M, B, *d)`` for ``reduction='none'``). Train with ``.sum()``.
     """
+    if (
+        isinstance(input, Tensor)
+        and input.dim() >= 3
+        and input.shape[2] == 2
+        and input.device.type == "cpu"
+        and isinstance(target, Tensor)
+        and not target.is_floating_point()
+        and weight is None
+        and label_smoothing == 0.0
+        and reduction in ("mean", "sum", "none")
+    ):
+        _check_classification("cross_entropy", input, target)
+        fast = _two_class_cross_entropy(input, target, ignore_index, reduction)
+        if fast is not None:
+            return fast
     return _classification(
         "cross_entropy",
         F.cross_entropy,
@@ -221,6 +236,52 @@ def cross_entropy(
         reduction,
         label_smoothing=label_smoothing,
     )
+
+
+class _TwoClassCrossEntropy(torch.autograd.Function):
+    """Unreduced two-class cross entropy ``softplus(x_other - x_target)`` with a hand-written backward
+    (``sigmoid`` of the same difference): a few elementwise passes over ``(M, B, *d)``, where torch's
+    log-softmax over a class dimension of 2 runs a slow strided kernel forward and backward (measured in
+    benchmarks/README.md). ``counted`` masks ``ignore_index`` targets out (loss and gradient 0)."""
+
+    @staticmethod
+    def forward(ctx, input: Tensor, second: Tensor, counted: Tensor | None) -> Tensor:
+        difference = input[:, :, 1] - input[:, :, 0]
+        z = torch.where(second, -difference, difference)  # the other class's logit minus the target's
+        probability = torch.sigmoid(z)  # of the other class: the gradient of softplus(z)
+        # threshold 50, not softplus' 20: above it log1p(exp(-z)) < 2e-22 is below float64's resolution
+        loss = F.softplus(z, threshold=50.0)
+        if counted is not None:
+            loss = loss.masked_fill(~counted, 0.0)
+            probability = probability.masked_fill(~counted, 0.0)
+        ctx.save_for_backward(probability, second)
+        return loss
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
+        probability, second = ctx.saved_tensors
+        grad_z = grad * probability
+        grad_difference = torch.where(second, -grad_z, grad_z)
+        return torch.stack((-grad_difference, grad_difference), dim=2), None, None
+
+
+def _two_class_cross_entropy(input: Tensor, target: Tensor, ignore_index: int, reduction: str) -> Tensor | None:
+    """Two-class cross entropy of class indices by :class:`_TwoClassCrossEntropy`; ``None`` when a target is
+    neither class nor ``ignore_index`` (torch's path then raises its error)."""
+    second = target == 1
+    counted = second | (target == 0)
+    ignored = not bool(counted.all())
+    if ignored and not bool((counted | (target == ignore_index)).all()):
+        return None
+    unreduced = _TwoClassCrossEntropy.apply(input, second, counted if ignored else None)
+    if reduction == "none":
+        return unreduced
+    num_models = input.shape[0]
+    total = unreduced.reshape(num_models, -1).sum(dim=1)
+    if reduction == "sum":
+        return total
+    return total / counted.reshape(num_models, -1).sum(dim=1).to(unreduced.dtype)
 
 
 def nll_loss(

@@ -64,13 +64,30 @@ def _maybe_compile(fn: Callable, enabled: bool) -> Callable:
     return torch.compile(fn) if enabled else fn
 
 
-def _stepper(params: Sequence[Tensor], forward: Callable[[], Tensor], target: Tensor, train: bool, optim_impl: str):
+def batchlayers_loss(logits: Tensor, target: Tensor) -> Tensor:
+    """The batchlayers contender's per-model loss: ``batchlayers.losses.cross_entropy`` (its two-class fast path
+    included) for ``(M, B, C)`` logits, the common :func:`per_model_loss` for per-token/per-pixel logits."""
+    if logits.dim() == 3:
+        from batchlayers.losses import cross_entropy
+
+        return cross_entropy(logits, target)
+    return per_model_loss(logits, target)
+
+
+def _stepper(
+    params: Sequence[Tensor],
+    forward: Callable[[], Tensor],
+    target: Tensor,
+    train: bool,
+    optim_impl: str,
+    loss: Callable[[Tensor, Tensor], Tensor] = per_model_loss,
+):
     """A training or inference step over one set of (stacked) parameters and one forward function."""
     optimizer = make_adam(params, optim_impl) if train else None
 
     def train_step() -> Tensor:
         optimizer.zero_grad(set_to_none=True)
-        losses = per_model_loss(forward(), target)
+        losses = loss(forward(), target)
         losses.sum().backward()
         optimizer.step()
         return losses.detach()
@@ -188,7 +205,7 @@ def _batchlayers(workload: Workload, models, x, y, train, compile, optim_impl, *
         if copies:
             x, y = x.contiguous(), y.contiguous()
     forward = _maybe_compile(model, compile)
-    step, holds = _stepper(list(model.parameters()), lambda: forward(x), y, train, optim_impl)
+    step, holds = _stepper(list(model.parameters()), lambda: forward(x), y, train, optim_impl, batchlayers_loss)
     name = "batchlayers-copies" if copies else "batchlayers"
     note = "the shared batch copied per model" if copies else ""
     return Runner(name, step, lambda: holds() + list(model.buffers()) + [x, y], note)

@@ -209,3 +209,34 @@ def test_random_cross_entropy_matches_loop(num_models, batch, classes, spatial, 
         ]
     )
     assert_close(losses, expected, msg="cross_entropy")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("ignore", [False, True], ids=["all-counted", "ignore_index"])
+@pytest.mark.parametrize("spatial", [(), (3,)], ids=["flat", "spatial"])
+def test_two_class_cross_entropy_formula_matches_loop(reduction, ignore, spatial) -> None:
+    """Two classes take a direct formula on CPU (logaddexp - picked logit): same values and gradients."""
+    torch.manual_seed(0)
+    input = logits(M, B, 2, *spatial)
+    target = torch.randint(0, 2, (M, B, *spatial))
+    if ignore:
+        target[0, :2] = -100
+    check_against_loop(BL.cross_entropy, F.cross_entropy, input, target, reduction=reduction)
+
+
+@pytest.mark.parametrize("bad", [2, -1])
+def test_two_class_cross_entropy_refuses_targets_out_of_range(bad) -> None:
+    input, target = logits(M, B, 2), torch.zeros(M, B, dtype=torch.long)
+    target[1, 2] = bad
+    with pytest.raises((IndexError, RuntimeError), match="out of bounds"):
+        F.cross_entropy(input[1], target[1])  # what torch says
+    with pytest.raises((IndexError, RuntimeError), match="out of bounds"):
+        BL.cross_entropy(input, target)
+
+
+def test_two_class_cross_entropy_refuses_double_backward() -> None:
+    """The two-class formula's backward is hand-written: a second derivative raises, never a wrong one."""
+    input = logits(M, B, 2).requires_grad_(True)
+    (grad,) = torch.autograd.grad(BL.cross_entropy(input, torch.randint(0, 2, (M, B))).sum(), input, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|does not require grad"):
+        grad.sum().backward()
