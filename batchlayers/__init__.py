@@ -11,7 +11,7 @@ Every batched layer takes ``(M, B, *)`` and returns ``(M, B, *)``. A batch share
 as a stride-0 expand, ``x.expand(M, *x.shape)``, which batchlayers never copies M times.
 """
 
-from . import backends, functional, losses, optim
+from . import amp, backends, functional, losses, optim
 from .activation import BatchedPReLU
 from .attention import BatchedMultiheadAttention
 from .batchnorm import BatchedBatchNorm1d, BatchedBatchNorm2d, BatchedBatchNorm3d
@@ -112,6 +112,7 @@ __all__ = [
     "model_data_loader",
     "TrainState",
     # submodules
+    "amp",
     "backends",
     "functional",
     "losses",

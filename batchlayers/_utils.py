@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
 
 __all__ = [
+    "check_call_input",
     "check_num_models",
     "check_device",
     "check_input",
+    "check_layout",
     "check_norm_dtypes",
+    "check_parameter",
+    "check_size",
+    "check_sizes",
+    "check_weight",
+    "autocast_enabled",
     "init_per_model_",
     "is_shared",
     "layer_name",
@@ -50,46 +58,137 @@ def check_input(
     min_ndim: int = 2,
     what: str = "input",
     layout: str = "(M, B, *)",
+    check_dtype: bool = True,
 ) -> None:
     """Check that ``x`` is ``(M, ...)`` with the given sizes; raise naming the layer otherwise.
 
     ``channels`` is the ``(name, size)`` of dimension 2, the channel dimension of ``(M, B, C, *)`` inputs
     (e.g. ``("C_in", 3)``); ``trailing`` lists ``(name, size)`` pairs for the last dimensions (e.g.
     ``[("in_features", 20)]``); ``ndims`` the allowed total numbers of dimensions (``None``: any number
-    >= ``min_ndim``).
+    >= ``min_ndim``). ``check_dtype``: also refuse an input whose dtype differs from the layer's floating-point
+    parameters outside autocast, as torch's kernels do (norms, which take mixed precision, and index inputs
+    pass ``False``).
     """
     if not isinstance(x, Tensor):
         raise TypeError(f"{layer_name(module)}: expected the {what} to be a Tensor, got {type(x).__name__}")
     check_device(module, x, what)
-    num_models = module.num_models
+    check_layout(layer_name(module), module.num_models, x, channels, trailing, ndims, min_ndim, what, layout)
+    if check_dtype:
+        _check_input_dtype(module, x, what)
+
+
+def check_call_input(
+    function: str,
+    x: object,
+    num_models: int,
+    *,
+    channels: tuple[str, int] | None = None,
+    trailing: Sequence[tuple[str, int]] = (),
+    ndims: Sequence[int] | None = None,
+    min_ndim: int = 2,
+    what: str = "input",
+    layout: str = "(M, B, *)",
+) -> None:
+    """:func:`check_input` for a call of ``batchlayers.functional``: ``num_models`` comes from the weights."""
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{function}: expected the {what} to be a Tensor, got {type(x).__name__}")
+    check_layout(function, num_models, x, channels, trailing, ndims, min_ndim, what, layout)
+
+
+def check_layout(
+    name: str,
+    num_models: int,
+    x: Tensor,
+    channels: tuple[str, int] | None,
+    trailing: Sequence[tuple[str, int]],
+    ndims: Sequence[int] | None,
+    min_ndim: int,
+    what: str,
+    layout: str,
+) -> None:
     named = [channels, *trailing] if channels is not None else list(trailing)
     expected = f"{layout} with M={num_models}" + "".join(f", {n}={s}" for n, s in named)
     if ndims is not None and x.dim() not in ndims:
         allowed = " or ".join(str(n) for n in ndims)
-        raise ValueError(
-            f"{layer_name(module)}: expected a {allowed}-D {what} {expected}, got {x.dim()}-D shape {_fmt(x.shape)}"
-        )
+        raise ValueError(f"{name}: expected a {allowed}-D {what} {expected}, got {x.dim()}-D shape {_fmt(x.shape)}")
     if x.dim() < max(min_ndim, 1 + len(trailing), 3 if channels is not None else 0):
-        raise ValueError(
-            f"{layer_name(module)}: expected {what} {expected}, got too few dimensions: shape {_fmt(x.shape)}"
-        )
+        raise ValueError(f"{name}: expected {what} {expected}, got too few dimensions: shape {_fmt(x.shape)}")
     if x.shape[0] != num_models:
         raise ValueError(
-            f"{layer_name(module)}: expected {what} {expected}, but dimension 0 (models) is "
+            f"{name}: expected {what} {expected}, but dimension 0 (models) is "
             f"{x.shape[0]}, not {num_models}: shape {_fmt(x.shape)}"
         )
     if channels is not None and x.shape[2] != channels[1]:
         raise ValueError(
-            f"{layer_name(module)}: expected {what} {expected}, but dimension 2 (channels) is "
-            f"{x.shape[2]}: shape {_fmt(x.shape)}"
+            f"{name}: expected {what} {expected}, but dimension 2 (channels) is {x.shape[2]}: shape {_fmt(x.shape)}"
         )
-    for k, (name, size) in enumerate(reversed(trailing)):
+    for k, (dim_name, size) in enumerate(reversed(trailing)):
         dim = x.dim() - 1 - k
         if x.shape[dim] != size:
             raise ValueError(
-                f"{layer_name(module)}: expected {what} {expected}, but dimension {dim} ({name}) is "
+                f"{name}: expected {what} {expected}, but dimension {dim} ({dim_name}) is "
                 f"{x.shape[dim]}: shape {_fmt(x.shape)}"
             )
+
+
+def _check_input_dtype(module: nn.Module, x: Tensor, what: str) -> None:
+    # torch.nn's Linear, Conv*, PReLU and attention raise for an input whose dtype is not their weights' (outside
+    # autocast), with messages about "batch1", "bias type" or "scalar type Double" that name no layer.
+    reference = _first_tensor(module)
+    if reference is None or not reference.is_floating_point() or x.dtype == reference.dtype:
+        return
+    if autocast_enabled(x):
+        return  # autocast casts the operands of the ops on its lists; torch decides
+    hint = f" or the layer (.to({x.dtype}))" if x.is_floating_point() else ""
+    raise RuntimeError(
+        f"{layer_name(module)}: expected the {what} in the parameters' dtype {reference.dtype}, got {x.dtype}; "
+        f"convert the {what} (.to({reference.dtype})){hint}"
+    )
+
+
+def check_weight(function: str, what: str, t: object, ndim: int, layout: str) -> torch.Size:
+    """The shape of a ``batchlayers.functional`` call's ``ndim``-D parameter ``t`` (``layout``, e.g.
+    ``"(M, out_features, in_features)"``), or a ``TypeError``/``ValueError`` naming the call."""
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{function}: expected {what} {layout} to be a Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{function}: expected a {ndim}-D {what} {layout}, got {t.dim()}-D shape {_fmt(t.shape)}")
+    return t.shape
+
+
+def check_parameter(
+    function: str, what: str, t: object, expected: Sequence[int], layout: str, input: Tensor | None = None
+) -> None:
+    """Refuse an optional per-model parameter ``t`` (``None`` passes) that is not exactly ``expected``: a bias
+    ``(1, out)`` or ``(out,)`` would broadcast over the models, giving every model the same values. ``input``:
+    the tensor ``expected`` was read from, named in the message."""
+    if t is None:
+        return
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{function}: expected {what} {layout} to be a Tensor or None, got {type(t).__name__}")
+    if tuple(t.shape) != tuple(expected):
+        source = "" if input is None else f" for the input of shape {_fmt(input.shape)}"
+        raise ValueError(f"{function}: expected {what} {layout} = {_fmt(expected)}{source}, got shape {_fmt(t.shape)}")
+
+
+def check_size(owner: str, name: str, value: object, minimum: int = 0) -> int:
+    """A layer's size argument (``in_features``, ``num_channels``...): an int of at least ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{owner}: {name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{owner}: {name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def check_sizes(owner: str, name: str, value: object, n: int, minimum: int) -> tuple[int, ...]:
+    """An int or a tuple of ``n`` ints, each at least ``minimum`` (``kernel_size``, ``stride``...), as a tuple;
+    ``torch.nn.modules.utils._ntuple`` keeps a sequence of the wrong length as it is."""
+    values = tuple(value) if isinstance(value, (tuple, list)) else (value,) * n
+    if len(values) != n or any(isinstance(v, bool) or not isinstance(v, int) for v in values):
+        raise TypeError(f"{owner}: {name} must be an int or a tuple of {n} ints, got {value!r}")
+    if any(v < minimum for v in values):
+        raise ValueError(f"{owner}: every entry of {name} must be >= {minimum}, got {value!r}")
+    return values
 
 
 def _first_tensor(module: nn.Module) -> Tensor | None:
@@ -138,6 +237,15 @@ def check_norm_dtypes(owner: nn.Module | str, x: Tensor, params: Sequence[Tensor
         f"{name}: input dtype {x.dtype} does not match the parameters' ({found}); like torch.nn's norms, this "
         "layer takes parameters of the input's dtype, or float32 parameters with a float16/bfloat16 input"
     )
+
+
+def autocast_enabled(x: Tensor) -> bool:
+    """Whether autocast is on for ``x``'s device type (``False`` for a device autocast does not know, e.g. meta,
+    where ``torch.is_autocast_enabled`` raises)."""
+    try:
+        return torch.is_autocast_enabled(x.device.type)
+    except RuntimeError:
+        return False
 
 
 def is_shared(x: Tensor) -> bool:

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import init
 
-from ._utils import check_input, check_num_models
+from ._utils import check_input, check_num_models, check_size
 
 __all__ = ["BatchedPReLU"]
 
@@ -60,7 +60,7 @@ class BatchedPReLU(nn.Module):
         factory_kwargs = {"device": device, "dtype": dtype}
         super().__init__()
         self.num_models = check_num_models(num_models, type(self))
-        self.num_parameters = num_parameters
+        self.num_parameters = check_size(type(self).__name__, "num_parameters", num_parameters, 1)
         self.init = init
         self.weight = nn.Parameter(torch.empty((num_models, num_parameters), **factory_kwargs))
         self.reset_parameters()

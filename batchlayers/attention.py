@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 from torch import Tensor, nn
 from torch.nn import init
 
-from ._utils import check_device, check_input, check_num_models, init_per_model_, layer_name
+from ._utils import check_device, check_input, check_num_models, check_size, init_per_model_, layer_name
 from .functional._attention import multi_head_attention
 from .linear import BatchedLinear
 
@@ -69,6 +71,14 @@ class BatchedMultiheadAttention(nn.Module):
         factory_kwargs = {"device": device, "dtype": dtype}
         super().__init__()
         self.num_models = check_num_models(num_models, type(self))
+        name = type(self).__name__
+        check_size(name, "embed_dim", embed_dim)
+        check_size(name, "num_heads", num_heads)
+        for arg, value in (("kdim", kdim), ("vdim", vdim)):
+            if value is not None:
+                check_size(name, arg, value, 1)
+        if isinstance(dropout, bool) or not isinstance(dropout, numbers.Real) or not 0 <= dropout <= 1:
+            raise ValueError(f"{name}: dropout probability has to be between 0 and 1, got {dropout!r}")
         if embed_dim <= 0 or num_heads <= 0:
             raise ValueError(
                 f"{type(self).__name__}: embed_dim and num_heads must be greater than 0, got embed_dim={embed_dim} "
@@ -138,14 +148,14 @@ class BatchedMultiheadAttention(nn.Module):
         check_input(self, query, trailing=[("embed_dim", self.embed_dim)], ndims=[4], what="query", layout=layout)
         check_input(self, key, trailing=[("kdim", self.kdim)], ndims=[4], what="key", layout=layout)
         check_input(self, value, trailing=[("vdim", self.vdim)], ndims=[4], what="value", layout=layout)
+        shapes = f"query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}"
         if not self.batch_first:  # (M, L, B, E) -> (M, B, L, E): views, transposed back at the end
             query, key, value = (t.transpose(1, 2) for t in (query, key, value))
         batch, tgt_len, src_len = query.shape[1], query.shape[2], key.shape[2]
         if key.shape[1:3] != value.shape[1:3] or key.shape[1] != batch:
             raise ValueError(
                 f"{layer_name(self)}: query, key and value must share the batch size, and key and value the "
-                f"sequence length: got query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)} "
-                "(batch first)"
+                f"sequence length, in the layout {layout} (batch_first={self.batch_first}): got {shapes}"
             )
         self._check_masks(key_padding_mask, attn_mask, batch, tgt_len, src_len)
         out, weights = multi_head_attention(

@@ -54,8 +54,8 @@ class ConvSettings:
 
     def __init__(self) -> None:
         self._strategy = "auto"
-        self.benchmark = False
-        self.benchmark_repeats = 3
+        self._benchmark = False
+        self._benchmark_repeats = 3
         self.cache: dict[Hashable, str] = {}
 
     @property
@@ -65,6 +65,26 @@ class ConvSettings:
     @strategy.setter
     def strategy(self, value: str) -> None:
         self._strategy = check_conv_strategy(value, "batchlayers.backends.conv")
+
+    @property
+    def benchmark(self) -> bool:
+        return self._benchmark
+
+    @benchmark.setter
+    def benchmark(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(f"batchlayers.backends.conv: benchmark must be True or False, got {value!r}")
+        self._benchmark = value
+
+    @property
+    def benchmark_repeats(self) -> int:
+        return self._benchmark_repeats
+
+    @benchmark_repeats.setter
+    def benchmark_repeats(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"batchlayers.backends.conv: benchmark_repeats must be an int >= 1, got {value!r}")
+        self._benchmark_repeats = value
 
     def clear_cache(self) -> None:
         self.cache.clear()
@@ -80,7 +100,7 @@ class ConvSettings:
                 self.benchmark = benchmark
             yield
         finally:
-            self._strategy, self.benchmark = saved
+            self._strategy, self._benchmark = saved
 
 
 def check_conv_strategy(value: object, owner: str) -> str:

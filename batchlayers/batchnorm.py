@@ -35,7 +35,14 @@ class _BatchedBatchNorm(BatchedNormBase):
         super().__init__(num_models, num_features, eps, momentum, affine, track_running_stats, device, dtype, bias=bias)
 
     def forward(self, input: Tensor) -> Tensor:
-        check_input(self, input, channels=("C", self.num_features), ndims=self._input_ndims, layout=self._layout)
+        check_input(
+            self,
+            input,
+            channels=("C", self.num_features),
+            ndims=self._input_ndims,
+            layout=self._layout,
+            check_dtype=False,
+        )
         # As torch.nn: running statistics are used in eval mode when present, updated in training mode
         # only when tracked.
         track = not self.training or self.track_running_stats

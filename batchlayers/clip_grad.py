@@ -8,6 +8,7 @@ are exactly what ``torch.nn.utils`` gives when run on model ``m`` alone.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable
 
 import torch
@@ -20,8 +21,19 @@ __all__ = ["clip_grad_norm_", "clip_grad_value_", "clip_grads_with_norm_", "get_
 TensorOrTensors = Tensor | Iterable[Tensor]
 
 
-def _as_list(tensors: TensorOrTensors) -> list[Tensor]:
-    return [tensors] if isinstance(tensors, Tensor) else list(tensors)
+def _as_list(tensors: TensorOrTensors, what: str, caller: str) -> list[Tensor]:
+    if isinstance(tensors, Tensor):
+        return [tensors]
+    if isinstance(tensors, nn.Module) or not isinstance(tensors, Iterable):
+        hint = "; pass model.parameters()" if isinstance(tensors, nn.Module) else ""
+        raise TypeError(
+            f"{caller}: expected a tensor or an iterable of tensors ({what}), got {type(tensors).__name__}{hint}"
+        )
+    tensors = list(tensors)
+    for i, t in enumerate(tensors):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{caller}: {what}[{i}] is a {type(t).__name__}, not a tensor")
+    return tensors
 
 
 def _num_models(tensors: list[Tensor], what: str, caller: str) -> int:
@@ -38,14 +50,40 @@ def _num_models(tensors: list[Tensor], what: str, caller: str) -> int:
 
 
 def _per_model_scalar(value: float | Tensor, num_models: int, name: str, caller: str) -> float | Tensor:
+    """A float or an ``(M,)`` tensor, every value >= 0 (a negative bound would flip or pin the gradients)."""
     if isinstance(value, Tensor) and value.dim() > 0:
         if value.shape != (num_models,):
             raise ValueError(
                 f"{caller}: {name} must be a float or a tensor of shape (M,) = ({num_models},), "
                 f"got shape {tuple(value.shape)}"
             )
+        if value.is_complex() or value.dtype == torch.bool:
+            raise TypeError(f"{caller}: {name} must be a real tensor, got {value.dtype}")
+        # (checked where it costs no device synchronisation: called every step, on CUDA it would)
+        if value.device.type == "cpu" and not torch.compiler.is_compiling():
+            negative = value < 0
+            if bool(negative.any()):
+                raise ValueError(
+                    f"{caller}: {name} must be >= 0 for every model, got {value[negative].tolist()} for models "
+                    f"{negative.nonzero().flatten().tolist()}"
+                )
         return value
+    if isinstance(value, bool) or not isinstance(value, (numbers.Real, Tensor)):
+        got = f"a {type(value).__name__} of {len(value)} values" if isinstance(value, (list, tuple)) else repr(value)
+        raise TypeError(
+            f"{caller}: {name} must be a float or a tensor of shape (M,) = ({num_models},), one value per model, "
+            f"got {got}"
+        )
+    if float(value) < 0:
+        raise ValueError(f"{caller}: {name} must be >= 0, got {float(value)}")
     return float(value)
+
+
+def _norm_type(norm_type: float | str, caller: str) -> float:
+    try:
+        return float(norm_type)
+    except (TypeError, ValueError):
+        raise ValueError(f"{caller}: norm_type must be a number or 'inf', got {norm_type!r}") from None
 
 
 def _view_per_model(values: Tensor, like: Tensor) -> Tensor:
@@ -80,9 +118,9 @@ def get_total_norm(
     Returns:
         ``(M,)`` tensor, entry ``m`` the total norm of model ``m``.
     """
-    tensors = _as_list(tensors)
+    tensors = _as_list(tensors, "tensors", "get_total_norm")
     num_models = _num_models(tensors, "tensors", "get_total_norm")
-    norm_type = float(norm_type)
+    norm_type = _norm_type(norm_type, "get_total_norm")
     first_device = tensors[0].device
     # (M, -1) per tensor: a view for contiguous tensors; each row is one model's slice.
     norms = [torch.linalg.vector_norm(t.reshape(num_models, -1), norm_type, dim=1).to(first_device) for t in tensors]
@@ -109,13 +147,12 @@ def clip_grads_with_norm_(
     The per-model version of :func:`torch.nn.utils.clip_grads_with_norm_`; ``total_norm`` is the ``(M,)``
     result of :func:`get_total_norm`, ``max_norm`` a float or an ``(M,)`` tensor.
     """
-    parameters = _as_list(parameters)
+    parameters = _as_list(parameters, "parameters", "clip_grads_with_norm_")
     num_models = _num_models(parameters, "parameters", "clip_grads_with_norm_")
     max_norm = _per_model_scalar(max_norm, num_models, "max_norm", "clip_grads_with_norm_")
-    if total_norm.shape != (num_models,):
-        raise ValueError(
-            f"clip_grads_with_norm_: total_norm must have shape (M,) = ({num_models},), got {tuple(total_norm.shape)}"
-        )
+    if not isinstance(total_norm, Tensor) or total_norm.shape != (num_models,):
+        got = tuple(total_norm.shape) if isinstance(total_norm, Tensor) else type(total_norm).__name__
+        raise ValueError(f"clip_grads_with_norm_: total_norm must have shape (M,) = ({num_models},), got {got}")
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return
@@ -160,8 +197,10 @@ def clip_grad_norm_(
         >>> batchlayers.losses.cross_entropy(model(x), y).sum().backward()
         >>> norms = batchlayers.clip_grad_norm_(model.parameters(), max_norm=1.0)   # (M,)
     """
-    parameters = _as_list(parameters)
+    parameters = _as_list(parameters, "parameters", "clip_grad_norm_")
     num_models = _num_models(parameters, "parameters", "clip_grad_norm_")
+    _per_model_scalar(max_norm, num_models, "max_norm", "clip_grad_norm_")
+    _norm_type(norm_type, "clip_grad_norm_")
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return torch.zeros(num_models, device=parameters[0].device)
@@ -179,7 +218,7 @@ def clip_grad_value_(parameters: TensorOrTensors, clip_value: float | Tensor, fo
         clip_value: a float (the same for every model) or an ``(M,)`` tensor, one value per model.
         foreach: ``False`` clamps one gradient at a time; otherwise foreach kernels are used for a float.
     """
-    parameters = _as_list(parameters)
+    parameters = _as_list(parameters, "parameters", "clip_grad_value_")
     num_models = _num_models(parameters, "parameters", "clip_grad_value_")
     clip_value = _per_model_scalar(clip_value, num_models, "clip_value", "clip_grad_value_")
     grads = [p.grad for p in parameters if p.grad is not None]
@@ -226,6 +265,8 @@ def nonfinite_models(
     """
     tensors: list[Tensor] = []
     if losses is not None:
+        if not isinstance(losses, Tensor):
+            raise TypeError(f"nonfinite_models: expected losses to be an (M,) tensor, got {type(losses).__name__}")
         tensors.append(losses)
     if isinstance(parameters, nn.Module):
         params = list(parameters.parameters())
@@ -237,7 +278,7 @@ def nonfinite_models(
             if name not in shared and (b.is_floating_point() or b.is_complex())
         ]
     elif parameters is not None:
-        params = _as_list(parameters)
+        params = _as_list(parameters, "parameters", "nonfinite_models")
         tensors += params
     else:
         params = []

@@ -7,10 +7,9 @@ import math
 import torch
 from torch import Tensor, nn
 from torch.nn import init
-from torch.nn.modules.utils import _ntuple
 
 from . import backends
-from ._utils import _fmt, check_input, check_num_models, init_per_model_, layer_name
+from ._utils import _fmt, check_input, check_num_models, check_size, check_sizes, init_per_model_, layer_name
 from .functional._conv import conv, conv_transpose, padding_for_pad
 
 __all__ = [
@@ -63,23 +62,27 @@ class _BatchedConvNd(nn.Module):
     ) -> None:
         factory_kwargs = {"device": device, "dtype": dtype}
         super().__init__()
-        as_tuple = _ntuple(self._num_spatial)
         name = type(self).__name__
         self.num_models = check_num_models(num_models, type(self))
-        if groups <= 0:
-            raise ValueError(f"{name}: groups must be a positive integer, got {groups}")
+        check_size(name, "in_channels", in_channels)
+        check_size(name, "out_channels", out_channels)
+        if isinstance(groups, bool) or not isinstance(groups, int) or groups <= 0:
+            raise ValueError(f"{name}: groups must be a positive integer, got {groups!r}")
         if in_channels % groups != 0:
             raise ValueError(f"{name}: in_channels ({in_channels}) must be divisible by groups ({groups})")
         if out_channels % groups != 0:
             raise ValueError(f"{name}: out_channels ({out_channels}) must be divisible by groups ({groups})")
-        stride, dilation, kernel_size = as_tuple(stride), as_tuple(dilation), as_tuple(kernel_size)
+        n = self._num_spatial
+        # torch.nn.Conv*d keeps a kernel_size of the wrong length, or a stride of 0, and fails at the first call.
+        kernel_size = check_sizes(name, "kernel_size", kernel_size, n, 1)
+        stride, dilation = check_sizes(name, "stride", stride, n, 1), check_sizes(name, "dilation", dilation, n, 1)
         if isinstance(padding, str):
             if padding not in ("same", "valid"):
                 raise ValueError(f"{name}: invalid padding string {padding!r}, should be one of 'same', 'valid'")
             if padding == "same" and any(s != 1 for s in stride):
                 raise ValueError(f"{name}: padding='same' is not supported for strided convolutions (stride={stride})")
         else:
-            padding = as_tuple(padding)
+            padding = check_sizes(name, "padding", padding, n, 0)
         if padding_mode not in _PADDING_MODES:
             raise ValueError(f"{name}: padding_mode must be one of {_PADDING_MODES}, but got {padding_mode!r}")
         self.in_channels = in_channels
@@ -283,7 +286,7 @@ class _BatchedConvTransposeNd(_BatchedConvNd):
             device=device,
             dtype=dtype,
         )
-        self.output_padding = _ntuple(self._num_spatial)(output_padding)
+        self.output_padding = check_sizes(name, "output_padding", output_padding, self._num_spatial, 0)
 
     def forward(self, input: Tensor, output_size: list[int] | None = None) -> Tensor:
         output_padding = self._output_padding(input, output_size)

@@ -369,12 +369,18 @@ def replicate(factory: Callable[[], nn.Module], num_models: int) -> nn.Module:
     any time, next to the stacked one."""
     if isinstance(num_models, bool) or not isinstance(num_models, int) or num_models < 1:
         raise ValueError(f"replicate: num_models must be a positive int, got {num_models!r}")
-    first = factory()
+    if isinstance(factory, nn.Module) or not callable(factory):
+        raise TypeError(
+            f"replicate: factory must be a function that builds a new model (the class, e.g. replicate(MyNet, "
+            f"{num_models}), or a lambda), got {'an instance of ' if isinstance(factory, nn.Module) else ''}"
+            f"{type(factory).__name__}; to stack models you already have, use stack([...])"
+        )
+    first = _made(factory, 0)
     result = _skeleton(first, num_models)
     result.fill(0, tensor_table(first), "model 0")
     first_attributes = tensor_attributes(first)
     for i in range(1, num_models):
-        model = factory()
+        model = _made(factory, i)
         check_same_architecture([first, model], "replicate")
         result.fill(i, tensor_table(model), f"model {i}")
         for name, value in tensor_attributes(model).items():
@@ -385,6 +391,13 @@ def replicate(factory: Callable[[], nn.Module], num_models: int) -> nn.Module:
                     "model"
                 )
     return result.module
+
+
+def _made(factory: Callable[[], nn.Module], i: int) -> nn.Module:
+    model = factory()
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"replicate: factory() must return an nn.Module, call {i} returned a {type(model).__name__}")
+    return model
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -522,9 +535,16 @@ def concat(models: Sequence[nn.Module]) -> nn.Module:
 def stack_state_dicts(state_dicts: Sequence[Mapping[str, Tensor]]) -> dict[str, Tensor]:
     """One state dict with every entry of N state dicts stacked along a new first dimension, ready for
     ``stacked_model.load_state_dict``. Keys, shapes, dtypes and devices must agree."""
+    if isinstance(state_dicts, (Mapping, nn.Module)) or not isinstance(state_dicts, Iterable):
+        raise TypeError(
+            f"stack_state_dicts: expected a list of state dicts, got {_kind(state_dicts)}; pass "
+            "[model.state_dict() for model in models]"
+        )
     state_dicts = list(state_dicts)
     if not state_dicts:
         raise ValueError("stack_state_dicts: got an empty list of state dicts")
+    for i, sd in enumerate(state_dicts):
+        _check_state_dict(sd, f"stack_state_dicts: state dict {i}")
     reference = state_dicts[0]
     for i, sd in enumerate(state_dicts[1:], start=1):
         diff = first_difference(dict.fromkeys(reference), dict.fromkeys(sd))
@@ -548,14 +568,37 @@ def stack_state_dicts(state_dicts: Sequence[Mapping[str, Tensor]]) -> dict[str, 
 def unstack_state_dict(state_dict: Mapping[str, Tensor]) -> list[dict[str, Tensor]]:
     """N ordinary state dicts from the state dict of a stacked model. Entries are copies, not views, so that
     ``torch.save`` of one writes only that model's data."""
-    if not state_dict:
+    if isinstance(state_dict, Mapping) and not state_dict:
         raise ValueError("unstack_state_dict: got an empty state dict")
-    sizes = {k: (v.shape[0] if v.dim() else None) for k, v in state_dict.items()}
-    num_models = next(iter(sizes.values()))
+    _check_state_dict(state_dict, "unstack_state_dict: the state dict")
+    for key, value in state_dict.items():
+        if value.dim() == 0:
+            raise ValueError(f"unstack_state_dict: every entry must be (M, *); '{key}' is 0-d (shape ())")
+    sizes = {k: v.shape[0] for k, v in state_dict.items()}
+    first_key = next(iter(sizes))
+    num_models = sizes[first_key]
     for key, size in sizes.items():
-        if size is None or size != num_models:
+        if size != num_models:
             raise ValueError(
                 f"unstack_state_dict: every entry must be (M, *) with one M; '{key}' has shape "
-                f"{tuple(state_dict[key].shape)} but the first entry has M={num_models}"
+                f"{tuple(state_dict[key].shape)} but the first entry has M={num_models} ('{first_key}' has shape "
+                f"{tuple(state_dict[first_key].shape)})"
             )
     return [{k: v[i].clone() for k, v in state_dict.items()} for i in range(num_models)]
+
+
+def _kind(value: object) -> str:
+    if isinstance(value, nn.Module):
+        return f"a model ({type(value).__name__}); pass model.state_dict()"
+    if isinstance(value, Mapping):
+        return "one state dict (a mapping)"
+    return f"a {type(value).__name__}"
+
+
+def _check_state_dict(state_dict: object, what: str) -> None:
+    """Refuse anything but a mapping of names to tensors."""
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"{what} is {_kind(state_dict)}, not a mapping of names to tensors")
+    for key, value in state_dict.items():
+        if not isinstance(value, Tensor):
+            raise TypeError(f"{what}: entry '{key}' is a {type(value).__name__}, not a tensor")

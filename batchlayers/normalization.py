@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import init
 
-from ._utils import check_input, check_norm_dtypes, check_num_models, layer_name
+from ._utils import check_input, check_norm_dtypes, check_num_models, check_size, layer_name
 from .functional._norm import group_norm, instance_norm, layer_norm, rms_norm
 
 __all__ = [
@@ -66,7 +66,12 @@ class _BatchedTrailingNorm(nn.Module):
         self.num_models = check_num_models(num_models, type(self))
         if isinstance(normalized_shape, numbers.Integral):
             normalized_shape = (normalized_shape,)
-        self.normalized_shape = tuple(normalized_shape)
+        if not isinstance(normalized_shape, Sequence):
+            raise TypeError(
+                f"{type(self).__name__}: normalized_shape must be an int or a sequence of ints, got "
+                f"{type(normalized_shape).__name__} {normalized_shape!r}"
+            )
+        self.normalized_shape = tuple(check_size(type(self).__name__, "normalized_shape", n) for n in normalized_shape)
         # each row is normalised on its own over the trailing dimensions (see BatchedLinear)
         self._rowwise_trailing_dims = len(self.normalized_shape)
         self.eps = eps
@@ -80,7 +85,9 @@ class _BatchedTrailingNorm(nn.Module):
     def _check_input(self, input: Tensor) -> None:
         shape = self.normalized_shape
         names = ["normalized_shape"] if len(shape) == 1 else [f"normalized_shape[{i}]" for i in range(len(shape))]
-        check_input(self, input, trailing=list(zip(names, shape)), layout="(M, *, *normalized_shape)")
+        check_input(
+            self, input, trailing=list(zip(names, shape)), layout="(M, *, *normalized_shape)", check_dtype=False
+        )
 
     def extra_repr(self) -> str:
         parts = [f"num_models={self.num_models}", str(self.normalized_shape)]
@@ -243,7 +250,9 @@ class BatchedGroupNorm(nn.Module):
         factory_kwargs = {"device": device, "dtype": dtype}
         super().__init__()
         self.num_models = check_num_models(num_models, type(self))
-        if num_groups < 1 or num_channels % num_groups != 0:
+        check_size(type(self).__name__, "num_groups", num_groups, 1)
+        check_size(type(self).__name__, "num_channels", num_channels)
+        if num_channels % num_groups != 0:
             raise ValueError(
                 f"{type(self).__name__}: num_channels ({num_channels}) must be divisible by num_groups ({num_groups})"
             )
@@ -258,7 +267,7 @@ class BatchedGroupNorm(nn.Module):
         reset_affine(self)
 
     def forward(self, input: Tensor) -> Tensor:
-        check_input(self, input, channels=("C", self.num_channels), layout="(M, B, C, *)")
+        check_input(self, input, channels=("C", self.num_channels), layout="(M, B, C, *)", check_dtype=False)
         check_norm_dtypes(self, input, (self.weight, self.bias))
         # torch.nn checks this per sample group in both modes: batch size times channels per group.
         values = input.shape[1] * (self.num_channels // self.num_groups) * math.prod(input.shape[3:])
@@ -303,8 +312,14 @@ class BatchedNormBase(nn.Module):
         factory_kwargs = {"device": device, "dtype": dtype}
         super().__init__()
         self.num_models = check_num_models(num_models, type(self))
-        self.num_features = num_features
+        self.num_features = check_size(type(self).__name__, "num_features", num_features)
         self.eps = eps
+        if momentum is not None and not isinstance(momentum, numbers.Real):
+            what = f"a tensor of shape {tuple(momentum.shape)}" if isinstance(momentum, Tensor) else repr(momentum)
+            raise TypeError(
+                f"{type(self).__name__}: momentum must be a float or None (as in torch.nn), got {what}; for "
+                "per-model factors call batchlayers.functional.batch_norm with an (M,) momentum"
+            )
         self.momentum = momentum
         self.affine = affine
         self.track_running_stats = track_running_stats
@@ -368,7 +383,14 @@ class _BatchedInstanceNorm(BatchedNormBase):
         super().__init__(num_models, num_features, eps, momentum, affine, track_running_stats, device, dtype, bias=bias)
 
     def forward(self, input: Tensor) -> Tensor:
-        check_input(self, input, channels=("C", self.num_features), ndims=self._input_ndims, layout=self._layout)
+        check_input(
+            self,
+            input,
+            channels=("C", self.num_features),
+            ndims=self._input_ndims,
+            layout=self._layout,
+            check_dtype=False,
+        )
         check_norm_dtypes(self, input, (self.weight, self.bias))  # the running statistics may have any dtype
         use_input_stats = self.training or not self.track_running_stats
         if use_input_stats and math.prod(input.shape[3:]) == 1:

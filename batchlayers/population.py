@@ -43,6 +43,8 @@ Indices = int | Sequence[int] | Tensor
 def _model_tensors(module: nn.Module, caller: str) -> tuple[list[tuple[str, Tensor]], int]:
     """Every parameter and buffer (each once) and the number of models they agree on; a stacked model's
     shared buffers (one copy for all models, e.g. a causal mask) hold no model dimension and are left out."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"{caller}: expected a batched nn.Module, got {type(module).__name__}")
     shared = set(root_shared_buffers(module))
     named = [(n, t) for n, t in [*module.named_parameters(), *module.named_buffers()] if n not in shared]
     if not named:
@@ -81,6 +83,11 @@ def _as_indices(indices: Indices, num_models: int, what: str, caller: str, allow
             raise TypeError(f"{caller}: {what} must be integers, got a {indices.dtype} tensor")
         index = index.reshape(-1) if index.dim() == 0 else index
     else:
+        if not isinstance(indices, (int, Iterable)) or isinstance(indices, (str, bytes)):
+            raise TypeError(
+                f"{caller}: {what} must be an int, a sequence of ints or an integer tensor, got "
+                f"{type(indices).__name__} {indices!r}"
+            )
         values = [indices] if isinstance(indices, int) else list(indices)
         if not all(isinstance(i, int) and not isinstance(i, bool) for i in values):
             raise TypeError(f"{caller}: {what} must be integers, got {values!r}")
@@ -130,7 +137,10 @@ def index_models_(module: nn.Module, indices: Indices) -> nn.Module:
 
 
 def _optimizer_groups(optimizer: Optimizer, params: set[int], caller: str) -> list[dict[str, Any]]:
-    """The param groups holding the model's parameters; a group mixing them with others is an error."""
+    """The param groups holding the model's parameters; a group mixing them with others is an error, and so is
+    an optimizer holding none of them (it would silently keep every model's state)."""
+    if not isinstance(optimizer, Optimizer):
+        raise TypeError(f"{caller}: expected a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
     groups = []
     for i, group in enumerate(optimizer.param_groups):
         inside = [id(p) in params for p in group["params"]]
@@ -141,6 +151,11 @@ def _optimizer_groups(optimizer: Optimizer, params: set[int], caller: str) -> li
             )
         if any(inside):
             groups.append(group)
+    if not groups:
+        raise ValueError(
+            f"{caller}: the optimizer ({type(optimizer).__name__}) holds none of the model's parameters; pass the "
+            "optimizer over this model, or None"
+        )
     return groups
 
 
@@ -181,6 +196,75 @@ def _scheduler_lists(scheduler: Any) -> Iterable[list]:
                 yield value
 
 
+def _scheduler_state(scheduler: Any, num_models: int) -> Iterable[tuple[Any, str, Tensor]]:
+    """``(scheduler, name, tensor)`` for every ``(M,)`` tensor a scheduler holds as an attribute of its own: per-model
+    state, not a per-group value (``batchlayers.optim.lr_scheduler.ReduceLROnPlateau``'s ``best``,
+    ``num_bad_epochs``, ``cooldown_counter``), also in nested schedulers."""
+    for name, value in list(vars(scheduler).items()):
+        if isinstance(value, Tensor) and value.shape == (num_models,):
+            yield scheduler, name, value
+        elif isinstance(value, list) and value and all(hasattr(s, "optimizer") for s in value):
+            for child in value:
+                yield from _scheduler_state(child, num_models)
+
+
+def _check_schedulers(
+    schedulers: Iterable[Any] | None,
+    optimizer: Optimizer | None,
+    groups: list[dict[str, Any]],
+    caller: str,
+    silent: bool,
+) -> list[Any]:
+    """The schedulers whose per-model values follow the models: ``schedulers`` (each must be a scheduler of
+    ``optimizer``) and the optimizer's ``batchlayers.optim.lr_scheduler`` schedulers, found through their
+    registry.
+
+    Not given (``None``): a ``torch.optim.lr_scheduler`` scheduler cannot be found from its optimizer; it leaves a
+    per-model ``initial_lr`` in the param groups, and keeps a copy of it as its ``base_lrs``. When the call keeps
+    the number of models (``silent``: a reordering, a duplicate, a copy), that stale copy would give its values to
+    the wrong models without any error, so the call is refused. (When the number changes, the stale copy has the
+    old number of entries and the scheduler's next step raises instead of mixing models.)
+    """
+    from .optim.lr_scheduler import live_schedulers  # (the population tools sit above the optimizers)
+
+    if optimizer is None:
+        if schedulers:
+            raise ValueError(f"{caller}: schedulers were given without their optimizer")
+        return []
+    if schedulers is None:
+        stale = [
+            i
+            for i, group in enumerate(optimizer.param_groups)
+            if any(group is g for g in groups)
+            and isinstance(group.get("initial_lr"), Tensor)
+            and group["initial_lr"].dim() > 0
+        ]
+        if silent and stale:
+            raise ValueError(
+                f"{caller}: param_groups{stale} of the optimizer hold a per-model 'initial_lr', which a "
+                "torch.optim.lr_scheduler scheduler sets and copies to its base_lrs; that copy would keep each "
+                f"position's old model's value. Pass the scheduler: {caller}(model, optimizer, ..., "
+                "schedulers=[scheduler]), or schedulers=[] if no scheduler uses this optimizer any more"
+            )
+        return live_schedulers(optimizer)
+    if isinstance(schedulers, (str, bytes)) or not isinstance(schedulers, Iterable):
+        raise TypeError(f"{caller}: schedulers must be a list of learning-rate schedulers, got {schedulers!r}")
+    schedulers = list(schedulers)
+    for i, scheduler in enumerate(schedulers):
+        owner = getattr(scheduler, "optimizer", None)
+        if not isinstance(owner, Optimizer):
+            raise TypeError(
+                f"{caller}: schedulers[{i}] is a {type(scheduler).__name__}, not a learning-rate scheduler (it has no "
+                "optimizer)"
+            )
+        if owner is not optimizer:
+            raise ValueError(
+                f"{caller}: schedulers[{i}] ({type(scheduler).__name__}) schedules another optimizer than the one "
+                "passed"
+            )
+    return schedulers + [s for s in live_schedulers(optimizer) if not any(s is t for t in schedulers)]
+
+
 def _state_tensors(optimizer: Optimizer, groups: list[dict[str, Any]], num_models: int):
     """``(state dict, key, tensor)`` for every per-model optimizer state tensor of these groups."""
     for group in groups:
@@ -207,7 +291,7 @@ def keep_models_(
     optimizer: Optimizer | None,
     indices: Indices,
     *,
-    schedulers: Iterable[Any] = (),
+    schedulers: Iterable[Any] | None = None,
 ) -> None:
     r"""Keep only the models at ``indices`` (in that order), in the model and its optimizer, in place.
 
@@ -222,8 +306,17 @@ def keep_models_(
         optimizer: the optimizer over ``model``'s parameters, or ``None``.
         indices: the models to keep, in the new order (an index may repeat to duplicate a model), or an
             ``(M,)`` bool mask.
-        schedulers: learning-rate schedulers of ``optimizer`` whose per-model ``(M,)`` base learning rates
-            must follow (``base_lrs`` and the like).
+        schedulers: the learning-rate schedulers of ``optimizer``, whose per-model values follow: ``(M,)``
+            base learning rates (``base_lrs`` and the like) and per-model state (the ``best``, ``num_bad_epochs``
+            of :class:`batchlayers.optim.lr_scheduler.ReduceLROnPlateau`). Not given: the optimizer's
+            ``batchlayers.optim.lr_scheduler`` schedulers follow by themselves; a ``torch.optim.lr_scheduler``
+            scheduler cannot be found from the optimizer, so pass it whenever one with per-model learning rates
+            is in use. Without it, a call that keeps the number of models (a reordering, a duplicate) is refused,
+            since the scheduler's ``base_lrs`` would silently give other models' values; one that changes the
+            number leaves the scheduler's lists at the old length, and its next step raises. Pass
+            ``schedulers=[]`` if no scheduler uses the optimizer any more.
+
+    Nothing changes if any check fails.
     """
     named, num_models = _model_tensors(model, "keep_models_")
     index = _as_indices(indices, num_models, "indices", "keep_models_", allow_mask=True)
@@ -231,6 +324,7 @@ def keep_models_(
     if optimizer is not None:
         groups = _optimizer_groups(optimizer, {id(t) for _, t in model.named_parameters()}, "keep_models_")
         _check_optimizer_models(groups, optimizer, num_models, "keep_models_")
+    schedulers = _check_schedulers(schedulers, optimizer, groups, "keep_models_", silent=len(index) == num_models)
     index_models_(model, index)
     for state, key, value in list(_state_tensors(optimizer, groups, num_models)):
         state[key] = _take(value, index)
@@ -238,6 +332,8 @@ def keep_models_(
         for key, pos, value in _per_model_entries(group, num_models):
             _set_entry(group, key, pos, _rewrap(value, _take(value.as_subclass(Tensor), index)))
     for scheduler in schedulers:
+        for owner, name, value in list(_scheduler_state(scheduler, num_models)):
+            setattr(owner, name, _take(value, index))
         for values in _scheduler_lists(scheduler):
             for i, v in enumerate(values):
                 if isinstance(v, Tensor) and v.shape == (num_models,):
@@ -252,7 +348,7 @@ def copy_model_(
     dst: Indices,
     *,
     copy_hyperparameters: bool = True,
-    schedulers: Iterable[Any] = (),
+    schedulers: Iterable[Any] | None = None,
 ) -> None:
     r"""Copy model ``src`` onto model ``dst``, in the model and its optimizer, in place.
 
@@ -268,7 +364,11 @@ def copy_model_(
         dst: the model(s) to overwrite.
         copy_hyperparameters: also copy the ``(M,)`` hyperparameter tensors of the optimizer (and of
             ``schedulers``), as PBT does before it perturbs them. Default: ``True``.
-        schedulers: learning-rate schedulers whose per-model base learning rates are copied along.
+        schedulers: the learning-rate schedulers of ``optimizer``: their per-model state (the ``best``,
+            ``num_bad_epochs`` of :class:`batchlayers.optim.lr_scheduler.ReduceLROnPlateau`) is copied, and
+            with ``copy_hyperparameters`` their per-model base learning rates. Not given: as in
+            :func:`keep_models_`; with ``copy_hyperparameters`` a ``torch.optim.lr_scheduler`` scheduler with
+            per-model learning rates must be passed (the call is refused otherwise).
 
     Example::
 
@@ -286,6 +386,7 @@ def copy_model_(
     if optimizer is not None:
         groups = _optimizer_groups(optimizer, {id(t) for _, t in model.named_parameters()}, "copy_model_")
         _check_optimizer_models(groups, optimizer, num_models, "copy_model_")
+    schedulers = _check_schedulers(schedulers, optimizer, groups, "copy_model_", silent=copy_hyperparameters)
 
     def copy_(t: Tensor) -> None:
         t.index_copy_(0, dst_index.to(t.device), _take(t, src_index))
@@ -296,6 +397,9 @@ def copy_model_(
             copy_(t.grad)
     for _, _, value in _state_tensors(optimizer, groups, num_models):
         copy_(value)
+    for scheduler in schedulers:
+        for _, _, value in _scheduler_state(scheduler, num_models):
+            copy_(value)
     if copy_hyperparameters:
         for group in groups:
             for _, _, value in _per_model_entries(group, num_models):

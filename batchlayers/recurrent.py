@@ -11,7 +11,15 @@ from torch import Tensor, nn
 from torch.nn import init
 from torch.nn.utils.rnn import PackedSequence
 
-from ._utils import check_device, check_input, check_num_models, init_per_model_, layer_name
+from ._utils import (
+    autocast_enabled,
+    check_device,
+    check_input,
+    check_num_models,
+    check_size,
+    init_per_model_,
+    layer_name,
+)
 from .functional._recurrent import GATES, rnn
 
 __all__ = ["BatchedRNN", "BatchedLSTM", "BatchedGRU", "BatchedRNNCell", "BatchedLSTMCell", "BatchedGRUCell"]
@@ -46,12 +54,15 @@ def _check_state(module: nn.Module, state: object, expected: tuple[int, ...], wh
             f"{layer_name(module)}: expected {what} of shape {_shape(expected)}, got {_shape(state.shape)}"
         )
     check_device(module, state, what)
-    if state.dtype != input.dtype:
+    # Under autocast torch takes states of any floating dtype: a cell's c stays float32 while its h is the
+    # autocast dtype, and each step's states come back in.
+    if state.dtype != input.dtype and not autocast_enabled(input):
         raise ValueError(f"{layer_name(module)}: {what} dtype {state.dtype} does not match the input's {input.dtype}")
 
 
 def _check_dtype(module: nn.Module, input: Tensor, weight: Tensor) -> None:
-    if input.dtype != weight.dtype:
+    # As torch.nn.RNNBase.check_input: any input dtype under autocast, which casts the matrix multiplies' operands.
+    if input.dtype != weight.dtype and not autocast_enabled(input):
         raise ValueError(
             f"{layer_name(module)}: input dtype {input.dtype} does not match the weights' {weight.dtype}; "
             f"convert the input (input.to({weight.dtype})) or the layer (.to({input.dtype}))"
@@ -170,8 +181,15 @@ class _BatchedRNNBase(nn.Module):
         _refuse_packed(self, input)
         layout = "(M, B, T, input_size)" if self.batch_first else "(M, T, B, input_size)"
         _refuse_unbatched(self, input, 4, layout, 1 if self.batch_first else 2)
-        check_input(self, input, trailing=[("input_size", self.input_size)], ndims=(4,), layout=layout)
+        check_input(
+            self, input, trailing=[("input_size", self.input_size)], ndims=(4,), layout=layout, check_dtype=False
+        )
         _check_dtype(self, input, self.weight_ih_l0)
+        if input.shape[2 if self.batch_first else 1] == 0:
+            raise ValueError(
+                f"{layer_name(self)}: expected input {layout} with at least one time step T, got shape "
+                f"{_shape(input.shape)}"
+            )
         if hx is None:
             return
         num_directions = 2 if self.bidirectional else 1
@@ -443,8 +461,8 @@ class _BatchedRNNCellBase(nn.Module):
         factory_kwargs = {"device": device, "dtype": dtype}
         super().__init__()
         self.num_models = check_num_models(num_models, type(self))
-        self.input_size = input_size
-        self.hidden_size = hidden_size
+        self.input_size = check_size(type(self).__name__, "input_size", input_size, 1)
+        self.hidden_size = check_size(type(self).__name__, "hidden_size", hidden_size, 1)
         self.bias = bias
         gate_size = GATES[self._mode] * hidden_size
         self.weight_ih = nn.Parameter(torch.empty((num_models, gate_size, input_size), **factory_kwargs))
@@ -466,7 +484,14 @@ class _BatchedRNNCellBase(nn.Module):
     def _step(self, mode: str, input: Tensor, hx):
         _refuse_packed(self, input)
         _refuse_unbatched(self, input, 3, "(M, B, input_size)", 1)
-        check_input(self, input, trailing=[("input_size", self.input_size)], ndims=(3,), layout="(M, B, input_size)")
+        check_input(
+            self,
+            input,
+            trailing=[("input_size", self.input_size)],
+            ndims=(3,),
+            layout="(M, B, input_size)",
+            check_dtype=False,
+        )
         _check_dtype(self, input, self.weight_ih)
         expected = (self.num_models, input.shape[1], self.hidden_size)
         if hx is not None:
@@ -490,6 +515,7 @@ class _BatchedRNNCellBase(nn.Module):
             dropout=0.0,
             training=False,
             bidirectional=False,
+            cell=True,
         )
         return (state[0][:, 0], state[1][:, 0]) if mode == "LSTM" else state[:, 0]
 

@@ -135,6 +135,11 @@ def isinstance_torch(module: nn.Module, classinfo: type | tuple[type, ...]) -> b
     A batched layer stands for the type it was registered for (:func:`register`), else for the type named
     by its class's ``torch_module`` attribute.
     """
+    types = classinfo if isinstance(classinfo, tuple) else (classinfo,)
+    if not all(isinstance(t, type) for t in types):
+        raise TypeError(
+            f"isinstance_torch: classinfo must be a type or a tuple of types (e.g. nn.Linear), got {classinfo!r}"
+        )
     if isinstance(module, classinfo):
         return True
     registered = counterpart_of_batched(type(module))

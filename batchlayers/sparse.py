@@ -6,8 +6,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn import init
 
-from ._utils import _fmt, check_input, check_num_models, init_per_model_, layer_name
-from .functional._embedding import _embedding_bag, check_embedding_bag_arguments, embedding
+from ._utils import _fmt, check_input, check_num_models, check_size, init_per_model_, layer_name
+from .functional._embedding import _embedding_bag, check_embedding_bag_arguments, check_index_range, lookup
 
 __all__ = ["BatchedEmbedding", "BatchedEmbeddingBag"]
 
@@ -15,17 +15,7 @@ _INDEX_DTYPES = (torch.int64, torch.int32)
 
 
 def _check_index_range(layer: nn.Module, input: Tensor) -> None:
-    # The lookup itself can never read another model's rows; this only gives a clearer message where the
-    # check costs no device synchronisation and no graph break.
-    if input.device.type != "cpu" or torch.compiler.is_compiling():
-        return
-    out_of_range = (input < 0) | (input >= layer.num_embeddings)
-    if out_of_range.any():
-        position = tuple(out_of_range.nonzero()[0].tolist())
-        raise IndexError(
-            f"{layer_name(layer)}: index {input[position].item()} at position {position} (model {position[0]}) "
-            f"is out of range: expected 0 <= index < num_embeddings={layer.num_embeddings}"
-        )
+    check_index_range(layer_name(layer), input, layer.num_embeddings)
 
 
 def _padding_idx_within(layer: nn.Module, padding_idx: int | None, num_embeddings: int) -> int | None:
@@ -120,8 +110,8 @@ class BatchedEmbedding(nn.Module):
         factory_kwargs = {"device": device, "dtype": dtype}
         super().__init__()
         self.num_models = check_num_models(num_models, type(self))
-        self.num_embeddings = num_embeddings
-        self.embedding_dim = embedding_dim
+        self.num_embeddings = check_size(type(self).__name__, "num_embeddings", num_embeddings)
+        self.embedding_dim = check_size(type(self).__name__, "embedding_dim", embedding_dim)
         self.padding_idx = _padding_idx_within(self, padding_idx, num_embeddings)
         self.max_norm = max_norm
         self.norm_type = norm_type
@@ -150,13 +140,13 @@ class BatchedEmbedding(nn.Module):
                 self.weight[:, self.padding_idx].fill_(0)
 
     def forward(self, input: Tensor) -> Tensor:
-        check_input(self, input, what="indices")
+        check_input(self, input, what="indices", check_dtype=False)
         if input.dtype not in _INDEX_DTYPES:
             raise TypeError(
                 f"{layer_name(self)}: expected integer indices (torch.int64 or torch.int32), got {input.dtype}"
             )
         self._check_index_range(input)
-        return embedding(
+        return lookup(
             input,
             self.weight,
             self.padding_idx,
@@ -311,8 +301,8 @@ class BatchedEmbeddingBag(nn.Module):
         self.num_models = check_num_models(num_models, type(self))
         if mode not in ("sum", "mean", "max"):
             raise ValueError(f"{type(self).__name__}: mode must be 'sum', 'mean' or 'max', got {mode!r}")
-        self.num_embeddings = num_embeddings
-        self.embedding_dim = embedding_dim
+        self.num_embeddings = check_size(type(self).__name__, "num_embeddings", num_embeddings)
+        self.embedding_dim = check_size(type(self).__name__, "embedding_dim", embedding_dim)
         self.max_norm = max_norm
         self.norm_type = norm_type
         self.scale_grad_by_freq = scale_grad_by_freq

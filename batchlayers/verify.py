@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -75,14 +76,33 @@ def verify(
         >>> result = batchlayers.verify(models, batchlayers.stack(models), x)
         >>> assert result.passed.all(), result
     """
+    if isinstance(models, nn.Module) or not isinstance(models, Sequence):
+        raise TypeError(f"verify: expected a list of the original models, got {type(models).__name__}")
     models = list(models)
+    for i, m in enumerate(models):
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"verify: models[{i}] is a {type(m).__name__}, not an nn.Module")
+    if not isinstance(stacked, nn.Module):
+        raise TypeError(f"verify: expected the stacked model (an nn.Module), got {type(stacked).__name__}")
     num_models = getattr(stacked, "num_models", len(models))
     if num_models != len(models):
         raise ValueError(f"verify: the stacked model holds {num_models} models, got {len(models)} originals")
+    for name, value in (("rtol", rtol), ("atol", atol)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real) or not value >= 0):
+            raise ValueError(f"verify: {name} must be a number >= 0 or None, got {value!r}")
+
+    def check(t: Tensor, where: str) -> None:
+        if t.dim() == 0 or t.shape[0] != num_models:
+            raise ValueError(
+                f"verify: every tensor input must be (N, B, *) with N={num_models} (model i gets t[i]), but "
+                f"{where} has shape {tuple(t.shape)}"
+            )
 
     def leaf(t: Tensor, where: str) -> Tensor:
         return t.detach().requires_grad_() if t.is_floating_point() else t
 
+    map_tensors(list(inputs), lambda t, where: check(t, f"inputs{where}"))
+    map_tensors(dict(kwargs), lambda t, where: check(t, f"kwargs{where}"))
     stacked_in = map_tensors((inputs, kwargs), leaf)
     own_in = [map_tensors(stacked_in, lambda t, where, i=i: leaf(t[i], where)) for i in range(len(models))]
     saved = [{n: b.detach().clone() for n, b in m.named_buffers()} for m in (stacked, *models)]

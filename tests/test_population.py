@@ -16,6 +16,7 @@ from batchlayers import losses as BL
 from batchlayers.container import Folded
 from batchlayers.linear import BatchedLinear
 from batchlayers.optim import SGD, Adam, PerModelValue
+from batchlayers.optim.lr_scheduler import ReduceLROnPlateau
 from batchlayers.population import copy_model_, index_models_, keep_models_
 
 B = 6
@@ -311,3 +312,138 @@ def test_keep_models_on_a_stacked_gpt_leaves_its_shared_mask_alone() -> None:
     expected = stack([originals[2], originals[0]])
     idx = torch.randint(0, zoo.GPTConfig().vocab_size, (2, B, 8))
     assert_close(stacked(idx).logits, expected(idx).logits, msg="logits after keep_models_")
+
+
+# -- per-model ReduceLROnPlateau and the schedulers that must follow keep_models_ / copy_model_ ----------------
+
+
+class PlateauRuns:
+    """A batched optimizer and per-model ReduceLROnPlateau, and per model a torch.optim.SGD with torch's own
+    ReduceLROnPlateau: the reference the batched scheduler must equal exactly."""
+
+    def __init__(self, lr, kwargs: dict, per_model_min_lr: torch.Tensor | None = None) -> None:
+        num_models = 4
+        self.param = nn.Parameter(torch.zeros(num_models, 2, dtype=torch.float64))
+        self.opt = SGD([self.param], lr=lr)
+        min_lr = {} if per_model_min_lr is None else {"min_lr": per_model_min_lr}
+        self.sched = ReduceLROnPlateau(self.opt, **kwargs, **min_lr)
+        lrs = lr.tolist() if isinstance(lr, torch.Tensor) else [lr] * num_models
+        self.refs = []
+        for m in range(num_models):
+            opt = torch.optim.SGD([nn.Parameter(torch.zeros(2, dtype=torch.float64))], lr=lrs[m])
+            own_min = {} if per_model_min_lr is None else {"min_lr": per_model_min_lr[m].item()}
+            self.refs.append((opt, torch.optim.lr_scheduler.ReduceLROnPlateau(opt, **kwargs, **own_min)))
+
+    def step(self, metrics: torch.Tensor) -> None:
+        self.sched.step(metrics)
+        for (_, ref), metric in zip(self.refs, metrics.tolist()):
+            ref.step(metric)
+
+    def check(self, msg: str) -> None:
+        expected = torch.tensor([opt.param_groups[0]["lr"] for opt, _ in self.refs], dtype=torch.float64)
+        got = torch.as_tensor(self.opt.param_groups[0]["lr"], dtype=torch.float64)
+        assert torch.equal(got.as_subclass(torch.Tensor).reshape(-1).expand(len(self.refs)), expected), msg
+        for m, (_, ref) in enumerate(self.refs):
+            assert self.sched.num_bad_epochs[m].item() == ref.num_bad_epochs, f"{msg}: num_bad_epochs[{m}]"
+            assert self.sched.cooldown_counter[m].item() == ref.cooldown_counter, f"{msg}: cooldown[{m}]"
+            assert self.sched.best[m].item() == ref.best, f"{msg}: best[{m}]"
+
+
+PLATEAU_CONFIGS = [
+    {"mode": "min", "factor": 0.5, "patience": 1},
+    {"mode": "max", "factor": 0.3, "patience": 2, "threshold_mode": "abs", "threshold": 0.05},
+    {"mode": "min", "factor": 0.1, "patience": 0, "cooldown": 2, "eps": 1e-3},
+    {"mode": "max", "factor": 0.7, "patience": 1, "threshold": 0.2, "cooldown": 1},
+]
+
+
+@pytest.mark.parametrize("kwargs", PLATEAU_CONFIGS, ids=lambda k: "-".join(f"{a}={b}" for a, b in k.items()))
+@pytest.mark.parametrize("lr", ["per-model", "float"])
+@pytest.mark.parametrize("min_lr", ["float", "per-model"])
+def test_reduce_lr_on_plateau_equals_torch_per_model(kwargs, lr, min_lr) -> None:
+    torch.manual_seed(0)
+    start = torch.tensor([0.1, 0.05, 0.2, 0.01], dtype=torch.float64) if lr == "per-model" else 0.1
+    floor = torch.tensor([1e-3, 2e-2, 0.0, 5e-3], dtype=torch.float64) if min_lr == "per-model" else None
+    runs = PlateauRuns(start, {**kwargs, **({} if floor is not None else {"min_lr": 4e-3})}, floor)
+    metrics = torch.rand(25, 4, dtype=torch.float64)
+    metrics[:, 1] = torch.linspace(1, 0, 25) * (-1 if kwargs["mode"] == "max" else 1)  # model 1 always improves
+    metrics[5:9, 2] = float("nan")  # a NaN metric is a bad epoch, as in torch
+    for t, row in enumerate(metrics):
+        runs.step(row)
+        runs.check(f"epoch {t}")
+    lrs = runs.opt.param_groups[0]["lr"]
+    assert isinstance(lrs, torch.Tensor) and len(set(lrs.tolist())) > 1, "the models' learning rates should differ"
+    stepped_lrs = runs.sched.get_last_lr()[0]
+    assert torch.equal(torch.as_tensor(stepped_lrs), torch.as_tensor(lrs).as_subclass(torch.Tensor))
+
+
+def test_reduce_lr_on_plateau_state_dict_resumes_exactly() -> None:
+    runs = PlateauRuns(torch.tensor([0.1, 0.05, 0.2, 0.01], dtype=torch.float64), {"patience": 1, "cooldown": 1})
+    metrics = torch.rand(12, 4, dtype=torch.float64)
+    for row in metrics[:5]:
+        runs.step(row)
+    saved_opt, saved_sched = copy.deepcopy(runs.opt.state_dict()), runs.sched.state_dict()
+    runs.step(metrics[5])  # a saved state does not change afterwards
+    param = nn.Parameter(torch.zeros(4, 2, dtype=torch.float64))
+    resumed_opt = SGD([param], lr=0.5)
+    resumed = ReduceLROnPlateau(resumed_opt)
+    resumed_opt.load_state_dict(saved_opt)
+    resumed.load_state_dict(saved_sched)
+    for row in metrics[5:]:
+        resumed.step(row)
+    for row in metrics[6:]:
+        runs.step(row)
+    assert torch.equal(resumed_opt.param_groups[0]["lr"], runs.opt.param_groups[0]["lr"])
+    for name in ("best", "num_bad_epochs", "cooldown_counter"):
+        assert torch.equal(getattr(resumed, name), getattr(runs.sched, name)), name
+
+
+@pytest.mark.parametrize("passed", [True, False], ids=["passed", "found-by-itself"])
+def test_plateau_follows_keep_and_copy(passed) -> None:
+    """keep_models_ / copy_model_ index and copy the scheduler's per-model state, passed or not; model i then
+    continues exactly like its own torch run."""
+    runs = PlateauRuns(torch.tensor([0.1, 0.05, 0.2, 0.01], dtype=torch.float64), {"patience": 1, "cooldown": 1})
+    model = nn.ParameterList([runs.param])  # the optimizer's parameter
+    metrics = torch.rand(20, 4, dtype=torch.float64)
+    for row in metrics[:6]:
+        runs.step(row)
+    schedulers = {"schedulers": [runs.sched]} if passed else {}
+    keep_models_(model, runs.opt, [3, 0, 2], **schedulers)
+    runs.refs = [runs.refs[m] for m in (3, 0, 2)]
+    runs.check("after keep_models_")
+    copy_model_(model, runs.opt, src=2, dst=0, **schedulers)
+    ref_opt, ref_sched = runs.refs[0]
+    ref_opt.load_state_dict(runs.refs[2][0].state_dict())
+    ref_sched.load_state_dict(runs.refs[2][1].state_dict())
+    runs.check("after copy_model_")
+    for row in metrics[6:, :3]:
+        runs.step(row)
+        runs.check("training on")
+
+
+def test_keep_models_without_a_torch_scheduler_it_cannot_find() -> None:
+    """A torch scheduler with per-model learning rates is not found from its optimizer: keep_models_ refuses a
+    call that keeps M (its base_lrs would silently belong to other models), and lets one that changes M through
+    (the scheduler's lists keep the old length: its next use raises rather than mixing models)."""
+    model = BatchedLinear(3, 4, 2, dtype=torch.float64)
+    opt = Adam(model.parameters(), lr=torch.tensor([0.1, 0.2, 0.3], dtype=torch.float64))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 0.5**epoch)
+    weight = model.weight.detach().clone()
+    with pytest.raises(ValueError, match=r"keep_models_: param_groups\[0\] .* 'initial_lr'.*schedulers=\[scheduler\]"):
+        keep_models_(model, opt, [2, 1, 0])
+    assert torch.equal(model.weight, weight) and opt.param_groups[0]["lr"].tolist() == [0.1, 0.2, 0.3]
+    keep_models_(model, opt, [2, 1, 0], schedulers=[sched])
+    assert [t.tolist() for t in sched.base_lrs] == [[0.3, 0.2, 0.1]]
+    keep_models_(model, opt, [0, 1])  # changes M: allowed, and the stale scheduler would raise at its next step
+    assert model.weight.shape[0] == 2
+    model(torch.randn(2, B, 4, dtype=torch.float64)).sum().backward()
+    opt.step()
+    with pytest.raises(ValueError, match=r"shape \(2,\) to a value of shape \(3,\)"):
+        sched.step()
+
+
+def test_plateau_refuses_an_optimizer_whose_models_changed_behind_it() -> None:
+    runs = PlateauRuns(torch.tensor([0.1, 0.05, 0.2, 0.01], dtype=torch.float64), {"patience": 1})
+    index_models_(nn.ParameterList([runs.param]), [0, 1])  # the parameters only: not keep_models_
+    with pytest.raises(ValueError, match=r"param group 0 holds 2 models, this scheduler's state 4; .*keep_models_"):
+        runs.sched.step(torch.ones(2))

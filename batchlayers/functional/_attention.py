@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .._utils import check_call_input, check_parameter, check_size, check_weight
 from ._linear import linear
 
 __all__ = ["multi_head_attention"]
@@ -58,6 +59,23 @@ def multi_head_attention(
         ``(M, B, L, E)`` and the attention weights ``(M, B, L, S)`` (``(M, B, heads, L, S)`` without
         averaging) or ``None``.
     """
+    _check_arguments(
+        query,
+        key,
+        value,
+        num_heads,
+        in_proj_weight,
+        in_proj_bias,
+        bias_k,
+        bias_v,
+        out_proj_weight,
+        out_proj_bias,
+        key_padding_mask,
+        attn_mask,
+        q_proj_weight,
+        k_proj_weight,
+        v_proj_weight,
+    )
     num_models, batch, tgt_len, embed_dim = query.shape
     head_dim = embed_dim // num_heads
     q, k, v = _projections(query, key, value, in_proj_weight, in_proj_bias, q_proj_weight, k_proj_weight, v_proj_weight)
@@ -140,6 +158,75 @@ def multi_head_attention(
     out = out.transpose(1, 2).reshape(num_models, batch * tgt_len, embed_dim)
     out = linear(out, out_proj_weight, out_proj_bias).view(num_models, batch, tgt_len, -1)
     return out, weights
+
+
+def _check_arguments(
+    query,
+    key,
+    value,
+    num_heads,
+    in_proj_weight,
+    in_proj_bias,
+    bias_k,
+    bias_v,
+    out_proj_weight,
+    out_proj_bias,
+    key_padding_mask,
+    attn_mask,
+    q_weight,
+    k_weight,
+    v_weight,
+) -> None:
+    """Refuse, naming the function, arguments whose shapes do not fit together (torch's messages would name the
+    folded ``(M * B * heads, ...)`` shapes)."""
+    function = "batchlayers.functional.multi_head_attention"
+    num_models, embed_dim, _ = check_weight(function, "out_proj_weight", out_proj_weight, 3, "(M, E, E)")
+    check_call_input(
+        function, query, num_models, trailing=[("E", embed_dim)], ndims=[4], what="query", layout="(M, B, L, E)"
+    )
+    if check_size(function, "num_heads", num_heads, 1) and embed_dim % num_heads:
+        raise ValueError(f"{function}: embed_dim E={embed_dim} must be divisible by num_heads={num_heads}")
+    if in_proj_weight is not None:
+        check_parameter(
+            function, "in_proj_weight", in_proj_weight, (num_models, 3 * embed_dim, embed_dim), "(M, 3 * E, E)", query
+        )
+        kdim = vdim = embed_dim
+    else:
+        for name, w in (("q_proj_weight", q_weight), ("k_proj_weight", k_weight), ("v_proj_weight", v_weight)):
+            if w is None:
+                raise ValueError(
+                    f"{function}: without in_proj_weight, q_proj_weight, k_proj_weight and "
+                    f"v_proj_weight are needed; {name} is None"
+                )
+            check_weight(function, name, w, 3, f"(M, E, {name[0]}dim)")
+        check_parameter(function, "q_proj_weight", q_weight, (num_models, embed_dim, embed_dim), "(M, E, E)", query)
+        kdim, vdim = k_weight.shape[2], v_weight.shape[2]
+        check_parameter(function, "k_proj_weight", k_weight, (num_models, embed_dim, kdim), "(M, E, kdim)", query)
+        check_parameter(function, "v_proj_weight", v_weight, (num_models, embed_dim, vdim), "(M, E, vdim)", query)
+    check_call_input(
+        function, key, num_models, trailing=[("kdim", kdim)], ndims=[4], what="key", layout="(M, B, S, kdim)"
+    )
+    check_call_input(
+        function, value, num_models, trailing=[("vdim", vdim)], ndims=[4], what="value", layout="(M, B, S, vdim)"
+    )
+    batch, tgt_len, src_len = query.shape[1], query.shape[2], key.shape[2]
+    if key.shape[1] != batch or value.shape[1:3] != key.shape[1:3]:
+        raise ValueError(
+            f"{function}: query (M, B, L, E), key (M, B, S, kdim) and value (M, B, S, vdim) must share B, and key and "
+            f"value S: got query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}"
+        )
+    check_parameter(function, "in_proj_bias", in_proj_bias, (num_models, 3 * embed_dim), "(M, 3 * E)", query)
+    check_parameter(function, "out_proj_bias", out_proj_bias, (num_models, embed_dim), "(M, E)", query)
+    for name, bias in (("bias_k", bias_k), ("bias_v", bias_v)):
+        check_parameter(function, name, bias, (num_models, 1, 1, embed_dim), "(M, 1, 1, E)", query)
+    check_parameter(function, "key_padding_mask", key_padding_mask, (num_models, batch, src_len), "(M, B, S)", key)
+    rows = batch * num_heads
+    allowed = [(tgt_len, src_len), (num_models, tgt_len, src_len), (num_models, rows, tgt_len, src_len)]
+    if attn_mask is not None and tuple(attn_mask.shape) not in allowed:
+        raise ValueError(
+            f"{function}: expected attn_mask (L, S) = {allowed[0]} (shared), (M, L, S) = {allowed[1]} or "
+            f"(M, B * num_heads, L, S) = {allowed[2]}, got {tuple(attn_mask.shape)}"
+        )
 
 
 def _projections(query, key, value, in_proj_weight, in_proj_bias, q_weight, k_weight, v_weight):

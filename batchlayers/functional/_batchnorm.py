@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .._utils import check_norm_dtypes, is_shared
-from ._norm import channel_view, mixed_result, per_model_affine, running_stats_norm, upcast
+from ._norm import channel_view, check_channel_norm, mixed_result, per_model_affine, running_stats_norm, upcast
 
 __all__ = ["batch_norm"]
 
@@ -49,6 +49,16 @@ def batch_norm(
     An empty batch (``B = 0`` or an empty spatial size) leaves the running statistics as they are, as torch's
     kernel does (it returns before updating them); the output is empty.
     """
+    function = "batchlayers.functional.batch_norm"
+    params = ("running_mean", running_mean), ("running_var", running_var), ("weight", weight), ("bias", bias)
+    check_channel_norm(function, x, *params)
+    if (running_mean is None) != (running_var is None):
+        raise ValueError(f"{function}: running_mean and running_var are given together or not at all")
+    if isinstance(momentum, Tensor) and tuple(momentum.shape) != (x.shape[0],):
+        raise ValueError(
+            f"{function}: momentum must be a float or an (M,) = ({x.shape[0]},) tensor, one factor per model, "
+            f"got shape {tuple(momentum.shape)}"
+        )
     num_models, batch, num_channels = x.shape[:3]
     spatial = x.shape[3:]
     param_view = channel_view(num_models, x.dim(), num_channels)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import backends
-from .._utils import is_shared
+from .._utils import _fmt, check_call_input, check_parameter, is_shared
 
 __all__ = ["conv", "conv_transpose", "heuristic_strategy", "heuristic_transpose_strategy", "padding_for_pad"]
 
@@ -297,6 +297,39 @@ def _apply(strategy: str, x: Tensor, weight: Tensor, bias: Tensor | None, opts: 
     return fn(x, weight, bias, opts._replace(memory_format=memory_format))
 
 
+def _check_conv_arguments(
+    function: str, input: object, weight: object, bias: object, groups: object, transposed: bool
+) -> None:
+    """Refuse, naming ``function``, a weight that is not ``(M, C_out, C_in // groups, *k)`` (transposed:
+    ``(M, C_in, C_out // groups, *k)``) or an input and bias that do not fit it: torch's messages name the
+    folded shapes, and an input of another number of models would silently run that many models."""
+    layout = "(M, C_in, C_out // groups, *kernel_size)" if transposed else "(M, C_out, C_in // groups, *kernel_size)"
+    if not isinstance(weight, Tensor):
+        raise TypeError(f"{function}: expected weight {layout} to be a Tensor, got {type(weight).__name__}")
+    if weight.dim() not in (4, 5, 6):
+        raise ValueError(
+            f"{function}: expected a 4-, 5- or 6-D weight {layout} (1-, 2- or 3-D convolutions), got shape "
+            f"{_fmt(weight.shape)}"
+        )
+    if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
+        raise ValueError(f"{function}: groups must be a positive int, got {groups!r}")
+    num_models, first, second = weight.shape[:3]
+    if first % groups:
+        what = "C_in" if transposed else "C_out"
+        raise ValueError(f"{function}: {what}={first} (weight dimension 1) must be divisible by groups={groups}")
+    in_channels, out_channels = (first, second * groups) if transposed else (second * groups, first)
+    spatial = ", ".join("LHW"[:1] if weight.dim() == 4 else ("HW" if weight.dim() == 5 else "DHW"))
+    check_call_input(
+        function,
+        input,
+        num_models,
+        channels=("C_in", in_channels),
+        ndims=[weight.dim()],
+        layout=f"(M, B, C_in, {spatial})",
+    )
+    check_parameter(function, "bias", bias, (num_models, out_channels), "(M, C_out)")
+
+
 def conv(
     input: Tensor,
     weight: Tensor,
@@ -328,6 +361,7 @@ def conv(
         layer that computes in the packed layout gets it back with a free reshape.
     """
     backends.check_conv_strategy(strategy, "batchlayers.functional.conv")
+    _check_conv_arguments("batchlayers.functional.conv", input, weight, bias, groups, transposed=False)
     hashable = [tuple(a) if isinstance(a, list) else a for a in (stride, padding, dilation)]
     opts = _Options(*hashable, groups, padding_mode)
     return _apply(_resolve(strategy, input, weight, bias, opts), input, weight, bias, opts)
@@ -364,6 +398,7 @@ def conv_transpose(
         transposed view of a packed ``(B, M*C_out, *spatial_out)`` tensor, as :func:`conv` does.
     """
     backends.check_conv_strategy(strategy, "batchlayers.functional.conv_transpose")
+    _check_conv_arguments("batchlayers.functional.conv_transpose", input, weight, bias, groups, transposed=True)
     hashable = [tuple(a) if isinstance(a, list) else a for a in (stride, padding, output_padding, dilation)]
     stride, padding, output_padding, dilation = hashable
     opts = _TransposeOptions(stride, padding, output_padding, groups, dilation)

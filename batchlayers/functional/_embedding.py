@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .._utils import _fmt
+from .._utils import _fmt, check_call_input, check_weight
 
 __all__ = ["embedding", "embedding_bag"]
 
@@ -119,6 +119,26 @@ def _flat_indices(input: Tensor, num_models: int, num_embeddings: int) -> Tensor
     return torch.where(in_range, input + offsets, num_models * num_embeddings)
 
 
+_INDEX_DTYPES = (torch.int64, torch.int32)
+
+
+def check_index_range(name: str, input: Tensor, num_embeddings: int) -> None:
+    """Raise an ``IndexError`` naming ``name``, the model and the index for an index outside ``[0, num_embeddings)``.
+
+    The lookup itself can never read another model's rows; this only gives a clearer message where the check costs
+    no device synchronisation and no graph break (CPU, eager).
+    """
+    if input.device.type != "cpu" or torch.compiler.is_compiling():
+        return
+    out_of_range = (input < 0) | (input >= num_embeddings)
+    if out_of_range.any():
+        position = tuple(out_of_range.nonzero()[0].tolist())
+        raise IndexError(
+            f"{name}: index {input[position].item()} at position {position} (model {position[0]}) "
+            f"is out of range: expected 0 <= index < num_embeddings={num_embeddings}"
+        )
+
+
 def embedding(
     input: Tensor,
     weight: Tensor,
@@ -143,6 +163,30 @@ def embedding(
     Returns:
         ``(M, *, embedding_dim)``.
     """
+    function = "batchlayers.functional.embedding"
+    num_models, num_embeddings, _ = check_weight(function, "weight", weight, 3, "(M, num_embeddings, embedding_dim)")
+    check_call_input(function, input, num_models, min_ndim=1, what="indices", layout="(M, *)")
+    if input.dtype not in _INDEX_DTYPES:
+        raise TypeError(f"{function}: expected integer indices (torch.int64 or torch.int32), got {input.dtype}")
+    if padding_idx is not None and not -num_embeddings <= padding_idx < num_embeddings:
+        raise ValueError(
+            f"{function}: padding_idx must be within num_embeddings={num_embeddings} "
+            f"(-{num_embeddings} <= padding_idx < {num_embeddings}), got {padding_idx}"
+        )
+    check_index_range(function, input, num_embeddings)
+    return lookup(input, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse)
+
+
+def lookup(
+    input: Tensor,
+    weight: Tensor,
+    padding_idx: int | None,
+    max_norm: float | None,
+    norm_type: float,
+    scale_grad_by_freq: bool,
+    sparse: bool,
+) -> Tensor:
+    """:func:`embedding` without its checks (the layer checks its input itself)."""
     num_models, num_embeddings, embedding_dim = weight.shape
     if padding_idx is not None and padding_idx < 0:
         padding_idx += num_embeddings
@@ -326,9 +370,14 @@ def embedding_bag(
     Returns:
         ``(M, B, embedding_dim)``.
     """
-    check_embedding_bag_arguments(
-        "embedding_bag", weight, input, offsets, per_sample_weights, mode, include_last_offset
-    )
+    function = "batchlayers.functional.embedding_bag"
+    num_embeddings = check_weight(function, "weight", weight, 3, "(M, num_embeddings, embedding_dim)")[1]
+    check_embedding_bag_arguments(function, weight, input, offsets, per_sample_weights, mode, include_last_offset)
+    if padding_idx is not None and not -num_embeddings <= padding_idx < num_embeddings:
+        raise ValueError(
+            f"{function}: padding_idx must be within num_embeddings={num_embeddings} "
+            f"(-{num_embeddings} <= padding_idx < {num_embeddings}), got {padding_idx}"
+        )
     return _embedding_bag(
         input,
         weight,

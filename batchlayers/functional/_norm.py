@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .._utils import check_norm_dtypes, is_shared
+from .._utils import autocast_enabled, check_call_input, check_norm_dtypes, check_parameter, check_size, is_shared
 
 __all__ = ["group_norm", "instance_norm", "layer_norm", "rms_norm"]
 
@@ -23,6 +23,20 @@ def upcast(x: Tensor) -> Tensor:
     if is_shared(x):
         return x[0].float().expand(x.shape)
     return x.float()
+
+
+def autocast_returns_float32(op: str, x: Tensor) -> bool:
+    """Whether autocast, on for ``x``'s device, runs torch's ``op`` on float32 operands and returns float32: ``op``
+    has a kernel under that device's autocast key, which for the norms is the float32 list (torch 2.13: CPU none,
+    CUDA and XPU ``layer_norm``, ``group_norm``, ``rms_norm``, MPS the first two; read from torch's dispatcher, the
+    non-CPU devices not run here)."""
+    device = x.device.type
+    if device == "cpu" or not autocast_enabled(x):
+        return False
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{op}", f"Autocast{device.upper()}")
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def mixed_result(out: Tensor, x: Tensor, *, autocast_fp32: bool = False) -> Tensor:
@@ -73,6 +87,36 @@ def _normalize_trailing(
     return per_model_affine(normalized, num_models, weight, bias, param_view)
 
 
+def check_trailing_norm(
+    function: str, x: object, normalized_shape: object, weight: Tensor | None, bias: Tensor | None
+) -> tuple[int, ...]:
+    """Refuse, naming ``function``, arguments of :func:`layer_norm` / :func:`rms_norm` that do not fit together."""
+    if not isinstance(normalized_shape, (tuple, list, torch.Size)):
+        raise TypeError(
+            f"{function}: normalized_shape must be a tuple or list of ints (as for torch.nn.functional), got "
+            f"{type(normalized_shape).__name__} {normalized_shape!r}"
+        )
+    shape = tuple(check_size(function, "normalized_shape", n) for n in normalized_shape)
+    num_models = x.shape[0] if isinstance(x, Tensor) and x.dim() > 0 else 0
+    names = ["normalized_shape"] if len(shape) == 1 else [f"normalized_shape[{i}]" for i in range(len(shape))]
+    check_call_input(function, x, num_models, trailing=list(zip(names, shape)), layout="(M, *, *normalized_shape)")
+    for what, p in (("weight", weight), ("bias", bias)):
+        check_parameter(function, what, p, (num_models, *shape), "(M, *normalized_shape)", x)
+    return shape
+
+
+def check_channel_norm(function: str, x: object, *params: tuple[str, Tensor | None], min_ndim: int = 3) -> int:
+    """Refuse, naming ``function``, an input that is not ``(M, B, C, *)`` or per-model parameters (named in
+    ``params``) that are not ``(M, C)`` for it; return ``C``."""
+    if isinstance(x, Tensor) and x.dim() < min_ndim:
+        raise ValueError(f"{function}: expected input (M, B, C, *), got too few dimensions: shape {tuple(x.shape)}")
+    num_models, num_channels = (x.shape[0], x.shape[2]) if isinstance(x, Tensor) else (0, 0)
+    check_call_input(function, x, num_models, channels=("C", num_channels), min_ndim=min_ndim, layout="(M, B, C, *)")
+    for what, p in params:
+        check_parameter(function, what, p, (num_models, num_channels), "(M, C)", x)
+    return num_channels
+
+
 def channel_view(num_models: int, ndim: int, num_channels: int) -> list[int]:
     """The view of ``(M, C)`` parameters that broadcasts against an ``ndim``-D ``(M, B, C, *)`` tensor."""
     return [num_models, 1, num_channels, *[1] * (ndim - 3)]
@@ -93,6 +137,7 @@ def layer_norm(
         weight, bias: ``(M, *normalized_shape)`` or ``None``; as for torch, of ``x``'s dtype, or float32 with a
             float16/bfloat16 ``x`` (computed in float32, the result in ``x``'s dtype).
     """
+    normalized_shape = check_trailing_norm("batchlayers.functional.layer_norm", x, normalized_shape, weight, bias)
     mixed = check_norm_dtypes("layer_norm", x, (weight, bias))
     source = upcast(x) if mixed else x
     out = _normalize_trailing(
@@ -116,11 +161,15 @@ def rms_norm(
         eps: ``None`` means ``torch.finfo(x.dtype).eps`` (float32's for a float16/bfloat16 ``x``), as in torch.
 
     As torch's ``rms_norm``: a float16/bfloat16 ``x`` is normalised in float32, multiplied by the weight in the
-    promoted dtype, and the result returned in ``x``'s dtype, whatever the weight's dtype.
+    promoted dtype, and the result returned in ``x``'s dtype, whatever the weight's dtype; float32 under an
+    autocast that runs ``rms_norm`` in float32 (CUDA's, not CPU's).
     """
+    normalized_shape = check_trailing_norm("batchlayers.functional.rms_norm", x, normalized_shape, weight, None)
     out = _normalize_trailing(
         upcast(x), normalized_shape, lambda s: F.rms_norm(s, list(normalized_shape), eps=eps), weight, None
     )
+    if autocast_returns_float32("rms_norm", x):
+        return out  # torch casts the input and weight up and returns float32
     return out.to(x.dtype)  # torch's composite ends with type_as(input)
 
 
@@ -144,6 +193,10 @@ def group_norm(
         weight, bias: ``(M, C)`` or ``None``; as for torch, of ``x``'s dtype, or float32 with a float16/bfloat16
             ``x`` (computed in float32, the result in ``x``'s dtype).
     """
+    function = "batchlayers.functional.group_norm"
+    channels = check_channel_norm(function, x, ("weight", weight), ("bias", bias))
+    if check_size(function, "num_groups", num_groups, 1) and channels % num_groups:
+        raise ValueError(f"{function}: the C={channels} channels must be divisible by num_groups={num_groups}")
     num_models, batch, num_channels = x.shape[:3]
     spatial = x.shape[3:]
     param_view = channel_view(num_models, x.dim(), num_channels)
@@ -225,7 +278,9 @@ def instance_norm(
     if shared and mixed:
         # The per-model affine below runs outside torch's kernel: normalise in float32, round once.
         return mixed_result(instance_norm(upcast(x), running_mean, running_var, weight, bias, True, momentum, eps), x)
-    if shared:
+    # Running statistics in float16/bfloat16 are blended by torch's kernel with roundings that a blend written here
+    # does not reproduce (off by 1-3 ulps): such a shared batch takes the per-model path, which calls that kernel.
+    if shared and (running_mean is None or running_mean.dtype not in _REDUCED_FLOATS):
         source = x[0]
         flat = source.reshape(1, batch * num_channels, *spatial)
         if running_mean is None:

@@ -22,6 +22,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from .._utils import autocast_enabled, check_call_input, check_parameter, check_weight
+
 __all__ = ["rnn"]
 
 GATES = {"RNN_TANH": 1, "RNN_RELU": 1, "LSTM": 4, "GRU": 3}
@@ -41,6 +43,7 @@ def rnn(
     bidirectional: bool,
     proj_size: int = 0,
     generator: torch.Generator | None = None,
+    cell: bool = False,
 ) -> tuple[Tensor, Tensor] | tuple[Tensor, tuple[Tensor, Tensor]]:
     r"""Run ``M`` multi-layer recurrent networks (torch's ``RNN``, ``LSTM`` or ``GRU``) at once.
 
@@ -65,11 +68,18 @@ def rnn(
         bidirectional: ``D = 2`` directions if ``True``, else ``D = 1``.
         proj_size: LSTM projection size (``H_out = proj_size`` if ``> 0``, else ``H_out = H``).
         generator: the random generator of the dropout masks (default: torch's global one).
+        cell: the time steps are calls of torch's ``RNNCell``/``LSTMCell``/``GRUCell`` rather than of its
+            ``RNN``/``LSTM``/``GRU``; this only changes the dtypes under autocast, where torch's kernels differ.
 
     Returns:
         ``(output, h_n)``, for LSTM ``(output, (h_n, c_n))``. ``output`` is ``(M, B, T, D*H_out)`` if
         ``batch_first`` else ``(M, T, B, D*H_out)``; ``h_n`` is ``(M, L*D, B, H_out)``, ``c_n``
         ``(M, L*D, B, H)``.
+
+    Under autocast the dtypes are torch's: where torch's kernel casts every operand to one dtype (an LSTM on
+    CPU through oneDNN, every network on CUDA through cuDNN, the cells on CUDA), everything is cast to it and
+    the recurrence runs in it; elsewhere (e.g. GRU on CPU) the matrix multiplies run in the autocast dtype and
+    the states keep the dtype the elementwise ops promote them to, as in torch's composite kernels.
 
     In eager mode the recurrence is an autograd Function with a hand-written backward, which does not support
     double backward (``create_graph=True`` through it raises); under ``torch.compile`` it is a composition of
@@ -86,8 +96,31 @@ def rnn(
             f"rnn: expected {num_layers * num_directions * per_direction} weights for {num_layers} layer(s), "
             f"{num_directions} direction(s), bias={bias}, proj_size={proj_size}; got {len(weights)}"
         )
-    if input.dim() != 4 or input.shape[2 if batch_first else 1] == 0:
+    if isinstance(input, Tensor) and input.dim() == 4 and input.shape[2 if batch_first else 1] == 0:
         raise ValueError(f"rnn: expected a 4-D input with at least one time step, got shape {tuple(input.shape)}")
+    _check_arguments(mode, input, hx, weights, num_layers, num_directions, bias, batch_first, proj_size)
+    cast_to = _autocast_kernel_dtype(mode, input, proj_size, cell)
+    if cast_to is not None:
+        with torch.autocast(input.device.type, enabled=False):
+            return rnn(
+                mode,
+                _autocast(input, cast_to),
+                None
+                if hx is None
+                else tuple(_autocast(h, cast_to) for h in hx)
+                if mode == "LSTM"
+                else _autocast(hx, cast_to),
+                [_autocast(w, cast_to) for w in weights],
+                num_layers=num_layers,
+                bias=bias,
+                batch_first=batch_first,
+                dropout=dropout,
+                training=training,
+                bidirectional=bidirectional,
+                proj_size=proj_size,
+                generator=generator,
+                cell=cell,
+            )
     num_models = input.shape[0]
     batch = input.shape[1] if batch_first else input.shape[2]
     hidden_size = weights[0].shape[1] // GATES[mode]
@@ -120,6 +153,93 @@ def rnn(
         layer_input = output
     h_n = torch.stack(h_n, 1)
     return (layer_input, (h_n, torch.stack(c_n, 1))) if lstm else (layer_input, h_n)
+
+
+def _check_arguments(mode, input, hx, weights, num_layers, num_directions, bias, batch_first, proj_size) -> None:
+    """Refuse, naming the function and the offending weight or state, shapes that do not fit together; torch's
+    messages would name the batched matrix multiplies'."""
+    function = "batchlayers.functional.rnn"
+    gates = GATES[mode]
+    num_models, gate_size, input_size = check_weight(function, "weights[0] (w_ih_l0)", weights[0], 3, "(M, G*H, I)")
+    if gate_size % gates:
+        raise ValueError(
+            f"{function}: weights[0] (w_ih_l0) is (M, G*H, I) with G={gates} gates for {mode}, but its dimension 1 "
+            f"is {gate_size}: shape {tuple(weights[0].shape)}"
+        )
+    hidden_size = gate_size // gates
+    out_size = proj_size if proj_size > 0 else hidden_size
+    layout = "(M, B, T, input_size)" if batch_first else "(M, T, B, input_size)"
+    check_call_input(function, input, num_models, trailing=[("input_size", input_size)], ndims=[4], layout=layout)
+    per_direction = 2 + 2 * bool(bias) + (proj_size > 0)
+    for layer in range(num_layers):
+        layer_input = input_size if layer == 0 else out_size * num_directions
+        for direction in range(num_directions):
+            suffix = f"_l{layer}" + ("_reverse" if direction else "")
+            names = ["w_ih", "w_hh", *(["b_ih", "b_hh"] if bias else []), *(["w_hr"] if proj_size > 0 else [])]
+            shapes = {
+                "w_ih": ((gate_size, layer_input), "(M, G*H, I)"),
+                "w_hh": ((gate_size, out_size), "(M, G*H, H_out)"),
+                "b_ih": ((gate_size,), "(M, G*H)"),
+                "b_hh": ((gate_size,), "(M, G*H)"),
+                "w_hr": ((proj_size, hidden_size), "(M, proj_size, H)"),
+            }
+            start = (layer * num_directions + direction) * per_direction
+            for k, name in enumerate(names):
+                shape, layout_w = shapes[name]
+                index = start + k
+                w = weights[index]
+                if w is None:
+                    raise TypeError(f"{function}: weights[{index}] ({name}{suffix}) {layout_w} is None")
+                check_parameter(function, f"weights[{index}] ({name}{suffix})", w, (num_models, *shape), layout_w)
+    if hx is None:
+        return
+    batch = input.shape[1] if batch_first else input.shape[2]
+    expected_h = (num_models, num_layers * num_directions, batch, out_size)
+    if mode == "LSTM":
+        if not isinstance(hx, (tuple, list)) or len(hx) != 2:
+            raise TypeError(f"{function}: LSTM expects hx = (h_0, c_0) or None, got {type(hx).__name__}")
+        check_parameter(function, "h_0", hx[0], expected_h, "(M, L*D, B, H_out)", input)
+        check_parameter(function, "c_0", hx[1], (*expected_h[:3], hidden_size), "(M, L*D, B, H)", input)
+    else:
+        check_parameter(function, "h_0", hx, expected_h, "(M, L*D, B, H)", input)
+
+
+# Under autocast, the dtype torch's own kernel casts every operand to before running the whole recurrence in
+# it, as registered in torch 2.13 (torch._C._dispatch_dump): on CPU, mkldnn_rnn_layer (an LSTM without projections
+# through oneDNN) is on autocast's lower-precision list; on CUDA, cuDNN's RNNs are cast to float16 whatever the
+# autocast dtype (ATen/cudnn/AutocastRNN.cpp), and rnn_tanh_cell, lstm_cell and gru_cell are on the
+# lower-precision list. Elsewhere torch's composite kernels run their matrix multiplies in the autocast dtype and
+# the elementwise ops promote with the states: a CPU GRU, or LSTMCell's c, stays float32 for a float32 input.
+# The CUDA rules are read from torch's source, not run here (no GPU).
+
+
+def _autocast_kernel_dtype(mode: str, x: Tensor, proj_size: int, cell: bool) -> torch.dtype | None:
+    device = x.device.type
+    if not autocast_enabled(x) or x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return None  # autocast leaves float64 alone
+    if cell:
+        return torch.get_autocast_dtype(device) if device == "cuda" else None
+    if device == "cuda":
+        return torch.float16 if torch.backends.cudnn.is_acceptable(x) else None
+    if device == "cpu" and mode == "LSTM" and proj_size == 0 and _onednn_lstm(x):
+        return torch.get_autocast_dtype(device)
+    return None
+
+
+def _onednn_lstm(x: Tensor) -> bool:
+    """Whether torch's CPU LSTM takes ``x`` through oneDNN (``use_mkldnn`` in ATen's RNN.cpp)."""
+    if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled) or x.numel() == 0:
+        return False
+    if x.dtype == torch.float32:
+        return True
+    if x.dtype == torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return not torch.is_grad_enabled() and torch.ops.mkldnn._is_mkldnn_fp16_supported()
+
+
+def _autocast(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t`` as autocast casts an operand: floating tensors but float64."""
+    return t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t
 
 
 def _directions_to_models(state: Tensor, layer: int, num_directions: int) -> Tensor:
@@ -185,7 +305,9 @@ def _layer(
 
     w_rec = _cat_directions([p[1] for p in params], 0)  # (D*M, G, H_out)
     w_proj = _cat_directions([p[-1] for p in params], 0) if proj_size > 0 else None  # (D*M, H_out, H)
-    fused = _fused_steps()
+    # Under autocast the plain steps: their matrix multiplies autocast and their elementwise ops promote with the
+    # states as torch's composite cells do; the Functions write into buffers of one dtype.
+    fused = _fused_steps() and not autocast_enabled(x)
     if mode == "LSTM":
         steps = _LSTMSteps.apply if fused else _lstm_steps
         hs, h_last, c_last = steps(inputs, b_rec, h0, c0, w_rec, w_proj)

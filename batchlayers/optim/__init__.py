@@ -19,7 +19,9 @@ Learning-rate schedules
   ``LinearLR``, ``CosineAnnealingLR``, ``SequentialLR``...), so model ``m`` follows the schedule a torch
   scheduler would give it with ``lr[m]``. ``group["lr"]`` is a :class:`PerModelValue`, a plain ``(M,)``
   tensor whose ``fill_`` also accepts the ``(M,)`` result (torch's schedulers write learning rates with
-  ``fill_``). ``ReduceLROnPlateau`` needs a float ``lr`` (it reads one metric for all models);
+  ``fill_``). torch's ``ReduceLROnPlateau`` reads one metric for all models and needs a float ``lr``; for a
+  metric per model use :class:`batchlayers.optim.lr_scheduler.ReduceLROnPlateau`, which takes the ``(M,)``
+  metrics and reduces each model's learning rate on its own plateau;
 - a schedule whose *shape* differs per model (its own warm-up length, decay rate...) is a ``LambdaLR``
   whose function returns an ``(M,)`` factor, e.g. ``lambda epoch: torch.clamp((epoch + 1) / warmup,
   max=1.0)`` with ``warmup`` an ``(M,)`` tensor; this works from a float ``lr`` too.
@@ -31,9 +33,10 @@ Change per-model values in place, e.g. ``optimizer.param_groups[0]["lr"][m] *= 0
 training); ``batchlayers.population`` keeps or copies models together with their optimizer state.
 """
 
+from . import lr_scheduler
 from ._base import BatchedOptimizer, PerModelValue
 from .adam import Adam, AdamW
 from .rmsprop import RMSprop
 from .sgd import SGD
 
-__all__ = ["Adam", "AdamW", "BatchedOptimizer", "PerModelValue", "RMSprop", "SGD"]
+__all__ = ["Adam", "AdamW", "BatchedOptimizer", "PerModelValue", "RMSprop", "SGD", "lr_scheduler"]
