@@ -27,6 +27,8 @@ Examples::
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
 import time
 from collections.abc import Callable, Hashable, Iterator, Mapping
@@ -57,6 +59,8 @@ class ConvSettings:
         self._benchmark = False
         self._benchmark_repeats = 3
         self.cache: dict[Hashable, str] = {}
+        # key -> candidate strategies of every convolution called while tune() records (None: not recording)
+        self.recording: dict[Hashable, list[str]] | None = None
 
     @property
     def strategy(self) -> str:
@@ -89,6 +93,97 @@ class ConvSettings:
     def clear_cache(self) -> None:
         self.cache.clear()
 
+    def tune(self, step: Callable[[], object], repeats: int | None = None) -> dict[Hashable, str]:
+        """Choose every convolution's strategy by timing the whole ``step``, not each layer in isolation.
+
+        A strategy's cost is not only its own kernels: it decides the memory format of the layer's output,
+        which every following layer (batch norm, pooling, the next convolution, their backward) reads. So
+        ``tune`` runs ``step`` once to find the convolutions it calls (their cache keys), then, one key at
+        a time in call order, times ``step`` with each candidate strategy for that key (the others at their
+        current choice) and caches the fastest (median of ``repeats`` interleaved runs after one warm-up).
+
+        ``step`` is called ``1 + sum over keys of candidates * (repeats + 1)`` times (2 convolutions: 33
+        calls with 3 repeats). Give it what a training step computes, forward and backward; leave out
+        ``optimizer.step()`` (or tune on a copy) unless the model may train while tuning. The choices stay
+        in :attr:`cache`; :meth:`save_cache` keeps them for the next run.
+
+        Args:
+            step: a callable running one forward (and backward) of the model as training or inference
+                will, with inputs of the real shapes.
+            repeats: timed runs per candidate. Default: :attr:`benchmark_repeats`.
+
+        Returns:
+            ``{key: strategy}`` for every convolution ``step`` called with ``strategy="auto"``.
+
+        Examples::
+
+            >>> def step():
+            ...     model.zero_grad(set_to_none=True)
+            ...     loss_fn(model(x), y).sum().backward()
+            >>> batchlayers.backends.conv.tune(step)
+            >>> batchlayers.backends.conv.save_cache("conv_strategies.json")
+        """
+        if not callable(step):
+            raise TypeError(f"batchlayers.backends.conv.tune: step must be callable, got {type(step).__name__}")
+        repeats = self.benchmark_repeats if repeats is None else repeats
+        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+            raise ValueError(f"batchlayers.backends.conv.tune: repeats must be an int >= 1, got {repeats!r}")
+        with self.flags(benchmark=False):  # no per-layer timing inside the timed steps
+            self.recording = {}
+            try:
+                step()
+                found = self.recording
+            finally:
+                self.recording = None
+            chosen: dict[Hashable, str] = {}
+            for key, names in found.items():
+
+                def run(name: str, key: Hashable = key) -> None:
+                    self.cache[key] = name
+                    step()
+
+                device = torch.device(key[0])
+                winner = fastest({name: lambda name=name: run(name) for name in names}, device, repeats)
+                self.cache[key] = chosen[key] = winner
+        return chosen
+
+    def save_cache(self, path: str | os.PathLike) -> None:
+        """Write :attr:`cache` (the measured choices) to a JSON file, atomically; :meth:`load_cache` reads it."""
+        entries = [[_encode_key(key), strategy] for key, strategy in self.cache.items()]
+        text = json.dumps({"format": "batchlayers.backends.conv cache", "version": 1, "entries": entries})
+        path = os.fspath(path)
+        temporary = f"{path}.tmp-{os.getpid()}"
+        with open(temporary, "w") as f:
+            f.write(text)
+        os.replace(temporary, path)
+
+    def load_cache(self, path: str | os.PathLike) -> int:
+        """Add the choices saved by :meth:`save_cache` to :attr:`cache` (entries for other devices, dtypes or
+        shapes are kept and simply never match). Returns how many entries were read. Nothing is added when
+        the file is not such a cache (a ``ValueError`` naming it)."""
+        path = os.fspath(path)
+        with open(path) as f:
+            try:
+                data = json.load(f)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"batchlayers.backends.conv.load_cache: '{path}' is not JSON ({error})") from None
+        if not isinstance(data, dict) or data.get("format") != "batchlayers.backends.conv cache":
+            raise ValueError(f"batchlayers.backends.conv.load_cache: '{path}' is not a saved convolution cache")
+        if data.get("version") != 1:
+            raise ValueError(
+                f"batchlayers.backends.conv.load_cache: '{path}' has cache version {data.get('version')!r}, "
+                "this batchlayers reads version 1"
+            )
+        entries = {}
+        for key, strategy in data["entries"]:
+            if strategy not in CONV_STRATEGIES:
+                raise ValueError(
+                    f"batchlayers.backends.conv.load_cache: '{path}' names the unknown strategy {strategy!r}"
+                )
+            entries[_decode_key(key)] = strategy
+        self.cache.update(entries)
+        return len(entries)
+
     @contextmanager
     def flags(self, strategy: str | None = None, benchmark: bool | None = None) -> Iterator[None]:
         """Set ``strategy`` and/or ``benchmark`` inside a ``with`` block, restoring them afterwards."""
@@ -101,6 +196,28 @@ class ConvSettings:
             yield
         finally:
             self._strategy, self._benchmark = saved
+
+
+def _encode_key(value: object) -> object:
+    """A cache key as JSON: tuples as lists, dtypes as ``{"dtype": name}``."""
+    if isinstance(value, tuple):
+        return [_encode_key(v) for v in value]
+    if isinstance(value, torch.dtype):
+        return {"dtype": str(value).removeprefix("torch.")}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(f"batchlayers.backends.conv.save_cache: cannot store {value!r} of a cache key")
+
+
+def _decode_key(value: object) -> object:
+    if isinstance(value, list):
+        return tuple(_decode_key(v) for v in value)
+    if isinstance(value, dict):
+        dtype = getattr(torch, str(value.get("dtype")), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"batchlayers.backends.conv.load_cache: unknown dtype {value!r} in a cache key")
+        return dtype
+    return value
 
 
 def check_conv_strategy(value: object, owner: str) -> str:

@@ -4,6 +4,7 @@ path without M-fold copies, the packed output layout, strategy selection and arg
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -382,3 +383,57 @@ def test_grouped_init_bounds_are_torchs(config) -> None:
         assert_uniform_init(p, bound, name)
         batched.reset_parameters()
         assert_uniform_init(getattr(batched, name).detach(), bound, f"{name} after reset_parameters()")
+
+
+def test_tune_times_strategies_inside_the_whole_step(monkeypatch, tmp_path) -> None:
+    """tune() picks, per convolution, the strategy whose whole step is fastest: made deterministic by a clock
+    that only advances (by 1 s a call) when a layer runs any strategy but the one chosen for it here (the
+    layers told apart by output channels)."""
+    fast = {4: "grouped", 6: "loop_channels_last"}
+    clock = [0.0]
+    monkeypatch.setattr(backends, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    def slowed(name, fn):
+        def run(x, weight, bias, opts):
+            if fast[weight.shape[1]] != name:
+                clock[0] += 1.0
+            return fn(x, weight, bias, opts)
+
+        return run
+
+    for name, (fn, channels_last) in list(conv_impl._STRATEGIES.items()):
+        monkeypatch.setitem(conv_impl._STRATEGIES, name, (slowed(name, fn), channels_last))
+    torch.manual_seed(0)
+    model = nn.Sequential(BatchedConv2d(2, 3, 4, 3), nn.ReLU(), BatchedConv2d(2, 4, 6, 3))
+    x = torch.randn(2, 3, 3, 7, 7)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        model(x).square().sum().backward()
+
+    before = [p.detach().clone() for p in model.parameters()]
+    chosen = backends.conv.tune(step, repeats=1)
+    assert sorted(chosen.values()) == ["grouped", "loop_channels_last"]
+    assert {key[3][1]: strategy for key, strategy in chosen.items()} == fast  # key[3]: the weight's shape
+    assert backends.conv.cache == chosen and backends.conv.recording is None
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before)), "tuning changed the weights"
+
+    recorder = _Recorder(monkeypatch)
+    backends.conv.save_cache(tmp_path / "conv.json")
+    backends.conv.clear_cache()
+    assert backends.conv.load_cache(tmp_path / "conv.json") == 2
+    assert backends.conv.cache == chosen
+    model(x)
+    assert recorder.ran == ["grouped", "loop_channels_last"], "the loaded choices are used"
+
+
+@pytest.mark.parametrize(
+    "content, pattern",
+    [("not json", "is not JSON"), ('{"a": 1}', "is not a saved convolution cache"), ("[1, 2]", "is not a saved")],
+)
+def test_load_cache_refuses_other_files(tmp_path, content: str, pattern: str) -> None:
+    path = tmp_path / "conv.json"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=rf"load_cache: '{path}' {pattern}"):
+        backends.conv.load_cache(path)
+    assert backends.conv.cache == {}

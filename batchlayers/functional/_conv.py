@@ -269,13 +269,16 @@ def _resolve(strategy: str, x: Tensor, weight: Tensor, bias: Tensor | None, opts
     shape_key = (str(x.device), x.dtype, tuple(x.shape), tuple(weight.shape), bias is not None)
     # ``transposed`` in the key: the two option tuples are different types but compare as plain tuples.
     key = (*shape_key, opts, is_shared(x), grad_needed, *(("transposed",) if transposed else ()))
+    table = _TRANSPOSE_STRATEGIES if transposed else _STRATEGIES
+    names = [s for s in table if weight.dim() - 3 in _CHANNELS_LAST or not s.endswith("_channels_last")]
+    recording = backends.conv.recording
+    if recording is not None and key not in recording:
+        recording[key] = names  # backends.conv.tune() times these inside the whole step
     cached = backends.conv.cache.get(key)
     if cached is not None:
         return cached
     if not backends.conv.benchmark or torch.compiler.is_compiling():
         return (heuristic_transpose_strategy if transposed else heuristic_strategy)(x, weight)
-    table = _TRANSPOSE_STRATEGIES if transposed else _STRATEGIES
-    names = [s for s in table if weight.dim() - 3 in _CHANNELS_LAST or not s.endswith("_channels_last")]
     candidates = {name: partial(_timed_run, name, (x, weight, bias), grad_needed, opts) for name in names}
     winner = backends.fastest(candidates, x.device, backends.conv.benchmark_repeats)
     backends.conv.cache[key] = winner
