@@ -305,6 +305,8 @@ def load_checkpoint(
         ValueError: the file is not a checkpoint, or is truncated or corrupt (the reader's own error is
             chained as ``__cause__``), or its tensors differ from its stored checksum.
     """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"load_checkpoint: expected the path as a str or os.PathLike, got {type(path).__name__}")
     return _load(path, "load_checkpoint", map_location=map_location, weights_only=weights_only, mmap=mmap)
 
 
@@ -447,6 +449,10 @@ def stack_checkpoints(
         >>> batched = batchlayers.stack_checkpoints(MyNet(), paths)
     """
     check_models([model], "stack_checkpoints")
+    if isinstance(paths, (str, bytes, os.PathLike)):
+        raise TypeError(
+            f"stack_checkpoints: expected a list of checkpoint files, one per model, got the one path {paths!r}"
+        )
     paths = list(paths)
     if not paths:
         raise ValueError("stack_checkpoints: got an empty list of checkpoint files")

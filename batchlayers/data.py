@@ -746,6 +746,11 @@ def model_data_loader(
     clashing = sorted({"batch_size", "shuffle", "sampler", "batch_sampler"} & loader_kwargs.keys())
     if clashing:
         raise TypeError(f"model_data_loader: {', '.join(clashing)} cannot be passed; the model sampler sets them")
+    if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+        raise TypeError(
+            "model_data_loader: expected a map-style dataset (with __len__ and __getitem__: each model draws its "
+            f"own indices into it), got {type(dataset).__name__}"
+        )
     sampler = ModelBatchSampler(num_models, len(dataset), batch_size, mode, drop_last, seed)  # type: ignore[arg-type]
     if loader_kwargs.get("generator") is None:
         loader_kwargs["generator"] = _generator(sampler.seed, _LOADER)

@@ -42,7 +42,7 @@ __all__ = [
 
 
 def _fmt(shape) -> str:
-    return "(" + ", ".join(str(s) for s in shape) + ")"
+    return str(tuple(int(s) for s in shape))
 
 
 def _check_tensor(name: str, what: str, x: object, min_ndim: int, layout: str) -> Tensor:
@@ -70,9 +70,19 @@ def _elementwise(name: str, loss_fn, input: Tensor, target: Tensor, reduction: s
             f"batchlayers.losses.{name}: expected target with the input's shape {_fmt(input.shape)}, "
             f"got {_fmt(target.shape)}"
         )
+    for what, value in kwargs.items():
+        if isinstance(value, Tensor) and not _broadcasts_to(value.shape, input.shape):
+            raise ValueError(
+                f"batchlayers.losses.{name}: {what} of shape {_fmt(value.shape)} does not broadcast to the input "
+                f"{_fmt(input.shape)} (M, B, *) without growing it"
+            )
     # Elementwise on the whole (M, B, *) tensor: a shared target (a stride-0 expand) is never copied.
     unreduced = loss_fn(input, target, reduction="none", **kwargs)
     return _reduce(unreduced, reduction)
+
+
+def _broadcasts_to(shape: torch.Size, target: torch.Size) -> bool:
+    return len(shape) <= len(target) and all(s in (1, t) for s, t in zip(reversed(shape), reversed(target)))
 
 
 def _reduce(unreduced: Tensor, reduction: str) -> Tensor:
@@ -171,7 +181,15 @@ def _classification(
 ) -> Tensor:
     _check_reduction(name, reduction)
     class_indices = _check_classification(name, input, target)
-    num_models, batch = input.shape[:2]
+    num_models, batch, num_classes = input.shape[:3]
+    if weight is not None and (not isinstance(weight, Tensor) or weight.shape != (num_classes,)):
+        got = _fmt(weight.shape) if isinstance(weight, Tensor) else type(weight).__name__
+        raise ValueError(
+            f"batchlayers.losses.{name}: expected weight of shape ({num_classes},), one per class of the input "
+            f"{_fmt(input.shape)}, got {got}"
+        )
+    if class_indices and target.device.type == "cpu" and not torch.compiler.is_compiling():
+        _check_class_indices(name, target, num_classes, ignore_index)
     # Models folded into the batch: one kernel for all models, then each model's part reduced on its own.
     flat_input = input.reshape(num_models * batch, *input.shape[2:])
     flat_target = target.reshape(num_models * batch, *target.shape[2:])
@@ -187,6 +205,18 @@ def _classification(
         target_weight = weight[torch.where(counted, target, 0)] * counted
         denominator = target_weight.reshape(num_models, -1).sum(dim=1)
     return unreduced.reshape(num_models, -1).sum(dim=1) / denominator
+
+
+def _check_class_indices(name: str, target: Tensor, num_classes: int, ignore_index: int) -> None:
+    """An ``IndexError`` naming the model and position of a class index outside ``[0, C)`` (torch's own
+    message names only the value, of a folded batch). CPU only: elsewhere it would wait for the device."""
+    bad = ((target < 0) | (target >= num_classes)) & (target != ignore_index)
+    if bool(bad.any()):
+        where = tuple(int(i) for i in bad.nonzero()[0])
+        raise IndexError(
+            f"batchlayers.losses.{name}: target {int(target[where])} of model {where[0]} at position "
+            f"{where[1:]} is out of range for C={num_classes} classes (and not ignore_index={ignore_index})"
+        )
 
 
 def cross_entropy(

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .._utils import check_call_input, check_parameter, check_size, check_weight
-from ._linear import linear
+from ._linear import unchecked_linear as linear
 
 __all__ = ["multi_head_attention"]
 

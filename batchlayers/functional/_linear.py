@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .._utils import is_shared
+from .._utils import check_call_input, check_parameter, check_weight, is_shared
 
 __all__ = ["SHARED_PATHS", "linear"]
 
@@ -32,6 +32,16 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, shared: str
         ``(M, *, out_features)``. For a shared batch computed with ``"gemm"`` the result is a permuted view
         of a ``(*, M, out_features)`` tensor; the layers after it read it as it is.
     """
+    function = "batchlayers.functional.linear"
+    layout = "(M, out_features, in_features)"
+    num_models, out_features, in_features = check_weight(function, "weight", weight, 3, layout)
+    check_call_input(function, x, num_models, trailing=[("in_features", in_features)], layout="(M, *, in_features)")
+    check_parameter(function, "bias", bias, (num_models, out_features), "(M, out_features)", x)
+    return unchecked_linear(x, weight, bias, shared=shared)
+
+
+def unchecked_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, shared: str = "bmm") -> Tensor:
+    """:func:`linear` without the argument checks, for callers that checked them already (the layers)."""
     num_models, out_features, in_features = weight.shape
     if shared not in SHARED_PATHS:
         raise ValueError(f"linear: shared must be one of {SHARED_PATHS}, got {shared!r}")
