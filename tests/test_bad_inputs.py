@@ -417,11 +417,11 @@ PENDING = [
     pytest.param(lambda: BF.linear(r(2, 2, 4), r(M, 5, 4)), ValueError, ("batchlayers.functional.linear", "dimension 0 (models) is 2, not 3"), id="F.linear-input-of-other-models"),  # noqa: E501
     pytest.param(lambda: BF.linear(r(M, 2, 4), r(M, 5, 4), r(1, 5)), ValueError, ("batchlayers.functional.linear", "bias", "(3, 5)", "(1, 5)"), id="F.linear-bias-of-one-model"),  # noqa: E501
     pytest.param(lambda: BF.linear(r(M, 2, 4), r(5, 4)), ValueError, ("batchlayers.functional.linear", "3-D weight", "(5, 4)"), id="F.linear-weight-without-models"),  # noqa: E501
-    pytest.param(lambda: torch_plateau_over_per_model_lr(), ValueError, ("per-model", "batchlayers.optim.lr_scheduler.ReduceLROnPlateau"), id="torch-plateau-over-per-model-lr", marks=pytest.mark.xfail(strict=True, reason="optim/_base.py: PerModelValue.__float__")),  # noqa: E501
+    pytest.param(lambda: torch_plateau_over_per_model_lr(), ValueError, ("per-model", "batchlayers.optim.lr_scheduler.ReduceLROnPlateau"), id="torch-plateau-over-per-model-lr"),  # noqa: E501
     pytest.param(lambda: L.cross_entropy(r(M, 4, 5), idx(M, 4), weight=torch.ones(4)), ValueError, ("batchlayers.losses.cross_entropy", "weight", "(5,)", "(4,)"), id="cross_entropy-weight-of-other-classes"),  # noqa: E501
     pytest.param(lambda: L.cross_entropy(r(M, 4, 5), torch.full((M, 4), 7)), IndexError, ("batchlayers.losses.cross_entropy", "7", "C=5"), id="cross_entropy-class-out-of-range"),  # noqa: E501
     pytest.param(lambda: L.binary_cross_entropy(torch.rand(M, 4, 2), torch.rand(M, 4, 2), weight=torch.ones(3)), ValueError, ("batchlayers.losses.binary_cross_entropy", "weight", "(3,)"), id="binary_cross_entropy-weight-shape"),  # noqa: E501
-    pytest.param(lambda: set_and_step(SGD(params()), "weight_decay", -1.0), ValueError, ("SGD", "weight_decay", "-1.0"), id="sgd-negative-weight-decay-by-hand", marks=pytest.mark.xfail(strict=True, reason="optim/_base.py: hyperparameter() checks a float put in by hand")),  # noqa: E501
+    pytest.param(lambda: set_and_step(SGD(params()), "weight_decay", -1.0), ValueError, ("SGD", "weight_decay", "-1.0"), id="sgd-negative-weight-decay-by-hand"),  # noqa: E501
     pytest.param(lambda: bl.load_checkpoint(3.5), TypeError, ("load_checkpoint", "path", "float"), id="load_checkpoint-float-path"),  # noqa: E501
     pytest.param(lambda: bl.stack_checkpoints(zoo.MLP(), "model.pt"), TypeError, ("stack_checkpoints", "list", "'model.pt'"), id="stack_checkpoints-one-path-string"),  # noqa: E501
     pytest.param(lambda: bl.model_data_loader(iter(range(4)), 2, 2), TypeError, ("model_data_loader", "map-style", "range_iterator"), id="model_data_loader-iterator"),  # noqa: E501
@@ -463,7 +463,7 @@ def test_bad_checkpoint_input_raises_a_clear_error(call, exc, keywords, tmp_path
 
 
 @pytest.mark.parametrize("call, exc, keywords", PENDING)
-def test_bad_input_pending_a_fix_elsewhere(call, exc, keywords) -> None:
+def test_bad_input_of_the_second_round_raises_a_clear_error(call, exc, keywords) -> None:
     _check(call, exc, keywords)
 
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from batchlayers import losses as BL
 from batchlayers.clip_grad import clip_grad_norm_, nonfinite_models
 from batchlayers.linear import BatchedLinear
-from batchlayers.optim import SGD, Adam, AdamW, PerModelValue, RMSprop
+from batchlayers.optim import SGD, Adam, AdamW, PerModelValue, RMSprop, _base
 
 SHAPES = [(4, 3), (3,), ()]  # one model's parameter shapes: a weight, a bias, a per-model scalar
 M = 3
@@ -36,13 +36,23 @@ def torch_kwargs(kwargs: dict, m: int) -> dict:
     return out
 
 
+def assert_equal(actual: torch.Tensor, expected: torch.Tensor, msg: str = "") -> None:
+    """Bit for bit (``-0.0 == 0.0``); the failure reports how many elements differ and by how much."""
+    if not torch.equal(actual, expected):
+        differ = actual != expected
+        raise AssertionError(
+            f"{msg}: {int(differ.sum())} of {actual.numel()} elements differ, largest difference "
+            f"{(actual - expected).abs().max().item():.3g}"
+        )
+
+
 class Pair:
     """A batched optimizer over (M, *shape) parameters and M torch optimizers over the slices."""
 
-    def __init__(self, batched_cls, torch_cls, kwargs, *, num_models=M, dtype=torch.float64, shapes=SHAPES):
+    def __init__(self, batched_cls, torch_cls, kwargs, *, num_models=M, dtype=torch.float64, shapes=SHAPES, fused=None):
         self.num_models = num_models
         self.params = [torch.nn.Parameter(torch.randn(num_models, *s, dtype=dtype)) for s in shapes]
-        self.opt = batched_cls(self.params, **kwargs)
+        self.opt = batched_cls(self.params, **kwargs, fused=fused)
         self.ref_params = [[torch.nn.Parameter(p[m].detach().clone()) for p in self.params] for m in range(num_models)]
         self.ref_opts = [torch_cls(ps, **torch_kwargs(kwargs, m)) for m, ps in enumerate(self.ref_params)]
 
@@ -59,10 +69,11 @@ class Pair:
                 q.grad = g[m].clone()
             self.ref_opts[m].step()
 
-    def check(self, msg=""):
+    def check(self, msg="", exact=True):
+        """Each model's slice against its torch optimizer: bit for bit unless ``exact=False``."""
         for i, p in enumerate(self.params):
             expected = torch.stack([self.ref_params[m][i].detach() for m in range(self.num_models)])
-            assert_close(p.detach(), expected, msg=f"{msg} parameter {i}")
+            (assert_equal if exact else assert_close)(p.detach(), expected, msg=f"{msg} parameter {i}")
 
 
 def tensor(*values):
@@ -256,7 +267,7 @@ BAD_ARGUMENTS = [
     ("betas-triple", Adam, {"betas": (0.9, 0.99, 0.9)}, ValueError, "betas must be a pair"),
     ("nesterov", SGD, {"momentum": tensor(0.9, 0.0, 0.5), "nesterov": True}, ValueError, "Nesterov"),
     ("bool", SGD, {"lr": torch.tensor([True, False, True])}, TypeError, "real tensor"),
-    ("fused", Adam, {"fused": True}, ValueError, "fused=True is not supported"),
+    ("fused", Adam, {"fused": "yes"}, ValueError, "fused must be None, False or True, got 'yes'"),
     ("differentiable", RMSprop, {"differentiable": True}, ValueError, "differentiable=True"),
 ]
 
@@ -368,7 +379,7 @@ def test_lambda_lr_with_per_model_factors_gives_per_model_schedules() -> None:
         scheduler.step()
         for s in ref_schedulers:
             s.step()
-        pair.check(f"step {step}")
+        pair.check(f"step {step}", exact=False)  # the schedule's (epoch + 1) / warmup rounds differently
     assert isinstance(pair.opt.param_groups[0]["lr"], PerModelValue)
     expected = tensor(*[opt.param_groups[0]["lr"] for opt in pair.ref_opts])
     assert_close(pair.opt.param_groups[0]["lr"].as_subclass(torch.Tensor), expected, msg="lr")
@@ -384,3 +395,169 @@ def test_sgd_momentum_switched_on_later_starts_from_the_gradient() -> None:
     for step, active in enumerate([[True, False, True], [False, True, True], None]):
         pair.step(active=None if active is None else torch.tensor(active))
         pair.check(f"step {step} with momentum, active {active}")
+
+
+# -- the compiled path (fused=True) ------------------------------------------------------------------------
+
+FUSED_CONFIGS = [
+    (SGD, torch.optim.SGD, {"lr": tensor(0.1, 0.02, 0.3), "weight_decay": tensor(0.1, 0, 0.01)}),
+    (SGD, torch.optim.SGD, {"lr": 0.1, "momentum": tensor(0.9, 0.0, 0.5), "dampening": tensor(0.1, 0.3, 0.0)}),
+    (SGD, torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "nesterov": True, "maximize": True, "weight_decay": 0.1}),
+    (
+        Adam,
+        torch.optim.Adam,
+        {"lr": tensor(1e-2, 1e-3, 3e-2), "betas": (tensor(0.9, 0.5, 0.0), 0.99), "eps": tensor(1e-8, 1e-3, 1.0)},
+    ),
+    (Adam, torch.optim.Adam, {"lr": 1e-2, "weight_decay": tensor(0, 0.1, 0.5), "amsgrad": True, "maximize": True}),
+    (AdamW, torch.optim.AdamW, {"lr": tensor(1e-2, 1e-3, 3e-2), "weight_decay": tensor(0.1, 0.0, 0.5)}),
+    (AdamW, torch.optim.AdamW, {"lr": 1e-2, "betas": (0.8, tensor(0.99, 0.9, 0.5)), "amsgrad": True}),
+    (
+        RMSprop,
+        torch.optim.RMSprop,
+        {"lr": tensor(1e-2, 1e-3, 3e-2), "momentum": tensor(0.9, 0.0, 0.5), "weight_decay": 0.1},
+    ),
+    (RMSprop, torch.optim.RMSprop, {"lr": 1e-2, "centered": True, "alpha": tensor(0.99, 0.5, 0.9), "maximize": True}),
+]
+MASKS = [None, [False, True, True], None, [True, False, True], [False] * 3, None]
+
+
+@pytest.mark.parametrize("config", FUSED_CONFIGS, ids=[config_id(c) for c in FUSED_CONFIGS])
+def test_fused_equals_foreach_and_torch_in_float64(config) -> None:
+    """The compiled kernel computes the foreach path's numbers bit for bit, and so each model's torch.optim
+    step, also with models frozen by active masks (which leave the models at different steps)."""
+    torch.manual_seed(0)
+    foreach = Pair(*config)
+    torch.manual_seed(0)
+    fused = Pair(*config, fused=True)
+    for step, mask in enumerate(MASKS):
+        grads = [torch.randn_like(p) for p in foreach.params]
+        active = None if mask is None else torch.tensor(mask)
+        foreach.step(grads, active=active)
+        fused.step(grads, active=active)
+        fused.check(f"step {step}, active {mask}")
+        for i, (a, b) in enumerate(zip(fused.params, foreach.params)):
+            assert_equal(a.detach(), b.detach(), f"step {step}: fused vs foreach, parameter {i}")
+        for i, (a, b) in enumerate(zip(fused.opt.state.values(), foreach.opt.state.values())):
+            for key in b:
+                assert_equal(a[key], b[key], f"step {step}: state {key} of parameter {i}")
+
+
+def ulps_of_parameter(actual: torch.Tensor, expected: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
+    """The difference in ulps of the parameter's magnitude before or after the step, whichever is larger."""
+    scale = torch.maximum(before.abs(), expected.abs())
+    return (actual - expected).abs() / (torch.nextafter(scale, torch.tensor(float("inf"))) - scale)
+
+
+@pytest.mark.parametrize("exact_sqrt", [False, True], ids=["kernel_sqrt", "torch_sqrt"])
+@pytest.mark.parametrize("config", [FUSED_CONFIGS[2], FUSED_CONFIGS[4], FUSED_CONFIGS[7]], ids=config_id)
+def test_fused_float32_differs_from_foreach_only_by_the_square_root(config, exact_sqrt, monkeypatch) -> None:
+    """In float32 the kernel's square root is correctly rounded and torch's CPU sqrt (MKL) is not always:
+    with torch's sqrt the kernel equals the foreach path bit for bit, with its own a few elements per step
+    differ by a few ulps (from the same state). SGD takes no square root: bit for bit either way."""
+    if exact_sqrt:
+        monkeypatch.setattr(_base, "EXACT_SQRT_DTYPES", frozenset({torch.float64, torch.float32}))
+    torch.manual_seed(0)
+    shapes = [(64, 33), (5,)]  # enough elements for the two square roots to differ somewhere
+    foreach = Pair(*config, dtype=torch.float32, shapes=shapes)
+    fused = Pair(*config, dtype=torch.float32, shapes=shapes, fused=True)
+    for step in range(4):
+        with torch.no_grad():
+            for p, q in zip(fused.params, foreach.params):
+                p.copy_(q)
+        fused.opt.load_state_dict(copy.deepcopy(foreach.opt.state_dict()))  # torch's load keeps the tensors
+        before = [p.detach().clone() for p in foreach.params]
+        grads = [torch.randn_like(p) for p in foreach.params]
+        foreach.step(grads)
+        fused.step(grads)
+        foreach.check(f"foreach, step {step}")
+        for i, (a, b, old) in enumerate(zip(fused.params, foreach.params, before)):
+            if exact_sqrt or config[0] is SGD:
+                assert_equal(a.detach(), b.detach(), f"step {step}, parameter {i}")
+            else:
+                ulps = ulps_of_parameter(a.detach(), b.detach(), old)
+                assert ulps.max() <= 16 and (ulps > 0).float().mean() < 0.01, f"step {step}, parameter {i}"
+
+
+@pytest.mark.parametrize("config", [FUSED_CONFIGS[1], FUSED_CONFIGS[4], FUSED_CONFIGS[8]], ids=config_id)
+@pytest.mark.parametrize("saved_fused", [False, True], ids=["foreach_to_fused", "fused_to_foreach"])
+def test_state_dict_moves_between_paths(config, saved_fused) -> None:
+    """A checkpoint of one path resumes on the other, bit for bit; the loading optimizer keeps its path."""
+    torch.manual_seed(0)
+    batched_cls, _, kwargs = config
+    params = [torch.nn.Parameter(torch.randn(M, *s, dtype=torch.float64)) for s in SHAPES]
+    grads = [[torch.randn_like(p) for p in params] for _ in range(6)]
+    masks = [None, torch.tensor([True, False, True]), None, None, torch.tensor([False, True, True]), None]
+    twin = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = batched_cls(params, **kwargs, fused=saved_fused)
+
+    def run(optimizer, ps, steps):
+        for gs, active in steps:
+            for p, g in zip(ps, gs):
+                p.grad = g.clone()
+            optimizer.step(active=active)
+
+    run(opt, params, list(zip(grads, masks))[:3])
+    checkpoint = copy.deepcopy(opt.state_dict())  # torch's load_state_dict would share the tensors
+    with torch.no_grad():
+        for p, q in zip(twin, params):
+            p.copy_(q)
+    resumed = batched_cls(twin, **kwargs, fused=not saved_fused)
+    resumed.load_state_dict(checkpoint)
+    assert resumed.param_groups[0]["fused"] is (not saved_fused)
+    run(opt, params, list(zip(grads, masks))[3:])
+    run(resumed, twin, list(zip(grads, masks))[3:])
+    for i, (p, q) in enumerate(zip(params, twin)):
+        assert_equal(q.detach(), p.detach(), f"parameter {i}")
+    for i, (a, b) in enumerate(zip(resumed.state.values(), opt.state.values())):
+        for key in b:
+            assert_equal(a[key], b[key], f"state {key} of parameter {i}")
+
+
+@pytest.mark.parametrize("per_model_lr", [True, False], ids=["tensor_lr", "float_lr"])
+def test_fused_kernel_is_not_recompiled_by_schedules_or_masks(per_model_lr) -> None:
+    """New learning rates, bias corrections and models at different steps reuse the compiled kernel, and a
+    pickled copy leaves it behind."""
+    counters = torch._dynamo.utils.counters
+    torch.manual_seed(0)
+    lr = tensor(0.1, 0.02, 0.3) if per_model_lr else 0.1
+    pair = Pair(Adam, torch.optim.Adam, {"lr": lr, "weight_decay": 0.1}, fused=True)
+    scheduler = torch.optim.lr_scheduler.StepLR(pair.opt, step_size=1, gamma=0.5)
+    ref_schedulers = [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5) for opt in pair.ref_opts]
+    pair.step()
+    graphs = counters["stats"]["unique_graphs"]
+    for step, mask in enumerate([[True, False, True], None, [False, True, True], None]):
+        scheduler.step()
+        for s in ref_schedulers:
+            s.step()
+        pair.step(active=None if mask is None else torch.tensor(mask))
+        pair.check(f"step {step}")
+    assert counters["stats"]["unique_graphs"] == graphs, "the kernel was compiled again"
+    assert "_compiled_kernels" in pair.opt.__dict__
+    assert "_compiled_kernels" not in pickle.loads(pickle.dumps(pair.opt)).__dict__
+
+
+@pytest.mark.parametrize("fused", [None, True], ids=["foreach", "fused"])
+def test_step_counts_changed_in_place_are_read_again(fused) -> None:
+    """The optimizer remembers that all models are at one step only until the step tensors change."""
+    torch.manual_seed(0)
+    pair = Pair(*FUSED_CONFIGS[3], fused=fused)
+    for step in range(4):
+        if step == 2:
+            for opt in [pair.opt, *pair.ref_opts]:
+                for state in opt.state.values():
+                    state["step"].fill_(7)
+        pair.step()
+        pair.check(f"step {step}")
+
+
+def test_bias_corrections_are_pythons_float_powers() -> None:
+    """``beta ** step`` and ``x ** 0.5`` per model as Python (the C library's pow) computes torch.optim's:
+    torch's vectorised pow and sqrt differ from it in the last bit for some inputs."""
+    gen = torch.Generator().manual_seed(0)
+    betas = torch.rand(1000, generator=gen, dtype=torch.float64)
+    steps = torch.randint(1, 100_000, (1000,), generator=gen).double()
+    got = _base.power(betas, steps, betas.device)
+    assert_equal(got, torch.tensor([b**s for b, s in zip(betas.tolist(), steps.tolist())], dtype=torch.float64))
+    roots = _base.power(1 - got, 0.5, betas.device)
+    assert_equal(roots, torch.tensor([(1 - v) ** 0.5 for v in got.tolist()], dtype=torch.float64))
+    assert _base.power(0.9, 3.0, betas.device) == 0.9**3.0

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+import math
 import numbers
+import types
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -31,10 +35,20 @@ class PerModelValue(Tensor):
             if value.shape != self.shape:
                 raise ValueError(
                     f"cannot set a per-model hyperparameter of shape {tuple(self.shape)} to a value of shape "
-                    f"{tuple(value.shape)}"
+                    f"{tuple(value.shape)} (a scheduler left behind by keep_models_? pass it as "
+                    "keep_models_(..., schedulers=[scheduler]))"
                 )
             return self.copy_(value)
         return super().fill_(value)
+
+    def __float__(self) -> float:
+        if self.numel() != 1:
+            raise ValueError(
+                f"a per-model hyperparameter of shape {tuple(self.shape)} has no single float value (torch's "
+                "ReduceLROnPlateau reads one for all models); for one metric per model use "
+                "batchlayers.optim.lr_scheduler.ReduceLROnPlateau, which reduces each model's lr on its own plateau"
+            )
+        return super().__float__()
 
     def __deepcopy__(self, memo: dict) -> PerModelValue:
         return self.as_subclass(Tensor).clone().as_subclass(PerModelValue)
@@ -54,53 +68,57 @@ def hyperparameter_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "mps" else torch.float64
 
 
-def broadcast_per_model(value: Hyperparameter, like: Sequence[Tensor]) -> float | list[Tensor]:
-    """A float stays a float; an ``(M,)`` tensor becomes, for each tensor in ``like``, an ``(M, 1, ..., 1)``
-    view in its dtype, so a ``torch._foreach_*`` op applies model ``m``'s value to slice ``m``."""
+def broadcast_per_model(value: float | Tensor, like: Sequence[Tensor]) -> float | list[Tensor]:
+    """A float stays a float. An ``(M,)`` tensor becomes, for each tensor in ``like``, an ``(M, 1, ..., 1)``
+    view in its dtype, so a ``torch._foreach_*`` op applies model ``m``'s value to slice ``m``; row ``i`` of a
+    ``(len(like), M)`` tensor (a value that depends on each parameter's own step counts) goes to ``like[i]``."""
     if not isinstance(value, Tensor):
         return value
     values = value.to(like[0].dtype)
+    if values.dim() == 2:
+        return [row.view(-1, *([1] * (t.dim() - 1))) for row, t in zip(values, like)]
     return [values.view(-1, *([1] * (t.dim() - 1))) for t in like]
 
 
-def broadcast_per_parameter(values: Tensor, params: Sequence[Tensor]) -> list[Tensor]:
-    """Row ``i`` of a ``(len(params), M)`` tensor as an ``(M, 1, ..., 1)`` view in ``params[i]``'s dtype."""
-    values = values.to(params[0].dtype)
-    return [row.view(-1, *([1] * (p.dim() - 1))) for row, p in zip(values, params)]
-
-
-def per_model_tensor(value: Hyperparameter, num_models: int, device: torch.device) -> Tensor:
-    """A hyperparameter as an ``(M,)`` tensor in the dtype per-model arithmetic runs in."""
-    dtype = hyperparameter_dtype(device)
-    if isinstance(value, Tensor):
-        return value.to(device=device, dtype=dtype)
-    return torch.full((num_models,), float(value), dtype=dtype, device=device)
-
-
-def foreach_add_scaled_(tensors: list[Tensor], others: list[Tensor], scale: float | list[Tensor]) -> None:
-    """``tensors += scale * others`` for a float or per-model ``scale``."""
-    if isinstance(scale, list):
-        torch._foreach_add_(tensors, torch._foreach_mul(others, scale))
-    else:
-        torch._foreach_add_(tensors, others, alpha=scale)
+# Each helper below rounds as the torch op that torch.optim calls with a float does, for a float or a
+# per-model ``scale``: on CPU ``add(alpha=s)`` and ``addcmul`` round once (an FMA), ``addcdiv(value=s)``
+# computes ``(s * a) / b``. So every model's slice equals its own torch.optim step bit for bit (float64
+# and float32, tests/test_optim.py); ``a + mul(b, s)`` would round twice and differ in the last bit.
 
 
 def foreach_add_scaled(tensors: list[Tensor], others: list[Tensor], scale: float | list[Tensor]) -> list[Tensor]:
-    """``tensors + scale * others``, out of place."""
+    """``tensors + scale * others`` as ``torch.add(tensors, others, alpha=scale)`` rounds it."""
     if isinstance(scale, list):
-        return torch._foreach_add(tensors, torch._foreach_mul(others, scale))
+        return torch._foreach_addcmul(tensors, others, scale)
     return torch._foreach_add(tensors, others, alpha=scale)
+
+
+def foreach_add_scaled_(tensors: list[Tensor], others: list[Tensor], scale: float | list[Tensor]) -> None:
+    """``tensors += scale * others``, in place."""
+    if isinstance(scale, list):
+        torch._foreach_addcmul_(tensors, others, scale)
+    else:
+        torch._foreach_add_(tensors, others, alpha=scale)
 
 
 def foreach_addcmul_scaled_(
     tensors: list[Tensor], factors: list[Tensor], others: list[Tensor], scale: float | list[Tensor]
 ) -> None:
-    """``tensors += scale * factors * others`` for a float or per-model ``scale`` (one fused ``addcmul`` for
-    a float, as torch's own optimizers do)."""
+    """``tensors += scale * factors * others`` as ``addcmul_(factors, others, value=scale)`` rounds it."""
     if isinstance(scale, list):
         torch._foreach_addcmul_(tensors, torch._foreach_mul(factors, scale), others)
     else:
         torch._foreach_addcmul_(tensors, factors, others, value=scale)
+
+
+def foreach_addcdiv_scaled_(
+    tensors: list[Tensor], numerators: list[Tensor], denominators: list[Tensor], scale: float | list[Tensor]
+) -> None:
+    """``tensors += scale * numerators / denominators`` as ``addcdiv_(..., value=scale)`` rounds it."""
+    if isinstance(scale, list):
+        torch._foreach_addcdiv_(tensors, torch._foreach_mul(numerators, scale), denominators)
+    else:
+        torch._foreach_addcdiv_(tensors, numerators, denominators, value=scale)
 
 
 def new_step_counts(param: Tensor) -> Tensor:
@@ -108,8 +126,157 @@ def new_step_counts(param: Tensor) -> Tensor:
     return torch.zeros(param.shape[0], dtype=torch.float32, device=param.device)
 
 
+def steps_after_increment(steps: list[Tensor]) -> float | Tensor:
+    """Each model's step count including the step being taken, as torch's Adam reads it (a Python float).
+
+    One float when every model of every parameter is at the same step (the usual case); an ``(M,)`` tensor
+    in the hyperparameter dtype when only the models differ (after ``step(active=...)``); a
+    ``(len(steps), M)`` one when parameters of one model differ too (some had no gradient). The fewer
+    distinct values, the fewer ``pow`` calls for the bias corrections.
+    """
+    stacked = torch.stack(steps)
+    if stacked.numel() == 0:
+        return 1.0
+    row = stacked[0]
+    if torch.equal(stacked, row.expand_as(stacked)):
+        if torch.equal(row, row[:1].expand_as(row)):
+            return row[0].item() + 1
+        stacked = row
+    return stacked.to(hyperparameter_dtype(stacked.device)) + 1
+
+
+def power(base: float | Tensor, exponent: float | Tensor, device: torch.device) -> float | Tensor:
+    """``base ** exponent`` as Python computes it for floats (the C library's ``pow``), element-wise.
+
+    torch's vectorised CPU ``pow`` (SLEEF) differs from the C library's in the last bit for some inputs
+    (measured: ``beta ** step`` and ``x ** 0.5`` on random float64 values), and ``sqrt`` differs from
+    ``x ** 0.5``. A strided output keeps TensorIterator on its element-by-element loop, which calls
+    ``std::pow``: per-model bias corrections then equal torch.optim's Python-float ones.
+    """
+    if not isinstance(base, Tensor) and not isinstance(exponent, Tensor):
+        return base**exponent
+    dtype = hyperparameter_dtype(device)
+    base = torch.as_tensor(base, dtype=dtype, device=device)
+    exponent = torch.as_tensor(exponent, dtype=dtype, device=device)
+    shape = torch.broadcast_shapes(base.shape, exponent.shape)
+    out = torch.empty(*shape, 2, dtype=dtype, device=device)[..., 0]
+    return torch.pow(base, exponent, out=out).contiguous()
+
+
+def divide(numerator: float | Tensor, denominator: float | Tensor, device: torch.device) -> float | Tensor:
+    """``numerator / denominator`` for floats or tensors, as a true division (``float / tensor`` in Python
+    multiplies by the reciprocal, which rounds differently)."""
+    if not isinstance(numerator, Tensor) and not isinstance(denominator, Tensor):
+        return numerator / denominator
+    return torch.div(torch.as_tensor(numerator, dtype=hyperparameter_dtype(device), device=device), denominator)
+
+
 def is_zero(value: Hyperparameter) -> bool:
     return not isinstance(value, Tensor) and value == 0
+
+
+# -- compiled kernels (``fused=True``) ---------------------------------------------------------------------
+#
+# A kernel is a plain function over the parameter list that ``torch.compile`` turns into one loop per
+# parameter (inductor: C++/OpenMP on CPU, Triton on GPU). The helpers below make it round as the foreach
+# path does: inductor computes ``a * b + c`` with two roundings on CPU (``-ffp-contract=off``), so where
+# torch's eager kernel uses an FMA (``add(alpha=)``, ``addcmul``, ``lerp``) the kernel asks for one. Run
+# uncompiled (e.g. past dynamo's recompile limit) the helpers are the eager ops themselves.
+
+
+def pack_kernel_inputs(device: torch.device, *values: float | Tensor) -> dict[str, Any]:
+    """Hyperparameters (floats, ``(M,)`` or ``(P, M)`` tensors) as a kernel's inputs: the floats in one tensor
+    (one copy to the device per step), the tensors as they are, and where each value went. A compiled
+    kernel then takes new values (a schedule's learning rate, each step's bias corrections) without
+    recompiling: dynamo would specialise on a float argument until it changed once."""
+    floats: list[float] = []
+    tensors: list[Tensor] = []
+    layout: list[int] = []
+    for value in values:
+        if isinstance(value, Tensor):
+            layout.append(len(tensors))
+            tensors.append(value)
+        else:
+            layout.append(-1 - len(floats))
+            floats.append(value)
+    scalars = torch.tensor(floats, dtype=hyperparameter_dtype(device), device=device)
+    return {"scalars": scalars, "tensors": tensors, "layout": tuple(layout)}
+
+
+def per_model_inputs(num_models: int, device: torch.device, *values: float | Tensor) -> list[Tensor]:
+    """Step-dependent values as tensors: a float (every model at one step) as an ``(M,)`` tensor, so that the
+    kernel compiled for it also serves models at different steps (after ``step(active=...)``), which
+    make these values ``(M,)`` tensors."""
+    dtype = hyperparameter_dtype(device)
+    return [v if isinstance(v, Tensor) else torch.full((num_models,), v, dtype=dtype, device=device) for v in values]
+
+
+def unpack_kernel_inputs(scalars: Tensor, tensors: list[Tensor], layout: tuple[int, ...]) -> list[Tensor]:
+    """In a kernel: the values :func:`pack_kernel_inputs` packed, in their order (floats as 0-d tensors)."""
+    return [tensors[j] if j >= 0 else scalars[-1 - j] for j in layout]
+
+
+def kernel_value(value: Tensor, like: Tensor, index: int) -> Tensor:
+    """In a kernel: a 0-d or ``(M,)`` tensor, or row ``index`` of a ``(P, M)`` one, as an ``(M, 1, ..., 1)`` (or
+    ``(1, ..., 1)``) view in ``like``'s dtype."""
+    if value.dim() == 2:
+        value = value[index]
+    return value.to(like.dtype).view((-1,) + (1,) * (like.dim() - 1))
+
+
+def fma(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
+    """``a * b + c`` rounded once, as torch's CPU ``add(alpha=)`` and ``addcmul`` compute it."""
+    if torch.compiler.is_compiling():
+        return torch.ops.prims.fma(a, b, c)
+    return torch.addcmul(c, a, b)
+
+
+def lerp(start: Tensor, end: Tensor, weight: Tensor) -> Tensor:
+    """``torch.lerp`` as ATen's CPU kernel rounds it: ``fma(weight, end - start, start)`` for ``|weight| <
+    0.5``, else ``fma(weight - 1, end - start, end)``."""
+    if torch.compiler.is_compiling():
+        small = weight.abs() < 0.5
+        return fma(torch.where(small, weight, weight - 1), end - start, torch.where(small, start, end))
+    return torch.lerp(start, end, weight)
+
+
+# The dtypes in which a compiled kernel takes its square root from torch's own sqrt kernel, between two
+# compiled loops (about twice the memory traffic), so that it equals the foreach path bit for bit.
+EXACT_SQRT_DTYPES = frozenset({torch.float64})
+
+
+def kernel_sqrt(x: Tensor) -> Tensor:
+    """``torch.sqrt``, and in :data:`EXACT_SQRT_DTYPES` torch's own sqrt kernel.
+
+    torch's CPU sqrt (MKL's vectorised one) is not correctly rounded: 0.6-0.8% of random float32 and
+    float64 inputs come out 1 ulp from the correctly rounded root, which a compiled kernel computes. In
+    float64 the kernel therefore calls torch's sqrt (bit-exact); in other dtypes it keeps one loop, and a
+    parameter may then differ from the foreach path's by a few ulps (measured on 1.85M float32 elements, 5
+    steps from the same state: 0.02-0.15% of them, at most 4 ulps of the parameter for Adam, AdamW and
+    RMSprop, 11 for centered RMSprop with momentum; torch's own fused Adam differs from its for-loop Adam
+    the same way: 0.02%, 4 ulps).
+    """
+    if torch.compiler.is_compiling() and x.dtype in EXACT_SQRT_DTYPES:
+        return torch.ops.batchlayers.eager_sqrt(x)
+    return torch.sqrt(x)
+
+
+@functools.cache
+def _register_kernel_ops() -> None:
+    with warnings.catch_warnings():
+        # torch 2.13's inductor imports torch.utils.mkldnn, whose class bodies call the deprecated
+        # torch.jit.script_method: torch's own warning about torch's own code, once per process.
+        warnings.filterwarnings("ignore", "`torch.jit.script_method` is deprecated", DeprecationWarning)
+        import torch._inductor.compile_fx  # noqa: F401
+    import torch._inductor.inductor_prims  # noqa: F401  (defines torch.ops.prims.fma)
+
+    @torch.library.custom_op("batchlayers::eager_sqrt", mutates_args=())
+    def eager_sqrt(x: Tensor) -> Tensor:
+        return torch.sqrt(x)
+
+    @eager_sqrt.register_fake
+    def _(x: Tensor) -> Tensor:
+        return torch.empty_like(x)
 
 
 class BatchedOptimizer(Optimizer):
@@ -117,15 +284,30 @@ class BatchedOptimizer(Optimizer):
 
     Subclasses list their numeric hyperparameters in ``per_model_hyperparameters`` (a name, or
     ``("betas", i)`` for an entry of a tuple), create their state in ``_init_state`` and update one
-    device/dtype bucket of tensors in ``_update``.
+    device/dtype bucket of tensors in ``_update`` (foreach kernels) and ``_update_fused`` (a compiled
+    kernel, for ``fused=True``).
+
+    Two implementations, the same arithmetic:
+
+    - ``fused=None`` / ``False`` (default): a few ``torch._foreach_*`` ops over the parameter list, each
+      rounding as the op torch.optim applies to one model; every model's slice is bit-for-bit its own
+      ``torch.optim`` step on CPU (float64 and float32).
+    - ``fused=True``: one ``torch.compile``'d kernel (one pass over each parameter's memory, like torch's
+      ``fused=True``), compiled on the first step (seconds) and again for new shapes, dtypes or flags. In
+      float64 it equals the foreach path bit for bit (SGD: in every dtype). In other dtypes Adam's and
+      RMSprop's square root is correctly rounded in the kernel and torch's CPU ``sqrt`` is not (1 ulp off
+      for under 1% of inputs): a few elements per step may differ by a few ulps, as torch's own
+      ``fused=True`` differs from its for-loop implementation (see ``kernel_sqrt``).
     """
 
     per_model_hyperparameters: tuple[str | tuple[str, int], ...] = ()
 
     def __init__(self, params: Iterable, defaults: dict[str, Any]) -> None:
-        for flag in ("differentiable", "capturable", "fused"):
+        for flag in ("differentiable", "capturable"):
             if defaults.get(flag):
                 raise ValueError(f"{type(self).__name__}: {flag}=True is not supported")
+        if defaults.get("fused") not in (None, False, True):
+            raise ValueError(f"{type(self).__name__}: fused must be None, False or True, got {defaults['fused']!r}")
         super().__init__(params, defaults)
 
     # -- hyperparameters -------------------------------------------------------------------------------
@@ -233,6 +415,9 @@ class BatchedOptimizer(Optimizer):
             return value.as_subclass(Tensor)
         if not isinstance(value, numbers.Real):
             self._adopt_hyperparameters(group)  # raises: names the hyperparameter and what it got
+        name = self._key_name(key)
+        if not (math.isfinite(value) and value >= 0 and (value < 1 or not name.startswith("betas"))):
+            self._check_value(name, value)  # a float put in by hand: raises, naming it
         return value
 
     # -- state dict ------------------------------------------------------------------------------------
@@ -251,7 +436,12 @@ class BatchedOptimizer(Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._check_num_models(state_dict)  # before anything changes: torch's load replaces state and groups
+        # How this optimizer runs (``fused``, ``foreach``) stays its own: a checkpoint carries training state,
+        # and every path computes the same numbers.
+        implementation = [{k: g[k] for k in ("fused", "foreach") if k in g} for g in self.param_groups]
         super().load_state_dict(state_dict)
+        for group, own in zip(self.param_groups, implementation):
+            group.update(own)
         for group in self.param_groups:
             self._adopt_hyperparameters(group)
             for p in group["params"]:
@@ -306,6 +496,55 @@ class BatchedOptimizer(Optimizer):
     ) -> None:
         raise NotImplementedError
 
+    def _update_fused(
+        self,
+        group: dict[str, Any],
+        params: list[Tensor],
+        grads: list[Tensor],
+        states: list[dict[str, Tensor]],
+        num_models: int,
+    ) -> None:
+        raise NotImplementedError
+
+    def _steps_after_increment(self, steps: list[Tensor]) -> float | Tensor:
+        """:func:`steps_after_increment`, without reading the step counts when this optimizer's last step left
+        them all at one value and nothing has written to them since (their version counters tell)."""
+        known = self.__dict__.get("_uniform_steps", {}).get(id(steps[0]))
+        if known is not None:
+            tensors, versions, value = known
+            if len(tensors) == len(steps) and all(
+                a is b and a._version == v for a, b, v in zip(tensors, steps, versions)
+            ):
+                return value
+        return steps_after_increment(steps)
+
+    def _counted(self, steps: list[Tensor], step: float | Tensor) -> None:
+        """Note the step counts after an update that counted ``step`` for every model: the next one is
+        ``step + 1``, as long as the tensors' versions stay (a frozen model's restored count changes them)."""
+        uniform = self.__dict__.setdefault("_uniform_steps", {})
+        if isinstance(step, Tensor):
+            uniform.pop(id(steps[0]), None)
+        else:
+            uniform[id(steps[0])] = (list(steps), [s._version for s in steps], step + 1)
+
+    def _compiled(self, kernel: Callable) -> Callable:
+        """``kernel`` compiled with ``torch.compile``, once per optimizer (not pickled or deep-copied)."""
+        kernels = self.__dict__.setdefault("_compiled_kernels", {})
+        if kernel not in kernels:
+            _register_kernel_ops()
+            # A copy with its own code object: dynamo keeps compiled graphs, and counts recompilations
+            # against its limit, per code object, so other optimizers' shapes and flags never use up this
+            # one's. fullgraph: a graph break would silently run part of the kernel uncompiled. No size
+            # asserts: dynamo's guards already check every input's shape and strides, and the asserts cost
+            # 12 us of a 50 us call (tiny MLP, M=64, 1 thread). (Inductor's threading threshold stays: ATen's
+            # 32768-element grain size was slower at M=1024, 2 threads, 298 vs 261 us per kernel call.)
+            own = types.FunctionType(
+                kernel.__code__.replace(), kernel.__globals__, kernel.__name__, kernel.__defaults__, kernel.__closure__
+            )
+            own.__kwdefaults__ = kernel.__kwdefaults__
+            kernels[kernel] = torch.compile(own, fullgraph=True, options={"size_asserts": False})
+        return kernels[kernel]
+
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None, *, active: Tensor | None = None) -> Any:
         """Perform one optimization step for every model, or only for the ``active`` ones.
@@ -349,8 +588,9 @@ class BatchedOptimizer(Optimizer):
             buckets: dict[tuple[torch.device, torch.dtype], list[int]] = {}
             for i, p in enumerate(params):
                 buckets.setdefault((p.device, p.dtype), []).append(i)
+            update = self._update_fused if group.get("fused") else self._update
             for indices in buckets.values():
-                self._update(
+                update(
                     group,
                     [params[i] for i in indices],
                     [params[i].grad for i in indices],

@@ -11,13 +11,20 @@ from ._base import (
     BatchedOptimizer,
     Hyperparameter,
     broadcast_per_model,
-    broadcast_per_parameter,
+    divide,
+    fma,
     foreach_add_scaled,
+    foreach_addcdiv_scaled_,
     foreach_addcmul_scaled_,
-    hyperparameter_dtype,
     is_zero,
+    kernel_sqrt,
+    kernel_value,
+    lerp,
     new_step_counts,
-    per_model_tensor,
+    pack_kernel_inputs,
+    per_model_inputs,
+    power,
+    unpack_kernel_inputs,
 )
 
 __all__ = ["Adam", "AdamW"]
@@ -27,9 +34,10 @@ class Adam(BatchedOptimizer):
     r"""Adam for ``M`` models at once, each with its own hyperparameters.
 
     Equal to ``M`` independent :class:`torch.optim.Adam` runs, model ``m`` with ``lr[m]``,
-    ``betas[0][m]``, ``betas[1][m]``, ``eps[m]``, ``weight_decay[m]``. Arguments and defaults are torch's;
-    each numeric one (each beta on its own) may be a float or a tensor of shape ``(M,)``. All models are
-    updated by a few ``torch._foreach_*`` kernels over the parameter list.
+    ``betas[0][m]``, ``betas[1][m]``, ``eps[m]``, ``weight_decay[m]`` (bit for bit on CPU). Arguments and
+    defaults are torch's; each numeric one (each beta on its own) may be a float or a tensor of shape
+    ``(M,)``. All models are updated by a few ``torch._foreach_*`` kernels over the parameter list, or with
+    ``fused=True`` by one compiled kernel.
 
     Args:
         params: parameters shaped ``(M, *)`` (or param-group dicts).
@@ -41,8 +49,13 @@ class Adam(BatchedOptimizer):
             which is :class:`AdamW`). Default: ``0``.
         amsgrad: the AMSGrad variant. Default: ``False``.
         maximize: maximize the objective instead of minimizing it.
-        foreach, capturable, differentiable, fused: accepted for signature compatibility; the update always
-            uses foreach kernels, and ``True`` for the other three raises.
+        fused: ``True`` runs one compiled kernel per step instead of foreach kernels (``torch.compile``: the
+            first step compiles it, seconds). float64: the foreach path's numbers bit for bit; other dtypes:
+            a few elements per step may differ by a few ulps, from the square root (see
+            :class:`~batchlayers.optim.BatchedOptimizer`). Default ``None``: foreach kernels, each model's
+            slice bit for bit its own torch.optim step.
+        foreach, capturable, differentiable: accepted for signature compatibility; ``True`` for the last two
+            raises.
         decoupled_weight_decay: decay the weights directly (AdamW). Default: ``False``.
 
     State per parameter: ``step`` (``(M,)``, each model's own step count, used in its bias correction),
@@ -99,16 +112,20 @@ class Adam(BatchedOptimizer):
             state["max_exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
         return state
 
+    def _hyperparameters(self, group: dict[str, Any], num_models: int) -> list[Hyperparameter]:
+        return [self.hyperparameter(group, key, num_models) for key in self.per_model_hyperparameters]
+
     def _update(self, group, params, grads, states, num_models) -> None:
-        lr, beta1, beta2, eps, weight_decay = (
-            self.hyperparameter(group, key, num_models) for key in self.per_model_hyperparameters
-        )
+        lr, beta1, beta2, eps, weight_decay = self._hyperparameters(group, num_models)
         exp_avgs = [s["exp_avg"] for s in states]
         exp_avg_sqs = [s["exp_avg_sq"] for s in states]
         steps = [s["step"] for s in states]
+        step = self._steps_after_increment(steps)
+        neg_step_size, bias_correction2_sqrt = bias_corrections(lr, beta1, beta2, step, params[0].device)
+        torch._foreach_add_(steps, 1.0)
+        self._counted(steps, step)
         if group["maximize"]:
             grads = torch._foreach_neg(grads)
-        torch._foreach_add_(steps, 1.0)
         if not is_zero(weight_decay):
             if group["decoupled_weight_decay"]:
                 torch._foreach_mul_(params, broadcast_per_model(1 - lr * weight_decay, params))
@@ -120,27 +137,95 @@ class Adam(BatchedOptimizer):
         foreach_addcmul_scaled_(exp_avg_sqs, grads, grads, broadcast_per_model(1 - beta2, params))
         del grads
 
-        # Bias corrections from each model's own step count: (parameters, M), in float64 like torch's
-        # Python-float arithmetic.
-        device = steps[0].device
-        step = torch.stack(steps).to(hyperparameter_dtype(device))
-        beta1_m = per_model_tensor(beta1, num_models, device)
-        beta2_m = per_model_tensor(beta2, num_models, device)
-        step_size = -per_model_tensor(lr, num_models, device) / (1 - beta1_m**step)
-        bias_correction2_sqrt = (1 - beta2_m**step).sqrt()
-
         if group["amsgrad"]:
             max_exp_avg_sqs = [s["max_exp_avg_sq"] for s in states]
             torch._foreach_maximum_(max_exp_avg_sqs, exp_avg_sqs)
             denom = torch._foreach_sqrt(max_exp_avg_sqs)
         else:
             denom = torch._foreach_sqrt(exp_avg_sqs)
-        torch._foreach_div_(denom, broadcast_per_parameter(bias_correction2_sqrt, params))
+        torch._foreach_div_(denom, broadcast_per_model(bias_correction2_sqrt, params))
         torch._foreach_add_(denom, broadcast_per_model(eps, params))
-        update = torch._foreach_div(exp_avgs, denom)
-        del denom
-        torch._foreach_mul_(update, broadcast_per_parameter(step_size, params))
-        torch._foreach_add_(params, update)
+        foreach_addcdiv_scaled_(params, exp_avgs, denom, broadcast_per_model(neg_step_size, params))
+
+    def _update_fused(self, group, params, grads, states, num_models) -> None:
+        lr, beta1, beta2, eps, weight_decay = self._hyperparameters(group, num_models)
+        steps = [s["step"] for s in states]
+        step = self._steps_after_increment(steps)
+        neg_step_size, bias_correction2_sqrt = bias_corrections(lr, beta1, beta2, step, params[0].device)
+        self._compiled(adam_kernel)(
+            params,
+            grads,
+            [s["exp_avg"] for s in states],
+            [s["exp_avg_sq"] for s in states],
+            [s["max_exp_avg_sq"] for s in states] if group["amsgrad"] else [],
+            steps,
+            **pack_kernel_inputs(
+                params[0].device,
+                lr,
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+                *per_model_inputs(num_models, params[0].device, neg_step_size, bias_correction2_sqrt),
+            ),
+            maximize=bool(group["maximize"]),
+            has_weight_decay=not is_zero(weight_decay),
+            decoupled_weight_decay=bool(group["decoupled_weight_decay"]),
+        )
+        self._counted(steps, step)
+
+
+def bias_corrections(
+    lr: Hyperparameter, beta1: Hyperparameter, beta2: Hyperparameter, step: float | Tensor, device: torch.device
+) -> tuple[float | Tensor, float | Tensor]:
+    """``-lr / (1 - beta1 ** t)`` and ``(1 - beta2 ** t) ** 0.5`` for each model's step ``t`` (this step
+    included, :func:`steps_after_increment`), as torch's Adam computes them in Python floats: floats when
+    every value is shared, else ``(M,)`` or ``(len(steps), M)`` tensors (models at different steps after
+    ``step(active=...)``)."""
+    bias_correction1 = 1 - power(beta1, step, device)
+    bias_correction2 = 1 - power(beta2, step, device)
+    return divide(lr, -bias_correction1, device), power(bias_correction2, 0.5, device)  # -(a / b) == a / -b
+
+
+def adam_kernel(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    max_exp_avg_sqs: list[Tensor],
+    steps: list[Tensor],
+    *,
+    scalars: Tensor,
+    tensors: list[Tensor],
+    layout: tuple[int, ...],
+    maximize: bool,
+    has_weight_decay: bool,
+    decoupled_weight_decay: bool,
+) -> None:
+    """The foreach path's arithmetic, op for op, per parameter: ``torch.compile`` makes one loop of each."""
+    lr, beta1, beta2, eps, weight_decay, neg_step_size, bias_correction2_sqrt = unpack_kernel_inputs(
+        scalars, tensors, layout
+    )
+    for i, (param, grad, exp_avg, exp_avg_sq, step) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, steps)):
+        step.add_(1)
+        if maximize:
+            grad = -grad
+        decayed = param
+        if has_weight_decay:
+            if decoupled_weight_decay:
+                decayed = param * kernel_value(1 - lr * weight_decay, param, i)
+            else:
+                grad = fma(param, kernel_value(weight_decay, param, i), grad)
+        new_exp_avg = lerp(exp_avg, grad, kernel_value(1 - beta1, param, i))
+        new_exp_avg_sq = fma(grad * kernel_value(1 - beta2, param, i), grad, exp_avg_sq * kernel_value(beta2, param, i))
+        exp_avg.copy_(new_exp_avg)
+        exp_avg_sq.copy_(new_exp_avg_sq)
+        if max_exp_avg_sqs:
+            new_exp_avg_sq = torch.maximum(max_exp_avg_sqs[i], new_exp_avg_sq)
+            max_exp_avg_sqs[i].copy_(new_exp_avg_sq)
+        denom = kernel_sqrt(new_exp_avg_sq) / kernel_value(bias_correction2_sqrt, param, i)
+        denom = denom + kernel_value(eps, param, i)
+        param.copy_(decayed + (new_exp_avg * kernel_value(neg_step_size, param, i)) / denom)
 
 
 class AdamW(Adam):

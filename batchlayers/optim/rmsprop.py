@@ -11,11 +11,18 @@ from ._base import (
     BatchedOptimizer,
     Hyperparameter,
     broadcast_per_model,
+    fma,
     foreach_add_scaled,
     foreach_add_scaled_,
+    foreach_addcdiv_scaled_,
     foreach_addcmul_scaled_,
     is_zero,
+    kernel_sqrt,
+    kernel_value,
+    lerp,
     new_step_counts,
+    pack_kernel_inputs,
+    unpack_kernel_inputs,
 )
 
 __all__ = ["RMSprop"]
@@ -39,6 +46,11 @@ class RMSprop(BatchedOptimizer):
         capturable, foreach, differentiable: accepted for signature compatibility; ``True`` for
             ``capturable`` / ``differentiable`` raises.
         maximize: maximize the objective instead of minimizing it.
+        fused: ``True`` runs one compiled kernel per step instead of foreach kernels (``torch.compile``: the
+            first step compiles it, seconds). float64: the foreach path's numbers bit for bit; other dtypes:
+            a few elements per step may differ by a few ulps, from the square root (see
+            :class:`~batchlayers.optim.BatchedOptimizer`). Default ``None``: foreach kernels, each model's
+            slice bit for bit its own torch.optim step. (torch's RMSprop has no ``fused``.)
 
     State per parameter: ``step`` (``(M,)``), ``square_avg``, with momentum ``momentum_buffer``, and when
     centered ``grad_avg``.
@@ -59,6 +71,8 @@ class RMSprop(BatchedOptimizer):
         foreach: bool | None = None,
         maximize: bool = False,
         differentiable: bool = False,
+        *,
+        fused: bool | None = None,
     ) -> None:
         defaults = {
             "lr": lr,
@@ -71,6 +85,7 @@ class RMSprop(BatchedOptimizer):
             "foreach": foreach,
             "maximize": maximize,
             "differentiable": differentiable,
+            "fused": fused,
         }
         super().__init__(params, defaults)
 
@@ -107,11 +122,83 @@ class RMSprop(BatchedOptimizer):
             avg = torch._foreach_sqrt(square_avgs)
         torch._foreach_add_(avg, broadcast_per_model(eps, params))
 
-        # With a zero momentum for some models the buffer is just grad / avg: the plain RMSprop step.
-        if not is_zero(momentum):
-            bufs = [s["momentum_buffer"] for s in states]
-            torch._foreach_mul_(bufs, broadcast_per_model(momentum, params))
-            torch._foreach_addcdiv_(bufs, grads, avg)
-            foreach_add_scaled_(params, bufs, broadcast_per_model(-lr, params))
+        neg_lr = broadcast_per_model(-lr, params)
+        if is_zero(momentum):
+            foreach_addcdiv_scaled_(params, grads, avg, neg_lr)
+            return
+        bufs = [s["momentum_buffer"] for s in states]
+        torch._foreach_mul_(bufs, broadcast_per_model(momentum, params))
+        torch._foreach_addcdiv_(bufs, grads, avg)
+        if isinstance(momentum, Tensor) and bool((momentum == 0).any()):
+            # torch steps a model without momentum with addcdiv(grad, avg, value=-lr), which rounds unlike
+            # buf = grad / avg followed by add(buf, alpha=-lr): take each model's slice from its own formula.
+            with_momentum = foreach_add_scaled(params, bufs, neg_lr)
+            foreach_addcdiv_scaled_(params, grads, avg, neg_lr)
+            uses_momentum = momentum > 0
+            for param, stepped in zip(params, with_momentum):
+                param.copy_(torch.where(uses_momentum.view(-1, *([1] * (param.dim() - 1))), stepped, param))
         else:
-            foreach_add_scaled_(params, torch._foreach_div(grads, avg), broadcast_per_model(-lr, params))
+            foreach_add_scaled_(params, bufs, neg_lr)
+
+    def _update_fused(self, group, params, grads, states, num_models) -> None:
+        lr, alpha, eps, weight_decay, momentum = (
+            self.hyperparameter(group, key, num_models) for key in self.per_model_hyperparameters
+        )
+        self._compiled(rmsprop_kernel)(
+            params,
+            grads,
+            [s["square_avg"] for s in states],
+            [s["grad_avg"] for s in states] if group["centered"] else [],
+            [] if is_zero(momentum) else [s["momentum_buffer"] for s in states],
+            [s["step"] for s in states],
+            **pack_kernel_inputs(params[0].device, lr, alpha, eps, weight_decay, momentum),
+            maximize=bool(group["maximize"]),
+            has_weight_decay=not is_zero(weight_decay),
+            per_model_momentum=isinstance(momentum, Tensor),
+        )
+
+
+def rmsprop_kernel(
+    params: list[Tensor],
+    grads: list[Tensor],
+    square_avgs: list[Tensor],
+    grad_avgs: list[Tensor],
+    momentum_buffers: list[Tensor],
+    steps: list[Tensor],
+    *,
+    scalars: Tensor,
+    tensors: list[Tensor],
+    layout: tuple[int, ...],
+    maximize: bool,
+    has_weight_decay: bool,
+    per_model_momentum: bool,
+) -> None:
+    """The foreach path's arithmetic, op for op, per parameter: ``torch.compile`` makes one loop of each."""
+    lr, alpha, eps, weight_decay, momentum = unpack_kernel_inputs(scalars, tensors, layout)
+    for i, (param, grad, square_avg, step) in enumerate(zip(params, grads, square_avgs, steps)):
+        step.add_(1)
+        if maximize:
+            grad = -grad
+        if has_weight_decay:
+            grad = fma(param, kernel_value(weight_decay, param, i), grad)
+        new_square_avg = fma(grad * kernel_value(1 - alpha, param, i), grad, square_avg * kernel_value(alpha, param, i))
+        square_avg.copy_(new_square_avg)
+        if grad_avgs:
+            new_grad_avg = lerp(grad_avgs[i], grad, kernel_value(1 - alpha, param, i))
+            grad_avgs[i].copy_(new_grad_avg)
+            avg = kernel_sqrt(fma(-new_grad_avg, new_grad_avg, new_square_avg))
+        else:
+            avg = kernel_sqrt(new_square_avg)
+        avg = avg + kernel_value(eps, param, i)
+        neg_lr = kernel_value(-lr, param, i)
+        plain_step = param + (grad * neg_lr) / avg
+        if momentum_buffers:
+            buf = momentum_buffers[i]
+            new_buf = buf * kernel_value(momentum, param, i) + grad / avg
+            buf.copy_(new_buf)
+            stepped = fma(new_buf, neg_lr, param)
+            if per_model_momentum:
+                stepped = torch.where(kernel_value(momentum, param, i) > 0, stepped, plain_step)
+            param.copy_(stepped)
+        else:
+            param.copy_(plain_step)

@@ -11,12 +11,15 @@ from ._base import (
     BatchedOptimizer,
     Hyperparameter,
     broadcast_per_model,
-    broadcast_per_parameter,
+    fma,
     foreach_add_scaled,
     foreach_add_scaled_,
     is_zero,
+    kernel_value,
     new_step_counts,
-    per_model_tensor,
+    pack_kernel_inputs,
+    per_model_inputs,
+    unpack_kernel_inputs,
 )
 
 __all__ = ["SGD"]
@@ -27,9 +30,9 @@ class SGD(BatchedOptimizer):
 
     Equal to ``M`` independent :class:`torch.optim.SGD` runs, model ``m`` with ``lr[m]``, ``momentum[m]``,
     ... . Arguments and defaults are torch's; every numeric one may be a float (the same for every model)
-    or a tensor of shape ``(M,)`` (one value per model). All models are updated by a few
-    ``torch._foreach_*`` kernels over the parameter list, with per-model values broadcast as
-    ``(M, 1, ..., 1)``.
+    or a tensor of shape ``(M,)`` (one value per model); each model's slice is bit for bit its torch.optim
+    step on CPU. All models are updated by a few ``torch._foreach_*`` kernels over the parameter list, with
+    per-model values broadcast as ``(M, 1, ..., 1)``, or with ``fused=True`` by one compiled kernel.
 
     Args:
         params: parameters shaped ``(M, *)`` (or param-group dicts), e.g. ``model.parameters()`` of a
@@ -40,8 +43,10 @@ class SGD(BatchedOptimizer):
         weight_decay: L2 penalty. Default: ``0``.
         nesterov: Nesterov momentum (needs ``momentum > 0`` and ``dampening == 0`` for every model).
         maximize: maximize the objective instead of minimizing it.
-        foreach, differentiable, fused: accepted for signature compatibility; the update always uses
-            foreach kernels, and ``differentiable=True`` / ``fused=True`` raise.
+        fused: ``True`` runs one compiled kernel per step instead of foreach kernels (``torch.compile``: the
+            first step compiles it, seconds), with the same numbers bit for bit. Default ``None``: foreach
+            kernels, each model's slice bit for bit its own torch.optim step.
+        foreach, differentiable: accepted for signature compatibility; ``differentiable=True`` raises.
 
     State per parameter, once momentum is used: ``momentum_buffer`` (the parameter's shape) and ``step``
     (``(M,)``, each model's steps with momentum). ``step`` is kept (torch's SGD has none) because with
@@ -114,19 +119,91 @@ class SGD(BatchedOptimizer):
         if not is_zero(momentum):
             steps = [s["step"] for s in states]
             bufs = [s["momentum_buffer"] for s in states]
-            # Per model and parameter: the first step sets buf = grad (momentum 0, no dampening, on a zero
-            # buffer), later ones buf = momentum * buf + (1 - dampening) * grad. A model with momentum 0
-            # keeps buf = grad, which is what torch then steps with.
-            first = torch.stack(steps) == 0  # (parameters, M)
-            momentum_m = per_model_tensor(momentum, num_models, first.device)
-            dampening_m = per_model_tensor(dampening, num_models, first.device)
-            momentum_now = torch.where(first, 0.0, momentum_m)
-            keep_now = 1 - torch.where(first | (momentum_m == 0), 0.0, dampening_m)
-            torch._foreach_mul_(bufs, broadcast_per_parameter(momentum_now, params))
-            torch._foreach_add_(bufs, torch._foreach_mul(grads, broadcast_per_parameter(keep_now, params)))
+            step = self._steps_after_increment(steps)
+            momentum_now, keep_now = momentum_factors(momentum, dampening, step)
+            torch._foreach_mul_(bufs, broadcast_per_model(momentum_now, params))
+            foreach_add_scaled_(bufs, grads, broadcast_per_model(keep_now, params))
             torch._foreach_add_(steps, 1.0)
+            self._counted(steps, step)
             if group["nesterov"]:
                 grads = foreach_add_scaled(grads, bufs, broadcast_per_model(momentum, params))
             else:
                 grads = bufs
         foreach_add_scaled_(params, grads, broadcast_per_model(-lr, params))
+
+    def _update_fused(self, group, params, grads, states, num_models) -> None:
+        lr, momentum, dampening, weight_decay = (
+            self.hyperparameter(group, key, num_models) for key in self.per_model_hyperparameters
+        )
+        has_momentum = not is_zero(momentum)
+        steps = [s["step"] for s in states] if has_momentum else []
+        step = self._steps_after_increment(steps) if has_momentum else 1.0
+        momentum_now, keep_now = momentum_factors(momentum, dampening, step) if has_momentum else (0.0, 0.0)
+        self._compiled(sgd_kernel)(
+            params,
+            grads,
+            [s["momentum_buffer"] for s in states] if has_momentum else [],
+            steps,
+            **pack_kernel_inputs(
+                params[0].device,
+                lr,
+                momentum,
+                weight_decay,
+                *per_model_inputs(num_models, params[0].device, momentum_now, keep_now),
+            ),
+            maximize=bool(group["maximize"]),
+            has_weight_decay=not is_zero(weight_decay),
+            nesterov=bool(group["nesterov"]),
+        )
+        if has_momentum:
+            self._counted(steps, step)
+
+
+def momentum_factors(
+    momentum: Hyperparameter, dampening: Hyperparameter, step: float | Tensor
+) -> tuple[float | Tensor, float | Tensor]:
+    """``(a, b)`` with ``buf = a * buf + b * grad`` for each model and parameter: torch's first momentum step
+    sets ``buf = grad`` (here ``0 * buf + 1 * grad`` on a zero buffer), later ones ``buf = momentum * buf +
+    (1 - dampening) * grad``; a model with momentum 0 keeps ``buf = grad``, which torch then steps with.
+    ``step``: each model's step count with this step (:func:`steps_after_increment`). Floats when every
+    model is at the same step and the values are shared, else tensors."""
+    if not isinstance(step, Tensor):
+        if step == 1:
+            return 0.0, 1.0
+        if not isinstance(momentum, Tensor):
+            return momentum, 1 - dampening
+        dampening = torch.as_tensor(dampening, dtype=momentum.dtype, device=momentum.device)
+        return momentum, 1 - torch.where(momentum == 0, 0.0, dampening)
+    momentum = torch.as_tensor(momentum, dtype=step.dtype, device=step.device)
+    dampening = torch.as_tensor(dampening, dtype=step.dtype, device=step.device)
+    first = step == 1  # (M,) or (parameters, M)
+    return torch.where(first, 0.0, momentum), 1 - torch.where(first | (momentum == 0), 0.0, dampening)
+
+
+def sgd_kernel(
+    params: list[Tensor],
+    grads: list[Tensor],
+    momentum_buffers: list[Tensor],
+    steps: list[Tensor],
+    *,
+    scalars: Tensor,
+    tensors: list[Tensor],
+    layout: tuple[int, ...],
+    maximize: bool,
+    has_weight_decay: bool,
+    nesterov: bool,
+) -> None:
+    """The foreach path's arithmetic, op for op, per parameter: ``torch.compile`` makes one loop of each."""
+    lr, momentum, weight_decay, momentum_now, keep_now = unpack_kernel_inputs(scalars, tensors, layout)
+    for i, (param, grad) in enumerate(zip(params, grads)):
+        if maximize:
+            grad = -grad
+        if has_weight_decay:
+            grad = fma(param, kernel_value(weight_decay, param, i), grad)
+        if momentum_buffers:
+            buf = momentum_buffers[i]
+            new_buf = fma(grad, kernel_value(keep_now, param, i), buf * kernel_value(momentum_now, param, i))
+            buf.copy_(new_buf)
+            steps[i].add_(1)
+            grad = fma(new_buf, kernel_value(momentum, param, i), grad) if nesterov else new_buf
+        param.copy_(fma(grad, kernel_value(-lr, param, i), param))
