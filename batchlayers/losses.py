@@ -245,6 +245,7 @@ def cross_entropy(
         isinstance(input, Tensor)
         and input.dim() >= 3
         and input.shape[2] == 2
+        and input.is_floating_point()
         and input.device.type == "cpu"
         and isinstance(target, Tensor)
         and not target.is_floating_point()
