@@ -78,7 +78,7 @@ from torch.optim import Optimizer
 
 from .convert import replicate, select, shared_buffers
 from .data import ModelBatchSampler
-from .population import copy_model_, index_models_, keep_models_
+from .population import _scheduler_lists, copy_model_, index_models_, keep_models_
 
 __all__ = [
     "ModelShard",
@@ -513,17 +513,6 @@ def top_k_models(scores: Tensor, shard: ModelShard, k: int, *, largest: bool = T
     worst = float("-inf") if largest else float("inf")
     values = torch.where(values.isnan(), torch.full_like(values, worst), values)
     return values.argsort(descending=largest, stable=True)[:k]
-
-
-def _scheduler_lists(scheduler: Any) -> Iterable[list]:
-    """The per-group lists a scheduler keeps (``base_lrs``, ``_last_lr``...), also in nested schedulers."""
-    for value in vars(scheduler).values():
-        if isinstance(value, list):
-            if value and all(hasattr(s, "optimizer") and hasattr(s, "base_lrs") for s in value):
-                for child in value:
-                    yield from _scheduler_lists(child)
-            else:
-                yield value
 
 
 def _scheduler_state(scheduler: Any, num_models: int, path: str = "") -> Iterable[tuple[str, Tensor]]:
