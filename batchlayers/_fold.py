@@ -278,7 +278,9 @@ def _refuse_batch_sized(name: str, what: str, t: Tensor, call: _Call, anywhere: 
     (``torch.arange(x.size(0))``) or be a sequence of that length: refuse it rather than guess."""
     folded = call.num_models * call.batch
     sizes = t.shape if anywhere else t.shape[:1]
-    if call.num_models > 1 and call.tracker.size_read and folded in sizes:
+    # torch.compile does not pass size reads to the tracker: there any such tensor may have been sized so.
+    size_read = call.tracker.size_read or torch.compiler.is_compiling()
+    if call.num_models > 1 and size_read and folded in sizes:
         raise ValueError(
             f"{name}: {what} is ambiguous: it has shape {tuple(t.shape)}, with the folded batch size M*B = "
             f"{call.num_models}*{call.batch} = {folded}, but was not computed from the models' samples, so it may be "

@@ -151,6 +151,12 @@ class Tracker(TorchFunctionMode):
             _tag_all(out, lost or Lost(f"{_name(func)} (batchlayers has no rule for it)"))
         else:
             entry.rule(self, entry.name, args, kwargs, out, tagged)
+        if torch.compiler.is_compiling() and _IN_PLACE.get(func, False) and isinstance(args[0], Tensor):
+            # torch.compile traces the result of an in-place op (``x += y``, ``x.relu_()``) as another tensor
+            # than its input, one without the input's tag: give back the input, as eager torch does.
+            tag = get_tag(out)
+            set_tag(args[0], get_tag(args[0]) if tag is None else tag)
+            return args[0]
         return out
 
     def _view(self, func, args: tuple, kwargs: dict) -> Tensor:
@@ -282,6 +288,19 @@ def _outputs(out: object) -> list[Tensor]:
     if isinstance(out, (list, tuple)):
         return [o for o in out if isinstance(o, Tensor)]
     return []
+
+
+def _in_place_functions() -> dict:
+    """The in-place methods and functions, which return their first argument: ``Tensor.add_``,
+    ``Tensor.__iadd__``, ``torch.relu_``, ``F.elu_``."""
+    ops = "add sub mul truediv div pow and or xor floordiv mod matmul lshift rshift"
+    dunders = {f"__i{op}__" for op in ops.split()}
+    found = set()
+    for namespace in (Tensor, torch, F):
+        for name in dir(namespace):
+            if name in dunders or (name.endswith("_") and not name.startswith("_")):
+                found.add(getattr(namespace, name))
+    return dict.fromkeys((f for f in found if callable(f)), True)  # a dict: torch.compile traces .get, not `in`
 
 
 def _tag_all(out: object, tag: Tag) -> None:
@@ -1071,6 +1090,8 @@ for _fn in (torch.Tensor.dim, torch.Tensor.stride, torch.Tensor.is_contiguous,
             torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.backward):  # fmt: skip
     _RULES.setdefault(_fn, _Rule(lambda *a: None, ""))
 
+
+_IN_PLACE = _in_place_functions()
 
 from . import _per_model  # noqa: E402  (it builds on this module's rules)
 

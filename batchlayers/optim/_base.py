@@ -137,6 +137,9 @@ def steps_after_increment(steps: list[Tensor]) -> float | Tensor:
     stacked = torch.stack(steps)
     if stacked.numel() == 0:
         return 1.0
+    if torch.compiler.is_compiling():
+        # Comparing the counts would read tensor values, which a compiled graph cannot branch on.
+        return stacked.to(hyperparameter_dtype(stacked.device)) + 1
     row = stacked[0]
     if torch.equal(stacked, row.expand_as(stacked)):
         if torch.equal(row, row[:1].expand_as(row)):
@@ -158,6 +161,8 @@ def power(base: float | Tensor, exponent: float | Tensor, device: torch.device) 
     dtype = hyperparameter_dtype(device)
     base = torch.as_tensor(base, dtype=dtype, device=device)
     exponent = torch.as_tensor(exponent, dtype=dtype, device=device)
+    if torch.compiler.is_compiling():
+        return torch.pow(base, exponent)  # a compiled step computes pow with its own kernel (ulps apart)
     shape = torch.broadcast_shapes(base.shape, exponent.shape)
     out = torch.empty(*shape, 2, dtype=dtype, device=device)[..., 0]
     return torch.pow(base, exponent, out=out).contiguous()
@@ -412,6 +417,8 @@ class BatchedOptimizer(Optimizer):
                 # is never written to.
                 self._adopt_hyperparameters(group)
                 value = self._get(group, key)
+            if torch.compiler.is_compiling():
+                return value  # dynamo cannot trace as_subclass; PerModelValue computes as a plain tensor anyway
             return value.as_subclass(Tensor)
         if not isinstance(value, numbers.Real):
             self._adopt_hyperparameters(group)  # raises: names the hyperparameter and what it got
@@ -510,7 +517,7 @@ class BatchedOptimizer(Optimizer):
         """:func:`steps_after_increment`, without reading the step counts when this optimizer's last step left
         them all at one value and nothing has written to them since (their version counters tell)."""
         known = self.__dict__.get("_uniform_steps", {}).get(id(steps[0]))
-        if known is not None:
+        if known is not None and not torch.compiler.is_compiling():
             tensors, versions, value = known
             if len(tensors) == len(steps) and all(
                 a is b and a._version == v for a, b, v in zip(tensors, steps, versions)
@@ -522,7 +529,7 @@ class BatchedOptimizer(Optimizer):
         """Note the step counts after an update that counted ``step`` for every model: the next one is
         ``step + 1``, as long as the tensors' versions stay (a frozen model's restored count changes them)."""
         uniform = self.__dict__.setdefault("_uniform_steps", {})
-        if isinstance(step, Tensor):
+        if isinstance(step, Tensor) or torch.compiler.is_compiling():
             uniform.pop(id(steps[0]), None)
         else:
             uniform[id(steps[0])] = (list(steps), [s._version for s in steps], step + 1)

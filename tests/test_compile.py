@@ -1,0 +1,136 @@
+"""torch.compile with the default (inductor) backend and ``fullgraph=True``: a compiled forward, the backward
+AOT autograd compiled with it, and a compiled per-model optimizer step train N models exactly as the N
+original torch.nn models do, each with its own ``torch.optim`` optimizer and its own learning rate."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from convert_harness import seeded
+from harness import assert_close
+from models import CNN, GPT, MLP
+from torch import nn
+
+import batchlayers as bl
+
+# Inductor's first compile in a process imports torch code that calls the deprecated torch.jit.script_method;
+# dynamo itself reads .grad of the stacked model's output tensors while tracing the root's output hook.
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning"),
+]
+
+M, STEPS = 3, 3
+LRS = [1e-3, 3e-3, 1e-2]
+
+
+def _batched_mlp() -> nn.Module:
+    """Written with batched layers: the models are its slices."""
+    return nn.Sequential(bl.BatchedLinear(M, 6, 8), nn.ReLU(), bl.BatchedLinear(M, 8, 3)).double()
+
+
+def _slices(batched: nn.Module) -> list[nn.Module]:
+    models = []
+    for i in range(M):
+        model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3)).double()
+        model.load_state_dict({k: v[i] for k, v in batched.state_dict().items()})
+        models.append(model)
+    return models
+
+
+CASES = {
+    # id: (models and the batched model, input of one model, loss of one model's output)
+    "batched-layers": (lambda: (lambda b: (_slices(b), b))(_batched_mlp()), (4, 6), "ce"),
+    "stacked-MLP": (lambda: (lambda ms: (ms, bl.stack(ms)))([seeded(MLP, i) for i in range(M)]), (4, 6), "ce"),
+    "stacked-ResNet-BatchNorm": (
+        lambda: (lambda ms: (ms, bl.stack(ms)))([seeded(CNN, i) for i in range(M)]),
+        (4, 3, 8, 8),
+        "ce",
+    ),
+    "stacked-GPT": (lambda: (lambda ms: (ms, bl.stack(ms)))([seeded(GPT, i) for i in range(M)]), (2, 8), "lm"),
+}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+# Each case compiles a forward, a backward and a step with inductor (10-30 s each on 2 CPU cores): SGD on one.
+@pytest.mark.parametrize(
+    ("case", "optimizer"), [(case, "Adam") for case in CASES] + [("stacked-ResNet-BatchNorm", "SGD")]
+)
+def test_inductor_fullgraph_training_equals_the_original_models(case: str, optimizer: str) -> None:
+    make, sample_shape, kind = CASES[case]
+    originals, batched = make()  # the reference trains the originals themselves, each with torch.optim
+    gen = torch.Generator().manual_seed(0)
+    if kind == "lm":
+        xs = torch.randint(0, 11, (STEPS, M, *sample_shape), generator=gen)
+        targets = torch.randint(0, 11, (STEPS, M, *sample_shape), generator=gen)
+    else:
+        xs = torch.randn(STEPS, M, *sample_shape, generator=gen, dtype=torch.float64)
+        targets = torch.randint(0, 3, (STEPS, M, sample_shape[0]), generator=gen)
+    options = {"momentum": 0.9} if optimizer == "SGD" else {}
+
+    references = [getattr(torch.optim, optimizer)(m.parameters(), lr=lr, **options) for m, lr in zip(originals, LRS)]
+    expected_outputs = []
+    for step in range(STEPS):
+        outs = []
+        for i, (model, opt) in enumerate(zip(originals, references)):
+            out = model(xs[step, i])
+            logits = out.logits if kind == "lm" else out
+            loss = nn.functional.cross_entropy(logits.flatten(0, -2), targets[step, i].flatten())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            outs.append(logits.detach())
+        expected_outputs.append(torch.stack(outs))
+
+    opt = getattr(bl.optim, optimizer)(batched.parameters(), lr=torch.tensor(LRS, dtype=torch.float64), **options)
+    forward = torch.compile(batched, fullgraph=True)
+    step_fn = torch.compile(opt.step, fullgraph=True)
+    for step in range(STEPS):
+        out = forward(xs[step])
+        logits = out.logits if kind == "lm" else out
+        losses = bl.losses.cross_entropy(logits.flatten(1, -2), targets[step].flatten(1))
+        opt.zero_grad()
+        losses.sum().backward()
+        step_fn()
+        assert_close(logits.detach(), expected_outputs[step], msg=f"{case}: compiled output at step {step}")
+
+    for i, model in enumerate(originals):
+        for name, value in model.state_dict().items():
+            assert_close(batched.state_dict()[name][i], value, msg=f"{case}: model {i}'s {name} after {STEPS} steps")
+
+
+class _InPlace(nn.Module):
+    """Residual code as real models write it: in-place ops on a layer output, then another layer."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.fc1, self.fc2 = nn.Linear(4, 4), nn.Linear(4, 3)
+
+    def forward(self, x):
+        out = self.fc1(x)
+        if self.how == "+=":
+            out += x
+        elif self.how == "*=":
+            out *= 2
+        elif self.how == "out = out.add_(x)":
+            out = out.add_(x)
+        elif self.how == "relu(inplace=True)":
+            out = nn.functional.relu(out, inplace=True)
+        return self.fc2(out)
+
+
+@pytest.mark.parametrize("how", ["+=", "*=", "out = out.add_(x)", "relu(inplace=True)"])
+def test_in_place_ops_keep_the_samples_under_compile(how: str) -> None:
+    """torch.compile traces an in-place op's result as another tensor than its input: before this was handled,
+    the next layer took the folded samples for a shared constant and the output came back (M, B, M*B, 3)."""
+    models = [seeded(lambda: _InPlace(how), i) for i in range(M)]
+    x = torch.randn(M, 2, 4, dtype=torch.float64)
+    out = torch.compile(bl.stack(models), fullgraph=True, backend="aot_eager")(x)
+    assert_close(out, torch.stack([m(x[i]) for i, m in enumerate(models)]), msg=f"compiled output with {how}")
