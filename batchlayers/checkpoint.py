@@ -1,5 +1,6 @@
 """Checkpoint files: crash-safe saving (``save``), loading with clear errors (``load``, ``load_checkpoint``),
-and loading N checkpoint files into one stacked model without holding N models in memory (``stack_checkpoints``).
+and loading N checkpoints (files, or ``save_pretrained`` folders, sharded or not) into one stacked model without
+holding N models in memory (``stack_checkpoints``).
 
 A checksum written by ``save(..., checksum=True)`` is a SHA-256 digest of every tensor's bytes (with its
 dtype and shape), in the order the tensors are met walking the saved dicts, lists and tuples. A torch file
@@ -10,6 +11,7 @@ its metadata under ``"batchlayers.checksum"``. Every loader here verifies it and
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import gc
 import hashlib
@@ -19,7 +21,7 @@ import pickle
 import secrets
 import stat
 import zipfile
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -416,6 +418,97 @@ def _safetensors_problem(path: str | os.PathLike) -> str | None:
     return None
 
 
+# What a Hugging Face ``save_pretrained`` folder holds, in the order ``from_pretrained`` looks for them.
+_HF_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+@dataclasses.dataclass
+class _Checkpoint:
+    """One model's checkpoint: a single file, or the shards of a sharded one that its index lists."""
+
+    given: Any  # the entry of ``paths``
+    file: Any  # the single file, or the index of a sharded checkpoint
+    shards: list[tuple[str, list[str]]] | None  # each shard file and the tensors its index places in it
+    folder: bool  # given as a folder or an index, not as a file of its own
+
+
+def _resolve(path: Any, where: str, key: str | None) -> _Checkpoint:
+    """What entry ``path`` of ``stack_checkpoints``' ``paths`` holds: a file, a ``save_pretrained`` folder
+    (its single file or its index) or an index file."""
+    if not isinstance(path, (str, os.PathLike)):
+        return _Checkpoint(path, path, None, False)
+    name = os.fsdecode(os.fspath(path))
+    if os.path.isdir(name):
+        found = next((f for f in _HF_FILES if os.path.isfile(os.path.join(name, f))), None)
+        if found is None:
+            held = sorted(os.listdir(name))
+            raise ValueError(
+                f"{where}: '{name}' is a directory without a checkpoint: it holds none of {', '.join(_HF_FILES)} "
+                f"(what save_pretrained writes); it holds {held[:8] if held else 'nothing'}"
+                + (f" and {len(held) - 8} more" if len(held) > 8 else "")
+                + ". Pass the checkpoint file itself if it has another name"
+            )
+        file = os.path.join(name, found)
+    elif name.endswith(".json"):
+        file = name
+    else:
+        return _Checkpoint(path, path, None, False)
+    if key is not None:
+        raise ValueError(
+            f"{where}: key={key!r} picks the state dict out of a checkpoint file holding a dict, but '{name}' is a "
+            f"save_pretrained folder or index, whose files hold the state dict itself: pass key=None (or pass the "
+            f"folders and the files in separate calls)"
+        )
+    return _Checkpoint(path, file, _read_index(file, where) if file.endswith(".json") else None, True)
+
+
+def _read_index(index: str, where: str) -> list[tuple[str, list[str]]]:
+    """The shards of a sharded checkpoint, in file name order, each with the tensors its index places in it;
+    a ValueError naming the index if it is not one or a shard file is missing."""
+    try:
+        with open(index, encoding="utf-8") as f:
+            data = json.load(f)
+    except (UnicodeDecodeError, ValueError) as error:
+        raise ValueError(f"{where}: '{index}' is not a checkpoint index: it is not a JSON file ({error})") from error
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if (
+        not isinstance(weight_map, dict)
+        or not weight_map
+        or not all(isinstance(k, str) and isinstance(v, str) and v for k, v in weight_map.items())
+    ):
+        raise ValueError(
+            f"{where}: '{index}' is not a checkpoint index: it has no \"weight_map\" of tensor names to shard file "
+            f"names (what save_pretrained writes in a model.safetensors.index.json)"
+        )
+    by_shard: dict[str, list[str]] = {}
+    for tensor, shard in weight_map.items():
+        by_shard.setdefault(shard, []).append(tensor)
+    directory = os.path.dirname(index)
+    shards: list[tuple[str, list[str]]] = []
+    for shard in sorted(by_shard):
+        names = by_shard[shard]
+        file = os.path.join(directory, shard)
+        if not os.path.isfile(file):
+            raise ValueError(
+                f"{where}: '{index}' places {len(names)} tensor{'s' if len(names) > 1 else ''} (the first "
+                f"'{names[0]}') in the shard '{shard}', but '{file}' does not exist: is the folder incomplete?"
+            )
+        shards.append((file, names))
+    return shards
+
+
+def _check_shard(state: Mapping[str, Any], file: str, listed: list[str], index: str) -> None:
+    """A ValueError unless shard ``file`` holds exactly the tensors its ``index`` places in it."""
+    listed_set = set(listed)
+    for names, problem in (
+        ([n for n in listed if n not in state], "lacks the tensor {} that its index '{}' places in it"),
+        ([n for n in state if n not in listed_set], "holds the tensor {}, which its index '{}' does not place in it"),
+    ):
+        if names:
+            more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+            raise ValueError(f"stack_checkpoints: '{file}' " + problem.format(f"'{names[0]}'{more}", index))
+
+
 def stack_checkpoints(
     model: nn.Module,
     paths: Sequence[str | os.PathLike],
@@ -425,17 +518,31 @@ def stack_checkpoints(
     weights_only: bool = True,
     mmap: bool = True,
 ) -> nn.Module:
-    """A stacked model of ``model``'s architecture holding the weights saved in ``paths``, one model per file.
+    """A stacked model of ``model``'s architecture holding the weights saved in ``paths``, one model per entry.
 
-    The files are read one at a time into the preallocated stacked tensors, so the peak memory is about the
-    stacked model plus one checkpoint (and ``model``), not N models.
+    The checkpoints are read one file at a time into the preallocated stacked tensors, so the peak memory is
+    about the stacked model plus one checkpoint file (and ``model``), not N models; a sharded checkpoint is
+    read one shard at a time, so its peak is one shard, not one whole model.
 
     Args:
         model: one instance of the architecture; only its structure, configuration, dtype and its
             non-persistent buffers are used, not its weights.
-        paths: checkpoint files holding ``model.state_dict()``-style dicts: ``.safetensors`` files or
-            ``torch.save`` files (or ``batchlayers.save`` files: a checksum stored with them is verified).
-        key: when each file holds a dict with the state dict under a key (e.g. ``"model"``), that key.
+        paths: one checkpoint per model, each one of
+
+            - a checkpoint file holding a ``model.state_dict()``-style dict: a ``.safetensors`` file or a
+              ``torch.save`` file (or a ``batchlayers.save`` file: a checksum stored with it is verified);
+            - a folder written by ``save_pretrained`` (``transformers``, ``timm``): its ``model.safetensors``
+              or ``pytorch_model.bin``, or, sharded (``max_shard_size``), its ``model.safetensors.index.json``
+              or ``pytorch_model.bin.index.json`` and the shard files it lists; a safetensors file is used
+              before a torch one, as ``from_pretrained`` does;
+            - such an index file itself (any file ending in ``.json``), its shards next to it.
+
+            The tensor names must be ``model``'s state dict keys, as they are for a ``PreTrainedModel`` and its
+            own folders (names that ``from_pretrained`` renames on loading, legacy ones or a base model's
+            prefix, are not renamed here). A tied weight saved under one of its names (safetensors keeps only
+            one) fills all of them. Entries of different kinds can be mixed.
+        key: when each file holds a dict with the state dict under a key (e.g. ``"model"``), that key. Not
+            for folders and index files, whose files hold the state dict itself.
         map_location: where tensors are loaded before being copied into the stacked model (its device is
             ``model``'s).
         weights_only: passed to ``torch.load``; keep ``True`` for files you did not write yourself.
@@ -443,10 +550,21 @@ def stack_checkpoints(
             it never needs two copies of one model. Pass ``False`` for files in torch's legacy
             (pre-1.6, non-zip) format.
 
+    Raises:
+        ValueError: a checkpoint does not fit ``model`` (missing or unexpected tensor names, a tensor of
+            another shape; the file or shard and the tensor are named); a file is not a checkpoint, is
+            truncated, or differs from its stored checksum; a directory holds no checkpoint; an index is not
+            one, lists a shard file that does not exist, or disagrees with a shard about which tensors it
+            holds; ``key`` is given with a folder or an index.
+        TypeError: ``paths`` is one path, not a list of them; a file holds something other than a state dict.
+        KeyError: a file holds no entry ``key``.
+
     Examples::
 
         >>> paths = [f"runs/seed{s}/model.pt" for s in range(8)]
         >>> batched = batchlayers.stack_checkpoints(MyNet(), paths)
+        >>> folders = [f"finetunes/{name}" for name in names]  # save_pretrained folders, sharded or not
+        >>> batched = batchlayers.stack_checkpoints(BertForSequenceClassification(config), folders)
     """
     check_models([model], "stack_checkpoints")
     if isinstance(paths, (str, bytes, os.PathLike)):
@@ -458,38 +576,91 @@ def stack_checkpoints(
         raise ValueError("stack_checkpoints: got an empty list of checkpoint files")
     expected = model.state_dict()
     defaults = tensor_table(model)
+    groups = names_by_tensor(model)
     # every other name of a tied tensor: safetensors files keep only one of them
-    aliases = {n: [a for a in names if a != n] for names in names_by_tensor(model) for n in names}
-    result = _skeleton(model, len(paths))
-    for i, path in enumerate(paths):
-        where = f"stack_checkpoints (file {i + 1} of {len(paths)})"
-        state = _load(path, where, map_location=map_location, weights_only=weights_only, mmap=mmap)
-        if key is not None:
-            if not isinstance(state, Mapping) or key not in state:
-                raise KeyError(f"stack_checkpoints: '{path}' holds no entry '{key}'")
-            state = state[key]
-        if not isinstance(state, Mapping):
-            raise TypeError(f"stack_checkpoints: '{path}' holds a {type(state).__name__}, not a state dict")
-        missing = [k for k in expected if k not in state and not any(a in state for a in aliases.get(k, ()))]
-        unexpected = [k for k in state if k not in expected]
+    aliases = {n: [a for a in names if a != n] for names in groups for n in names}
+
+    def check_names(names: Collection[str], label: str, hint: str) -> None:
+        missing = [k for k in expected if k not in names and not any(a in names for a in aliases.get(k, ()))]
+        unexpected = [k for k in names if k not in expected]
         if missing or unexpected:
             raise ValueError(
-                f"stack_checkpoints: '{path}' does not fit {type(model).__name__}: missing keys {missing[:5]}, "
-                f"unexpected keys {unexpected[:5]}"
-                + (" (is its state dict under a key? pass key=...)" if missing else "")
+                f"stack_checkpoints: {label} does not fit {type(model).__name__}: missing keys {missing[:5]}, "
+                f"unexpected keys {unexpected[:5]}" + (hint if missing else "")
             )
+
+    # Folders and indexes are checked before anything is read: a bad one fails at once, not after N-1 models.
+    checkpoints: list[_Checkpoint] = []
+    for i, path in enumerate(paths):
+        checkpoint = _resolve(path, f"stack_checkpoints (checkpoint {i + 1} of {len(paths)})", key)
+        if checkpoint.shards is not None:
+            listed = [name for _, names in checkpoint.shards for name in names]
+            check_names(listed, f"'{checkpoint.file}' (its weight_map)", "")
+        checkpoints.append(checkpoint)
+
+    result = _skeleton(model, len(paths))
+    # each stacked (or shared) tensor, by any of its names; its names in the order a value is taken from
+    owner: dict[str, str] = {}
+    preferred: dict[str, list[str]] = {}
+    for names in groups:
+        target = next((n for n in names if n in result.stacked or n in result.shared), None)
+        if target is not None:
+            owner.update(dict.fromkeys(names, target))
+            preferred[target] = [target] + aliases[target]
+
+    def fill(index: int, state: Mapping[str, Any], file: Any, chosen: Mapping[str, str | None]) -> None:
+        """Copy ``state``, one file's tensors, into model ``index``'s slices."""
         tensors = {}
-        for name, default in defaults.items():
-            value = state.get(name)
-            if value is None:
-                value = next((state[a] for a in aliases.get(name, ()) if a in state), default)
+        for name in defaults:
+            if name not in state:
+                continue
+            value, default = state[name], defaults[name]
+            if not isinstance(value, Tensor):
+                raise TypeError(f"stack_checkpoints: '{name}' in '{file}' is a {type(value).__name__}, not a tensor")
             if value.shape != default.shape:
                 raise ValueError(
-                    f"stack_checkpoints: '{name}' has shape {tuple(value.shape)} in '{path}' but "
+                    f"stack_checkpoints: '{name}' has shape {tuple(value.shape)} in '{file}' but "
                     f"{tuple(default.shape)} in {type(model).__name__}"
                 )
-            tensors[name] = value
-        result.fill(i, tensors, f"'{path}'")
-        del state, tensors
-        gc.collect()  # an unpickled checkpoint can sit in reference cycles: free it before reading the next
+            target = owner.get(name)
+            if target is not None and chosen[target] == name:
+                tensors[target] = value
+        part = dataclasses.replace(
+            result,
+            stacked={k: t for k, t in result.stacked.items() if k in tensors},
+            shared={k: t for k, t in result.shared.items() if k in tensors},
+        )
+        part.fill(index, tensors, f"'{file}'")
+
+    for i, checkpoint in enumerate(checkpoints):
+        parts: list[tuple[Any, list[str] | None]] = [(checkpoint.file, None)]
+        chosen: dict[str, str | None] = {}  # each stacked tensor -> the name its value is read under
+        if checkpoint.shards is not None:
+            parts = list(checkpoint.shards)
+            names = {name for _, listed in checkpoint.shards for name in listed}
+            chosen = {t: next((n for n in p if n in names), None) for t, p in preferred.items()}
+        for k, (file, listed) in enumerate(parts):
+            where = f"stack_checkpoints (file {i + 1} of {len(paths)})"
+            if checkpoint.shards is not None:
+                where = f"stack_checkpoints (checkpoint {i + 1} of {len(paths)}, shard {k + 1} of {len(parts)})"
+            state = _load(file, where, map_location=map_location, weights_only=weights_only, mmap=mmap)
+            if key is not None:
+                if not isinstance(state, Mapping) or key not in state:
+                    raise KeyError(f"stack_checkpoints: '{file}' holds no entry '{key}'")
+                state = state[key]
+            if not isinstance(state, Mapping):
+                raise TypeError(f"stack_checkpoints: '{file}' holds a {type(state).__name__}, not a state dict")
+            if listed is None:
+                hint = "" if checkpoint.folder else " (is its state dict under a key? pass key=...)"
+                check_names(state, f"'{file}'", hint)
+                chosen = {t: next((n for n in p if n in state), None) for t, p in preferred.items()}
+            else:
+                _check_shard(state, file, listed, checkpoint.file)
+            fill(i, state, file, chosen)
+            del state
+            if not (isinstance(file, (str, os.PathLike)) and os.fspath(file).endswith(".safetensors")):
+                gc.collect()  # an unpickled checkpoint can sit in reference cycles: free it before the next file
+        # the tensors that no file holds (non-persistent buffers) are model's own
+        own = [t for t, name in chosen.items() if name is None]
+        fill(i, {t: defaults[t] for t in own}, checkpoint.given, {t: t for t in own})
     return result.module

@@ -10,6 +10,7 @@ and ``test_convert_errors.py`` are not repeated here.
 from __future__ import annotations
 
 import copy
+import json
 
 import models as zoo
 import pytest
@@ -406,7 +407,28 @@ FILES = [
     pytest.param(lambda tmp: bl.load_checkpoint(tmp / "missing.pt"), FileNotFoundError, ("missing.pt",), id="load_checkpoint-missing-file"),  # noqa: E501
     pytest.param(lambda tmp: bl.stack_checkpoints("MLP", [tmp / "a.pt"]), TypeError, ("stack_checkpoints", "str", "nn.Module"), id="stack_checkpoints-model-name"),  # noqa: E501
     pytest.param(lambda tmp: bl.stack_checkpoints(zoo.MLP(), [tmp / "list.pt"]), TypeError, ("stack_checkpoints", "list.pt", "list", "state dict"), id="stack_checkpoints-list-in-file"),  # noqa: E501
+    pytest.param(lambda tmp: bl.stack_checkpoints(zoo.MLP(), [tmp]), ValueError, ("stack_checkpoints", "test_bad_checkpoint_input", "directory without a checkpoint", "model.safetensors.index.json", "a.pt"), id="stack_checkpoints-directory-without-checkpoint"),  # noqa: E501
+    pytest.param(lambda tmp: bl.stack_checkpoints(zoo.MLP(), [sharded(tmp, lambda m: m.update({"fc1.weight": "model-00009-of-00009.safetensors"}))]), ValueError, ("stack_checkpoints", "model.safetensors.index.json", "'fc1.weight'", "model-00009-of-00009.safetensors", "does not exist"), id="stack_checkpoints-index-shard-missing"),  # noqa: E501
+    pytest.param(lambda tmp: bl.stack_checkpoints(zoo.MLP(), [sharded(tmp, lambda m: m.update({"fc9.weight": m["fc1.weight"]}))]), ValueError, ("stack_checkpoints", "model.safetensors.index.json", "MLP", "unexpected keys ['fc9.weight']"), id="stack_checkpoints-index-names-unknown-tensor"),  # noqa: E501
+    pytest.param(lambda tmp: bl.stack_checkpoints(zoo.MLP(), [sharded(tmp, lambda m: m.pop("fc2.bias"))]), ValueError, ("stack_checkpoints", "model.safetensors.index.json", "MLP", "missing keys ['fc2.bias']"), id="stack_checkpoints-index-lacks-tensor"),  # noqa: E501
+    pytest.param(lambda tmp: bl.stack_checkpoints(zoo.MLP(), [sharded(tmp)], key="model"), ValueError, ("stack_checkpoints", "key='model'", "sharded", "save_pretrained folder"), id="stack_checkpoints-key-with-folder"),  # noqa: E501
 ]  # fmt: skip
+
+
+def sharded(tmp, edit=lambda weight_map: None):
+    """A sharded checkpoint folder of an MLP, as save_pretrained writes one (model.safetensors.index.json and
+    the shards it lists), its index's weight_map changed by ``edit``."""
+    from huggingface_hub import save_torch_state_dict
+
+    folder = tmp / "sharded"
+    folder.mkdir()
+    save_torch_state_dict(zoo.MLP().state_dict(), folder, max_shard_size=200)
+    index = folder / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    edit(data["weight_map"])
+    index.write_text(json.dumps(data))
+    return folder
+
 
 # Unclear today, to be fixed in files owned by others (each reason names the change); strict: a fix makes them
 # pass, and the marker must then go.
