@@ -56,7 +56,7 @@ CODE_PAGES = [p for p in PAGES if BLOCK.search(p.read_text())]
 
 def test_pages_have_code() -> None:
     names = {str(p.relative_to(DOCS)) for p in CODE_PAGES}
-    assert {"index.md", "shapes.md", "conversion.md", "training.md"} <= names
+    assert {"index.md", "shapes.md", "conversion.md", "training.md", "reliability.md", "mixed-precision.md"} <= names
     assert {f"guides/{g}.md" for g in ("torch-func", "rl-critics", "checkpoints", "sweeps-pbt")} <= names
 
 

@@ -1,6 +1,6 @@
 """Every torch.nn module with parameters, stacked: exact against the N originals (swapped for a batched
 layer, computed by a batched function inside the module's own code, or that code run per model), or refused
-with a clear error. README's table of torch.nn layers comes from here."""
+with a clear error. The table of torch.nn layers in docs/conversion.md comes from here."""
 
 from __future__ import annotations
 
