@@ -83,13 +83,14 @@ def tensor_attributes(model: nn.Module) -> dict[str, Tensor]:
 def same(a: object, b: object) -> bool:
     """Equality that compares tensors by value (shape, dtype and elements), also inside containers."""
     if isinstance(a, Tensor) or isinstance(b, Tensor):
-        both = isinstance(a, Tensor) and isinstance(b, Tensor)
-        return both and a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and torch.equal(a, b)
+        if not (isinstance(a, Tensor) and isinstance(b, Tensor)):
+            return False
+        return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and torch.equal(a, b)
     if type(a) is not type(b):
         return False
-    if isinstance(a, (list, tuple)):
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):  # (b: a's type)
         return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    if isinstance(a, dict):
+    if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
     if dataclasses.is_dataclass(a):
         return all(same(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import types
 from collections.abc import Callable
+from typing import cast
 
 from torch import nn
 
@@ -44,15 +45,15 @@ def _rebind(value: object, translate: Callable[[object], object], depth: int) ->
         keywords = {k: _rebind(translate(v), translate, depth + 1) for k, v in value.keywords.items()}
         if func is value.func and all(a is b for a, b in zip(args, value.args)) and keywords == value.keywords:
             return value
-        return functools.partial(func, *args, **keywords)
+        return functools.partial(cast(Callable, func), *args, **keywords)
     if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
         items = [_rebind(v, translate, depth + 1) for v in value]
         if all(a is b for a, b in zip(items, value)):
             return value
         return type(value)(items)
     if isinstance(value, dict) and type(value) is dict:
-        items = {k: _rebind(v, translate, depth + 1) for k, v in value.items()}
-        return value if all(items[k] is v for k, v in value.items()) else items
+        entries = {k: _rebind(v, translate, depth + 1) for k, v in value.items()}
+        return value if all(entries[k] is v for k, v in value.items()) else entries
     return value
 
 

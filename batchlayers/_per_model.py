@@ -35,6 +35,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Sequence
 from types import SimpleNamespace
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +47,7 @@ from ._provenance import (
     _RULES,
     Lost,
     PerModel,
+    _getter,
     _name,
     _norm,
     _outputs,
@@ -69,7 +71,8 @@ def call(ctx, func: Callable, args: tuple, kwargs: dict) -> object:
     if rule is not None and rule.over_samples is not None:
         tagged = _tagged(args, kwargs)
         if any(isinstance(i.tag, int) for i in tagged) and rule.over_samples(rule.name, args, kwargs, tagged):
-            args, kwargs = _samples_per_model(ctx.num_models, args), _samples_per_model(ctx.num_models, kwargs)
+            args = cast(tuple, _samples_per_model(ctx.num_models, args))
+            kwargs = cast(dict, _samples_per_model(ctx.num_models, kwargs))
     lost = next((t for t in _all_tags(args, kwargs) if isinstance(t, Lost)), None)
     if lost is not None:
         raise ValueError(
@@ -151,7 +154,7 @@ def _checked(r: Tensor, d: int | None, tensors: Sequence[Tensor], num_models: in
     """Refuse a broadcast that stretched the samples of a model (a value without samples that spans the
     folded batch, e.g. sized from ``x.size(0)``)."""
     if d is not None:
-        n = next(t.shape[get_tag(t)] // num_models for t in tensors if isinstance(get_tag(t), int))
+        n = next(t.shape[tag] // num_models for t in tensors if isinstance(tag := get_tag(t), int))
         if r.shape[d + 1] != n:
             raise ValueError(
                 f"{_name(func)} inside a stacked forward: a value without the models' samples spans the folded batch "
@@ -178,11 +181,11 @@ def _len(m, t):
 
 
 _META: dict[Callable, Callable] = {
-    Tensor.shape.__get__: lambda m, t: t.shape[1:],
+    _getter("shape"): lambda m, t: t.shape[1:],
     Tensor.size: _size,
     Tensor.dim: lambda m, t: t.dim() - 1,
     Tensor.ndimension: lambda m, t: t.dim() - 1,
-    Tensor.ndim.__get__: lambda m, t: t.dim() - 1,
+    _getter("ndim"): lambda m, t: t.dim() - 1,
     Tensor.numel: lambda m, t: t.numel() // m,
     Tensor.nelement: lambda m, t: t.numel() // m,
     torch.numel: lambda m, t: t.numel() // m,
@@ -191,11 +194,11 @@ _META: dict[Callable, Callable] = {
 
 # Calls that do not depend on the model dimension: run on the stored tensor as they are.
 _PASS = {
-    Tensor.dtype.__get__, Tensor.device.__get__, Tensor.requires_grad.__get__, Tensor.is_leaf.__get__,
-    Tensor.grad_fn.__get__, Tensor.layout.__get__, Tensor.is_cuda.__get__, Tensor.is_floating_point,
+    _getter("dtype"), _getter("device"), _getter("requires_grad"), _getter("is_leaf"),
+    _getter("grad_fn"), _getter("layout"), _getter("is_cuda"), Tensor.is_floating_point,
     Tensor.is_complex, Tensor.element_size, Tensor.get_device, Tensor.__hash__, Tensor.__repr__,
     Tensor.requires_grad_, Tensor.retain_grad, Tensor.is_contiguous, Tensor.data_ptr, Tensor.untyped_storage,
-    Tensor.is_sparse.__get__, Tensor.is_meta.__get__, Tensor.is_quantized.__get__, torch.is_tensor,
+    _getter("is_sparse"), _getter("is_meta"), _getter("is_quantized"), torch.is_tensor,
     torch.is_floating_point, torch.is_complex, Tensor.__format__,
 }  # fmt: skip
 
@@ -318,7 +321,7 @@ def _index(t, s, index):
     advanced = [i for i in items if isinstance(i, (Tensor, list)) and not (isinstance(i, Tensor) and i.dim() == 0)]
     if len(advanced) > 1:
         return NotImplemented  # several index tensors may move their dimensions to the front
-    return t[(slice(None), *items)]
+    return t[(slice(None),) + items]
 
 
 def _dim_op(method: str, position: int = 0, default=None, key: str = "dim") -> Callable:
@@ -489,7 +492,7 @@ def _elementwise_loss(ctx, func, args, kwargs):
 _MHA_PARAMETERS = tuple(inspect.signature(F.multi_head_attention_forward).parameters)
 
 
-def _multi_head_attention(ctx, func, args, kwargs):
+def _multi_head_attention(ctx, func: Callable, args: tuple, kwargs: dict) -> object:
     """``F.multi_head_attention_forward`` (every torch.nn.MultiheadAttention) with per-model weights:
     ``batchlayers.functional.multi_head_attention``, batched matmuls for the projections and one attention call
     over all models' samples. Sequence-first ``(L, M * B, E)`` inputs holding the samples on dimension 1."""
@@ -516,8 +519,11 @@ def _multi_head_attention(ctx, func, args, kwargs):
     for t in sequences:
         batch_first.setdefault(id(t), explicit(t, m).transpose(1, 2))
     separate = a.get("use_separate_proj_weight", False)
+    query, key, value = (batch_first[id(t)] for t in sequences)
     out, attention = _batched_attention(
-        *(batch_first[id(t)] for t in sequences),
+        query,
+        key,
+        value,
         a["num_heads"],
         None if separate else a["in_proj_weight"],
         a["in_proj_bias"],
@@ -634,7 +640,7 @@ def _has_tensor(out: object) -> bool:
     return isinstance(out, Tensor) or (isinstance(out, (tuple, list)) and any(isinstance(o, Tensor) for o in out))
 
 
-def _join(first: object, outs: list, name: str) -> object:
+def _join(first: Tensor | tuple | list, outs: list, name: str) -> object:
     if isinstance(first, Tensor):
         return _join_one(outs, name)
     items = [_join_one([o[j] for o in outs], name) if isinstance(first[j], Tensor) else first[j]
@@ -732,8 +738,8 @@ _register(_on_stored(_dim_op("cumsum")), "cumsum")
 for _method in ("sum", "mean", "amax", "amin", "nansum", "logsumexp", "all", "any", "std", "var"):
     _register(_on_stored(_reduce(_method)), _method)
 _FAST[Tensor.__getitem__] = _on_stored(_index)
-_FAST[Tensor.mT.__get__] = _on_stored(lambda t, s: t.mT if len(s) >= 2 else NotImplemented)
-_FAST[Tensor.T.__get__] = _on_stored(lambda t, s: t.permute(0, *range(t.dim() - 1, 0, -1)))
+_FAST[_getter("mT")] = _on_stored(lambda t, s: t.mT if len(s) >= 2 else NotImplemented)
+_FAST[_getter("T")] = _on_stored(lambda t, s: t.permute(0, *range(t.dim() - 1, 0, -1)))
 _FAST[F.linear] = _linear
 _FAST[torch.addmm] = _addmm
 _FAST[F.layer_norm] = _affine_norm(F.layer_norm, ("weight", "bias"), None)

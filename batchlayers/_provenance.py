@@ -58,7 +58,8 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from types import FrameType
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -70,6 +71,12 @@ __all__ = ["Lost", "PerModel", "Tracker", "get_tag", "set_tag"]
 _ATTR = "_batchlayers_models"
 _VIEWS = frozenset({Tensor.view, Tensor.view_as})
 _CHECKPOINT_FILE = os.path.join("torch", "utils", "checkpoint.py")
+
+
+def _getter(name: str) -> Callable:
+    """``Tensor.<name>.__get__``: the function that reading the property ``name`` of a tensor passes to
+    ``__torch_function__`` (torch's stubs declare the properties as plain attributes)."""
+    return getattr(Tensor, name).__get__
 
 
 @dataclass(frozen=True)
@@ -95,9 +102,9 @@ def get_tag(t: Tensor) -> Tag:
 def set_tag(t: Tensor, tag: Tag) -> None:
     # Attribute syntax, not setattr(): torch.compile traces a store to a tensor attribute, not the builtin.
     if tag is not None:
-        t._batchlayers_models = tag
+        t._batchlayers_models = tag  # type: ignore[attr-defined]  # our own attribute, unknown to Tensor's stubs
     elif getattr(t, _ATTR, None) is not None:
-        del t._batchlayers_models
+        del t._batchlayers_models  # type: ignore[attr-defined]
 
 
 class Tracker(TorchFunctionMode):
@@ -212,7 +219,7 @@ class Tracker(TorchFunctionMode):
         hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
         checkpointed = hooks is not None and "_checkpoint_hook" in getattr(hooks[0], "__qualname__", "")
         if not checkpointed and self.grad_enabled and not torch.is_grad_enabled():  # use_reentrant=True
-            frame = sys._getframe(1)
+            frame: FrameType | None = sys._getframe(1)
             while frame is not None and not checkpointed:
                 code = frame.f_code
                 checkpointed = code.co_name == "forward" and code.co_filename.endswith(_CHECKPOINT_FILE)
@@ -316,7 +323,7 @@ def _norm(dim: int, ndim: int) -> int:
     return dim + ndim if dim < 0 else dim
 
 
-def _arg(args: Sequence, kwargs: dict, index: int, name: str, default: object = None) -> object:
+def _arg(args: Sequence, kwargs: dict, index: int, name: str, default: object = None) -> Any:
     if name in kwargs:
         return kwargs[name]
     return args[index] if len(args) > index else default
@@ -545,7 +552,7 @@ def _matmul(ctx, name, args, kwargs, out, tagged) -> None:
     a, b = operands
     dims = []
     for t, role in ((a, "a"), (b, "b")):
-        tag = get_tag(t)
+        tag = _tag_any(t)
         if tag is None:
             continue
         if isinstance(tag, Lost):
@@ -581,8 +588,10 @@ class _Probe:
         return len(self.shape)
 
 
-def _tag_any(t: object) -> Tag:
-    return t._tag if isinstance(t, _Probe) else get_tag(t)
+def _tag_any(t: Tensor | _Probe) -> int | Lost | None:
+    """The tag of a rule's tensor (or probe): never PerModel, as the tracker hands every call that sees a
+    per-model tensor to ``_per_model.call`` instead of a rule."""
+    return cast("int | Lost | None", t._tag if isinstance(t, _Probe) else get_tag(t))
 
 
 def _sdpa(ctx, name, args, kwargs, out, tagged) -> None:
@@ -691,7 +700,7 @@ def _repeat_interleave(ctx, name, args, kwargs, out, tagged) -> None:
     _tag_all(out, first.tag)  # repeating rows in place keeps each model's block contiguous
 
 
-def _split(position: int, default: int) -> Callable:
+def _split(position: int, default: int | None) -> Callable:
     def rule(ctx, name, args, kwargs, out, tagged) -> None:
         first = tagged[0]
         if isinstance(first.tag, Lost) or first.tensor is not args[0]:
@@ -733,7 +742,7 @@ def _cat(ctx, name, args, kwargs, out, tagged) -> None:
     tags = {get_tag(t) for t in tensors if get_tag(t) is not None}
     if len(tags) > 1:
         return _tag_all(out, Lost(f"{name} of tensors with the models on different dimensions"))
-    (d,) = tags
+    (d,) = cast("set[int]", tags)  # (Lost tags returned above)
     if dim == d and not stacking:
         return _tag_all(out, Lost(f"{name} along the dimension that holds the models' samples"))
     if any(_differs_along(t, d) for t in tensors):
@@ -755,7 +764,7 @@ def _getitem(ctx, name, args, kwargs, out, tagged) -> None:
         return _tag_all(out, 0)
     if any(i.tensor is not x for i in tagged):
         return _tag_all(out, Lost("indexing by values computed from the models' samples"))
-    _tag_all(out, _index_position(x, index, d))
+    _tag_all(out, _index_position(x, index, cast(int, d)))  # (x is among the tagged: a Lost tag returned above)
 
 
 def _per_sample_rows(x: Tensor, index: object) -> bool:
@@ -833,7 +842,7 @@ def _index_width(it: object) -> int:
 
 def _setitem(ctx, name, args, kwargs, out, tagged) -> None:
     x, index, value = args[0], args[1], args[2]
-    d = get_tag(x)
+    d = _tag_any(x)
     vtag = get_tag(value) if isinstance(value, Tensor) else None
     if isinstance(d, Lost):
         return
@@ -854,7 +863,7 @@ def _setitem(ctx, name, args, kwargs, out, tagged) -> None:
 def _inplace_elementwise(ctx, name, args, kwargs, out, tagged) -> None:
     """``x.add_(y)``, ``x += y``, ``x.copy_(y)``: ``x`` gets the combined tag."""
     x = args[0]
-    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)]
+    tensors: list[Tensor | _Probe] = [a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)]
     if name.endswith("copy_"):
         tensors = [_Probe(x, None), *tensors[1:]]
     set_tag(x, _broadcast_tag(ctx, name, tensors, x.shape))
@@ -922,6 +931,7 @@ def _broadcast_creator(ctx: Tracker, out: object) -> None:
 
 
 _CREATORS: dict[Callable, Callable] = {}
+_fn: Callable
 for _n in ("zeros", "ones", "full", "empty", "rand", "randn", "randint", "normal"):
     _CREATORS[getattr(torch, _n)] = _uniform_creator
 for _fn in (Tensor.expand, Tensor.broadcast_to, torch.broadcast_to):
@@ -971,7 +981,11 @@ def _add(
 ) -> None:
     """``rule`` for the functions called ``names`` of torch, Tensor and F; ``over_samples(name, args, kwargs,
     tagged)`` says before the call when it reduces over the models' samples (computed per model instead)."""
-    owners = ((torch, "torch", torch_), (torch.Tensor, "Tensor", method), (F, "F", functional))
+    owners: tuple[tuple[object, str, bool], ...] = (
+        (torch, "torch", torch_),
+        (torch.Tensor, "Tensor", method),
+        (F, "F", functional),
+    )
     owners += ((torch.special, "torch.special", torch_),)
     for name in names.split():
         for owner, prefix, ok in owners:
@@ -1070,22 +1084,22 @@ _LOSS_PARAMETERS = {getattr(F, n): tuple(inspect.signature(getattr(F, n)).parame
 _add(_new_creator, "new_zeros new_ones new_full new_empty new_tensor", torch_=False, functional=False)
 _add(_size, "size __len__ numel nelement", torch_=False, functional=False)
 _RULES[torch.numel] = _Rule(_size, "torch.numel")
-_RULES[torch.Tensor.shape.__get__] = _Rule(_size, "Tensor.shape")
+_RULES[_getter("shape")] = _Rule(_size, "Tensor.shape")
 _RULES[torch.Tensor.__getitem__] = _Rule(_getitem, "Tensor.__getitem__")
 _RULES[torch.Tensor.__setitem__] = _Rule(_setitem, "Tensor.__setitem__")
-_RULES[torch.Tensor.mT.__get__] = _Rule(_permutation(_last_two_perm), "Tensor.mT")
-_RULES[torch.Tensor.T.__get__] = _Rule(_permutation(_reverse_perm), "Tensor.T")
-_RULES[torch.Tensor.data.__get__] = _Rule(_like_self, "Tensor.data")
+_RULES[_getter("mT")] = _Rule(_permutation(_last_two_perm), "Tensor.mT")
+_RULES[_getter("T")] = _Rule(_permutation(_reverse_perm), "Tensor.T")
+_RULES[_getter("data")] = _Rule(_like_self, "Tensor.data")
 _RULES[F.embedding] = _Rule(_trailing(lambda a, k: 0), "F.embedding")
 # Reading properties that are not tensors, and methods that return no tensor: nothing to tag.
 for _fn in (torch.Tensor.dim, torch.Tensor.stride, torch.Tensor.is_contiguous,
-            torch.Tensor.dtype.__get__, torch.Tensor.device.__get__, torch.Tensor.requires_grad.__get__,
-            torch.Tensor.ndim.__get__, torch.Tensor.is_floating_point, torch.Tensor.element_size,
+            _getter("dtype"), _getter("device"), _getter("requires_grad"),
+            _getter("ndim"), torch.Tensor.is_floating_point, torch.Tensor.element_size,
             torch.Tensor.data_ptr, torch.Tensor.__hash__, torch.Tensor.__repr__, torch.Tensor.__format__,
-            torch.Tensor.register_hook, torch.Tensor.retain_grad, torch.Tensor.grad.__get__,
-            torch.Tensor.is_leaf.__get__, torch.Tensor.layout.__get__, torch.Tensor.untyped_storage,
+            torch.Tensor.register_hook, torch.Tensor.retain_grad, _getter("grad"),
+            _getter("is_leaf"), _getter("layout"), torch.Tensor.untyped_storage,
             torch.Tensor.storage_offset, torch.Tensor.get_device,
-            torch.Tensor.is_cuda.__get__, torch.Tensor.grad_fn.__get__,
+            _getter("is_cuda"), _getter("grad_fn"),
             torch.Tensor.__bool__, torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__int__,
             torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.backward):  # fmt: skip
     _RULES.setdefault(_fn, _Rule(lambda *a: None, ""))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -72,7 +73,7 @@ def check_input(
     if not isinstance(x, Tensor):
         raise TypeError(f"{layer_name(module)}: expected the {what} to be a Tensor, got {type(x).__name__}")
     check_device(module, x, what)
-    check_layout(layer_name(module), module.num_models, x, channels, trailing, ndims, min_ndim, what, layout)
+    check_layout(layer_name(module), cast(int, module.num_models), x, channels, trailing, ndims, min_ndim, what, layout)
     if check_dtype:
         _check_input_dtype(module, x, what)
 
@@ -186,9 +187,10 @@ def check_sizes(owner: str, name: str, value: object, n: int, minimum: int) -> t
     values = tuple(value) if isinstance(value, (tuple, list)) else (value,) * n
     if len(values) != n or any(isinstance(v, bool) or not isinstance(v, int) for v in values):
         raise TypeError(f"{owner}: {name} must be an int or a tuple of {n} ints, got {value!r}")
-    if any(v < minimum for v in values):
+    ints = cast("tuple[int, ...]", values)  # (checked above)
+    if any(v < minimum for v in ints):
         raise ValueError(f"{owner}: every entry of {name} must be >= {minimum}, got {value!r}")
-    return values
+    return ints
 
 
 def _first_tensor(module: nn.Module) -> Tensor | None:
@@ -277,4 +279,4 @@ def model_count_holders(module: nn.Module) -> list[nn.Module]:
 def set_num_models_(module: nn.Module, num_models: int) -> None:
     """Record a new number of models on every submodule that keeps one, after its tensors were indexed."""
     for m in model_count_holders(module):
-        m.num_models = num_models
+        m.num_models = num_models  # type: ignore[assignment]  # torch's stubs allow only tensors and modules

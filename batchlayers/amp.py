@@ -12,7 +12,7 @@ from __future__ import annotations
 import inspect
 import warnings
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from enum import Enum
 from typing import Any
 
@@ -94,7 +94,7 @@ class GradScaler:
             raise ValueError(f"GradScaler: backoff_factor must be < 1.0, got {backoff_factor}")
         self._num_models = num_models
         self._init_scale = self._check_per_model("init_scale", init_scale, torch.float32)
-        self._init_growth_tracker: int | Tensor = 0
+        self._init_growth_tracker: float | Tensor = 0
         self._growth_factor = float(growth_factor)
         self._backoff_factor = float(backoff_factor)
         self._growth_interval = int(growth_interval)
@@ -130,6 +130,7 @@ class GradScaler:
 
     def _lazy_init_scale_growth_tracker(self, device: torch.device) -> None:
         num_models = self._num_models
+        assert num_models is not None  # (the caller has set it)
         self._scale = torch.empty(num_models, dtype=torch.float32, device=device)
         self._scale.copy_(torch.as_tensor(self._init_scale, dtype=torch.float32).expand(num_models))
         self._growth_tracker = torch.empty(num_models, dtype=torch.int32, device=device)
@@ -160,7 +161,7 @@ class GradScaler:
         if isinstance(outputs, Tensor):
             return self._scale_one(outputs)
         if isinstance(outputs, Iterable):
-            scaled = map(self.scale, outputs)
+            scaled: Iterable[Any] = map(self.scale, outputs)
             return type(outputs)(scaled) if isinstance(outputs, (list, tuple)) else scaled
         raise TypeError(f"GradScaler.scale: outputs must be a Tensor or an iterable of Tensors, got {type(outputs)}")
 
@@ -173,6 +174,7 @@ class GradScaler:
         self._set_num_models(output.shape[0], f"a tensor of shape {tuple(output.shape)}")
         if self._scale is None:
             self._lazy_init_scale_growth_tracker(output.device)
+        assert self._scale is not None  # (created just above)
         scale = self._scale.to(output.device, non_blocking=True).view(-1, *[1] * (output.dim() - 1))
         # torch multiplies by a 0-d float32 scale: computed in float32 (or float64), returned in the output's dtype.
         return (output * scale).to(output.dtype)
@@ -200,7 +202,9 @@ class GradScaler:
     def _unscale_grads_(self, optimizer: Optimizer, inv_scale: Tensor, allow_fp16: bool) -> Tensor:
         """Multiply model ``m``'s gradients by ``inv_scale[m]``; return the ``(M,)`` float32 flags (1 where a
         model has a non-finite gradient), on the scale's device."""
-        found_inf = torch.zeros(self._num_models, dtype=torch.float32, device=inv_scale.device)
+        num_models = self._num_models
+        assert num_models is not None  # (known since the scale was created, as unscale_ checked)
+        found_inf = torch.zeros(num_models, dtype=torch.float32, device=inv_scale.device)
         for grad in self._grads(optimizer, allow_fp16):
             inv = inv_scale.to(grad.device, non_blocking=True)
             if grad.is_sparse:
@@ -208,7 +212,7 @@ class GradScaler:
                 # the scale of the model it belongs to.
                 values, model_of = grad._values(), grad._indices()[0]
                 bad = ~values.reshape(values.shape[0], -1).isfinite().all(1)
-                found = torch.zeros(self._num_models, dtype=torch.bool, device=grad.device).index_put_(
+                found = torch.zeros(num_models, dtype=torch.bool, device=grad.device).index_put_(
                     (model_of,), bad, accumulate=True
                 )
                 values.mul_(inv[model_of].view(-1, *[1] * (values.dim() - 1)))
@@ -267,7 +271,8 @@ class GradScaler:
         user_active = kwargs.pop("active", None)
         if user_active is not None:
             finite = finite & user_active.to(finite.device)
-        result = optimizer.step(*args, active=finite, **kwargs)
+        step: Callable[..., Any] = optimizer.step  # (a batchlayers optimizer's: it takes active=, checked above)
+        result = step(*args, active=finite, **kwargs)
         state["stage"] = OptState.STEPPED
         return result
 
@@ -376,6 +381,7 @@ class GradScaler:
         self._backoff_factor = float(state_dict["backoff_factor"])
         self._growth_interval = int(state_dict["growth_interval"])
         if self._scale is not None:
+            assert self._growth_tracker is not None  # (created with the scale)
             self._scale.copy_(torch.as_tensor(init_scale, dtype=torch.float32).expand(self._scale.shape))
             self._growth_tracker.copy_(torch.as_tensor(tracker, dtype=torch.int32).expand(self._scale.shape))
 

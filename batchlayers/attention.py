@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numbers
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -77,7 +78,8 @@ class BatchedMultiheadAttention(nn.Module):
         for arg, value in (("kdim", kdim), ("vdim", vdim)):
             if value is not None:
                 check_size(name, arg, value, 1)
-        if isinstance(dropout, bool) or not isinstance(dropout, numbers.Real) or not 0 <= dropout <= 1:
+        # (cast: to mypy a float is no numbers.Real, which would make the rest unreachable)
+        if isinstance(dropout, bool) or not isinstance(cast(object, dropout), numbers.Real) or not 0 <= dropout <= 1:
             raise ValueError(f"{name}: dropout probability has to be between 0 and 1, got {dropout!r}")
         if embed_dim <= 0 or num_heads <= 0:
             raise ValueError(
@@ -114,8 +116,8 @@ class BatchedMultiheadAttention(nn.Module):
             self.register_parameter("in_proj_bias", None)
         self.out_proj = BatchedLinear(m, embed_dim, embed_dim, bias=bias, **factory_kwargs)
         if add_bias_kv:
-            self.bias_k = nn.Parameter(torch.empty((m, 1, 1, embed_dim), **factory_kwargs))
-            self.bias_v = nn.Parameter(torch.empty((m, 1, 1, embed_dim), **factory_kwargs))
+            self.bias_k: nn.Parameter | None = nn.Parameter(torch.empty((m, 1, 1, embed_dim), **factory_kwargs))
+            self.bias_v: nn.Parameter | None = nn.Parameter(torch.empty((m, 1, 1, embed_dim), **factory_kwargs))
         else:
             self.bias_k = self.bias_v = None
         self._reset_parameters()

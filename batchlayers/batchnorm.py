@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import cast
 
 from torch import Tensor, nn
 
@@ -58,7 +59,8 @@ class _BatchedBatchNorm(BatchedNormBase):
             if self.momentum is None:
                 # Cumulative average, each model by its own count (checkpoints may have seen different numbers
                 # of batches); a tensor, so no data-dependent Python value and no graph break.
-                momentum = self.num_batches_tracked.to(self.running_mean.dtype).reciprocal()
+                dtype = cast(Tensor, self.running_mean).dtype  # (registered with num_batches_tracked)
+                momentum = self.num_batches_tracked.to(dtype).reciprocal()
         return batch_norm(
             input,
             running_mean,

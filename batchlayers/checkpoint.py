@@ -59,7 +59,7 @@ def save(obj: Any, path: str | os.PathLike, *, checksum: bool = False) -> None:
             ``stack_checkpoints`` verify, naming the first tensor that differs. A torch file then holds
             ``{"__batchlayers_checksum__": ..., "data": obj}`` (those loaders return ``obj``); a
             ``.safetensors`` file keeps the digest in its metadata and stays an ordinary safetensors
-            file. Costs about one extra read of the tensors at save and at load (measured in README).
+            file. Costs about one extra read of the tensors at save and at load (measured in the docs, Reliability).
 
     Raises:
         TypeError: ``path`` is not a ``str`` or ``os.PathLike``; or a ``.safetensors`` file was given

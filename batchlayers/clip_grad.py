@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -46,7 +47,7 @@ def _num_models(tensors: list[Tensor], what: str, caller: str) -> int:
             f"{caller}: every {what[:-1]} needs the model dimension first, the same size M in all of them, "
             f"got shapes {shapes}"
         )
-    return sizes.pop()
+    return cast(int, sizes.pop())  # (None refused above)
 
 
 def _per_model_scalar(value: float | Tensor, num_models: int, name: str, caller: str) -> float | Tensor:
@@ -269,7 +270,7 @@ def nonfinite_models(
             raise TypeError(f"nonfinite_models: expected losses to be an (M,) tensor, got {type(losses).__name__}")
         tensors.append(losses)
     if isinstance(parameters, nn.Module):
-        params = list(parameters.parameters())
+        params: list[Tensor] = list(parameters.parameters())
         # A stacked model's shared buffers (one copy for all models, e.g. a causal mask) hold no model dimension.
         shared = set(root_shared_buffers(parameters))
         tensors += params + [

@@ -51,7 +51,7 @@ import math
 import random
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import ModuleType
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 from torch import Tensor
@@ -547,6 +547,7 @@ class _RequestSampler(Sampler[_BatchRequest]):
     def _requests(self, current_pass: _Pass | None) -> Iterator[_BatchRequest]:
         batches = self.sampler._iter_epoch(None)
         progress = self.sampler._progress
+        assert progress is not None  # (_iter_epoch has just started the epoch)
         if current_pass is not None:
             current_pass.progress, current_pass.handed_out = progress, progress.batches
         shared = self.sampler.mode == "shared"
@@ -630,7 +631,7 @@ def _fold_models(batch: Any, num_models: int, shared: bool) -> Any:
             return batch.expand(num_models, *batch.shape)
         return batch.view(num_models, batch.shape[0] // num_models, *batch.shape[1:])
     if isinstance(batch, Mapping):
-        return type(batch)({k: _fold_models(v, num_models, shared) for k, v in batch.items()})
+        return cast(Any, type(batch))({k: _fold_models(v, num_models, shared) for k, v in batch.items()})
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
         return type(batch)(*(_fold_models(v, num_models, shared) for v in batch))
     if isinstance(batch, (tuple, list)):
@@ -650,19 +651,23 @@ class _ModelDataLoader(DataLoader):
         self._pass: _Pass | None = None
         super().__init__(
             _ModelBatchDataset(dataset, collate_fn),
-            batch_sampler=_RequestSampler(sampler),
+            batch_sampler=_RequestSampler(sampler),  # type: ignore[arg-type]  # of _BatchRequests, not lists
             collate_fn=_collated,
             **kwargs,
         )
 
-    def __iter__(self) -> Iterator[Any]:
-        current = self._pass = self.batch_sampler.current_pass = _Pass()
+    @property
+    def _request_sampler(self) -> _RequestSampler:
+        return cast(_RequestSampler, self.batch_sampler)  # (the one __init__ passed)
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # not a _BaseDataLoaderIter: counts what it yields
+        current = self._pass = self._request_sampler.current_pass = _Pass()
         return _CountedIterator(super().__iter__(), current)
 
     def state_dict(self) -> dict[str, Any]:
         """The position of the batches handed out (not of those prefetched); see
         :meth:`ModelBatchSampler.state_dict`."""
-        sampler: ModelBatchSampler = self.batch_sampler.sampler
+        sampler: ModelBatchSampler = self._request_sampler.sampler
         current = self._pass
         if current is None or current.progress is None or current.progress is not sampler._progress:
             return sampler.state_dict()
@@ -671,7 +676,7 @@ class _ModelDataLoader(DataLoader):
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Continue from a :meth:`state_dict` at the next ``iter()``; see :meth:`ModelBatchSampler.load_state_dict`."""
-        self.batch_sampler.sampler._load_state(state_dict, "model_data_loader")
+        self._request_sampler.sampler._load_state(state_dict, "model_data_loader")
         self._pass = None
 
 
@@ -751,7 +756,7 @@ def model_data_loader(
             "model_data_loader: expected a map-style dataset (with __len__ and __getitem__: each model draws its "
             f"own indices into it), got {type(dataset).__name__}"
         )
-    sampler = ModelBatchSampler(num_models, len(dataset), batch_size, mode, drop_last, seed)  # type: ignore[arg-type]
+    sampler = ModelBatchSampler(num_models, len(dataset), batch_size, mode, drop_last, seed)
     if loader_kwargs.get("generator") is None:
         loader_kwargs["generator"] = _generator(sampler.seed, _LOADER)
     return _ModelDataLoader(dataset, sampler, collate_fn or default_collate, **loader_kwargs)

@@ -69,7 +69,7 @@ import os
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -171,9 +171,10 @@ class ModelShard:
     def from_group(cls, num_models: int, group: Any = None, model_ids: Sequence[int] | None = None) -> ModelShard:
         """The shard of this process in ``group`` (the default group if ``None``); a single-process shard of
         all ``num_models`` models when ``torch.distributed`` is not initialised."""
+        ids = cast("tuple[int, ...]", model_ids)  # (any sequence or None: __post_init__ makes the tuple)
         if not (dist.is_available() and dist.is_initialized()):
-            return cls(num_models, model_ids=model_ids)
-        return cls(num_models, dist.get_rank(group), dist.get_world_size(group), model_ids=model_ids, group=group)
+            return cls(num_models, model_ids=ids)
+        return cls(num_models, dist.get_rank(group), dist.get_world_size(group), model_ids=ids, group=group)
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -250,7 +251,9 @@ class ModelShard:
         ranks; their model ids go with them. This only computes the layout: see
         :func:`keep_models_across_ranks_`."""
         index = _as_positions(positions, self.num_models, "positions", "ModelShard.kept", allow_mask=True)
-        return ModelShard(len(index), self.rank, self.world_size, [self.model_ids[i] for i in index], group=self.group)
+        return ModelShard(
+            len(index), self.rank, self.world_size, tuple(self.model_ids[i] for i in index), group=self.group
+        )
 
 
 def _as_positions(positions: Positions, num_models: int, what: str, caller: str, allow_mask: bool = False) -> list:
@@ -306,7 +309,7 @@ class _SeededRNG:
         self.fork.__enter__()
         torch.manual_seed(self.seed)
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, *exc: Any) -> None:
         self.fork.__exit__(*exc)
 
 
@@ -413,7 +416,7 @@ def _tensor_num_models(model: nn.Module, caller: str) -> int:
     sizes = {t.shape[0] if t.dim() else None for t in _local_tensors(model).values()}
     if len(sizes) != 1 or None in sizes:
         raise ValueError(f"{caller}: every parameter and buffer needs the same model dimension first, got {sizes}")
-    return sizes.pop()
+    return cast(int, sizes.pop())  # (None refused above)
 
 
 def shard_data_(loader: Any, shard: ModelShard) -> Any:
@@ -596,8 +599,8 @@ def _per_model_tensors(
     for s, scheduler in enumerate(schedulers):
         for path, value in _scheduler_state(scheduler, num_models):
             found.append((f"scheduler/{s}/state/{path}", value))
-        for li, values in enumerate(_scheduler_lists(scheduler) if hyperparameters else ()):
-            for vi, v in enumerate(values):
+        for li, entries in enumerate(_scheduler_lists(scheduler) if hyperparameters else ()):
+            for vi, v in enumerate(entries):
                 if isinstance(v, Tensor) and v.shape == (num_models,):
                     found.append((f"scheduler/{s}/{li}/{vi}", v))
     return found
@@ -1082,9 +1085,9 @@ def _load_optimizer(optimizer, model, targets, shared_optim, saved_groups) -> No
             if label.startswith(prefix):
                 key, _, pos = label[len(prefix) :].partition("/")
                 if pos:
-                    entries = list(group[key])
-                    entries[int(pos)] = t
-                    group[key] = tuple(entries)
+                    items = list(group[key])
+                    items[int(pos)] = t
+                    group[key] = tuple(items)
                 else:
                     group[key] = t
         for param_index, p in zip(group["params"], live_group["params"]):

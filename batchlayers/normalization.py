@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -40,10 +41,11 @@ def register_affine(module: nn.Module, shape: tuple[int, ...], affine: bool, bia
 
 def reset_affine(module: nn.Module) -> None:
     """torch.nn's norm init: weight 1, bias 0."""
-    if module.weight is not None:
-        init.ones_(module.weight)
-    if module.bias is not None:
-        init.zeros_(module.bias)
+    weight, bias = cast("Tensor | None", module.weight), cast("Tensor | None", module.bias)  # (register_affine's)
+    if weight is not None:
+        init.ones_(weight)
+    if bias is not None:
+        init.zeros_(bias)
 
 
 class _BatchedTrailingNorm(nn.Module):
@@ -52,6 +54,8 @@ class _BatchedTrailingNorm(nn.Module):
     __constants__ = ["num_models", "normalized_shape", "eps", "elementwise_affine"]
     _default_eps: float | None
     _bias_option: bool  # whether the torch.nn layer has a ``bias`` argument
+    weight: nn.Parameter | None  # (registered by register_affine)
+    bias: nn.Parameter | None
 
     def __init__(
         self,
@@ -65,7 +69,7 @@ class _BatchedTrailingNorm(nn.Module):
         super().__init__()
         self.num_models = check_num_models(num_models, type(self))
         if isinstance(normalized_shape, numbers.Integral):
-            normalized_shape = (normalized_shape,)
+            normalized_shape = (cast(int, normalized_shape),)
         if not isinstance(normalized_shape, Sequence):
             raise TypeError(
                 f"{type(self).__name__}: normalized_shape must be an int or a sequence of ints, got "
@@ -133,6 +137,7 @@ class BatchedLayerNorm(_BatchedTrailingNorm):
     torch_module = nn.LayerNorm
     _default_eps = 1e-5
     _bias_option = True
+    eps: float
 
     def __init__(
         self,
@@ -234,6 +239,8 @@ class BatchedGroupNorm(nn.Module):
 
     __constants__ = ["num_models", "num_groups", "num_channels", "eps", "affine"]
     torch_module = nn.GroupNorm
+    weight: nn.Parameter | None  # (registered by register_affine)
+    bias: nn.Parameter | None
 
     def __init__(
         self,
@@ -295,6 +302,11 @@ class BatchedNormBase(nn.Module):
     _layout: str
     _default_affine: bool
     _default_track_running_stats: bool
+    weight: nn.Parameter | None  # (registered by register_affine)
+    bias: nn.Parameter | None
+    running_mean: Tensor | None  # (registered as None without track_running_stats)
+    running_var: Tensor | None
+    num_batches_tracked: Tensor | None
 
     def __init__(
         self,
@@ -314,7 +326,8 @@ class BatchedNormBase(nn.Module):
         self.num_models = check_num_models(num_models, type(self))
         self.num_features = check_size(type(self).__name__, "num_features", num_features)
         self.eps = eps
-        if momentum is not None and not isinstance(momentum, numbers.Real):
+        # (cast: to mypy a float is no numbers.Real, which would leave momentum None below)
+        if momentum is not None and not isinstance(cast(object, momentum), numbers.Real):
             what = f"a tensor of shape {tuple(momentum.shape)}" if isinstance(momentum, Tensor) else repr(momentum)
             raise TypeError(
                 f"{type(self).__name__}: momentum must be a float or None (as in torch.nn), got {what}; for "
@@ -337,10 +350,10 @@ class BatchedNormBase(nn.Module):
         self.reset_parameters()
 
     def reset_running_stats(self) -> None:
-        if self.track_running_stats:
-            self.running_mean.zero_()
-            self.running_var.fill_(1)
-            self.num_batches_tracked.zero_()
+        if self.track_running_stats:  # (registered as tensors then)
+            cast(Tensor, self.running_mean).zero_()
+            cast(Tensor, self.running_var).fill_(1)
+            cast(Tensor, self.num_batches_tracked).zero_()
 
     def reset_parameters(self) -> None:
         self.reset_running_stats()

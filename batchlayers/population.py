@@ -25,7 +25,7 @@ Example (successive halving)::
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -49,14 +49,14 @@ def _model_tensors(module: nn.Module, caller: str) -> tuple[list[tuple[str, Tens
     named = [(n, t) for n, t in [*module.named_parameters(), *module.named_buffers()] if n not in shared]
     if not named:
         raise ValueError(f"{caller}: {type(module).__name__} has no parameters or buffers")
-    sizes = {}
+    sizes: dict[int, str] = {}
     for name, t in named:
         if t.dim() == 0:
             raise ValueError(
                 f"{caller}: every parameter and buffer needs the model dimension first, but '{name}' is 0-d"
             )
         sizes.setdefault(t.shape[0], name)
-    declared = {m.num_models for m in model_count_holders(module)}
+    declared = {cast(int, m.num_models) for m in model_count_holders(module)}
     if len(sizes) != 1 or len(declared - set(sizes)) > 0:
         found = ", ".join(f"'{n}' has {s}" for s, n in sizes.items())
         raise ValueError(
@@ -129,7 +129,7 @@ def index_models_(module: nn.Module, indices: Indices) -> nn.Module:
     for _, t in named:
         # set_ rather than `.data =`: autograd keeps the size it recorded for a `.data` swap, so a graph
         # built before the call (still referenced by the caller) would make the next backward fail.
-        t.set_(_take(t.detach(), index))
+        t.set_(_take(t.detach(), index))  # type: ignore[call-overload]  # torch's stubs lack set_(Tensor)
         if t.grad is not None:
             t.grad = _take(t.grad, index)
     set_num_models_(module, index.numel())
@@ -265,8 +265,11 @@ def _check_schedulers(
     return schedulers + [s for s in live_schedulers(optimizer) if not any(s is t for t in schedulers)]
 
 
-def _state_tensors(optimizer: Optimizer, groups: list[dict[str, Any]], num_models: int):
-    """``(state dict, key, tensor)`` for every per-model optimizer state tensor of these groups."""
+def _state_tensors(optimizer: Optimizer | None, groups: list[dict[str, Any]], num_models: int):
+    """``(state dict, key, tensor)`` for every per-model optimizer state tensor of these groups (none without an
+    optimizer)."""
+    if optimizer is None:
+        return
     for group in groups:
         for p in group["params"]:
             state = optimizer.state.get(p, {})

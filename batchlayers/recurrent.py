@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 import warnings
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -84,6 +85,7 @@ class _BatchedRNNBase(nn.Module):
         "bidirectional",
         "proj_size",
     ]
+    weight_ih_l0: nn.Parameter  # (registered by __init__, as every layer's and direction's weights)
 
     def __init__(
         self,
@@ -115,11 +117,11 @@ class _BatchedRNNBase(nn.Module):
         for arg, value in (("bias", bias), ("batch_first", batch_first), ("bidirectional", bidirectional)):
             if not isinstance(value, bool):
                 raise TypeError(f"{name}: {arg} should be a bool, got {type(value).__name__}")
-        for arg, value in (("input_size", input_size), ("hidden_size", hidden_size), ("num_layers", num_layers)):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{name}: {arg} should be an int, got {type(value).__name__}")
-            if value <= 0:
-                raise ValueError(f"{name}: {arg} must be greater than zero, got {value}")
+        for arg, size in (("input_size", input_size), ("hidden_size", hidden_size), ("num_layers", num_layers)):
+            if isinstance(size, bool) or not isinstance(size, int):
+                raise TypeError(f"{name}: {arg} should be an int, got {type(size).__name__}")
+            if size <= 0:
+                raise ValueError(f"{name}: {arg} must be greater than zero, got {size}")
         if isinstance(proj_size, bool) or not isinstance(proj_size, int) or proj_size < 0:
             raise ValueError(
                 f"{name}: proj_size should be a non-negative int (0 disables projections), got {proj_size!r}"
@@ -147,7 +149,10 @@ class _BatchedRNNBase(nn.Module):
             layer_input_size = input_size if layer == 0 else out_size * num_directions
             for direction in range(num_directions):
                 suffix = f"_l{layer}" + ("_reverse" if direction == 1 else "")
-                shapes = {"weight_ih": (gate_size, layer_input_size), "weight_hh": (gate_size, out_size)}
+                shapes: dict[str, tuple[int, ...]] = {
+                    "weight_ih": (gate_size, layer_input_size),
+                    "weight_hh": (gate_size, out_size),
+                }
                 if bias:
                     shapes.update(bias_ih=(gate_size,), bias_hh=(gate_size,))
                 if proj_size > 0:
@@ -177,7 +182,7 @@ class _BatchedRNNBase(nn.Module):
     def flatten_parameters(self) -> None:
         """Does nothing: kept so that code written for ``torch.nn.RNNBase`` runs unchanged."""
 
-    def _check_forward_args(self, input: object, hx: object) -> None:
+    def _check_forward_args(self, input: Tensor, hx: object) -> None:
         _refuse_packed(self, input)
         layout = "(M, B, T, input_size)" if self.batch_first else "(M, T, B, input_size)"
         _refuse_unbatched(self, input, 4, layout, 1 if self.batch_first else 2)
@@ -517,7 +522,7 @@ class _BatchedRNNCellBase(nn.Module):
             bidirectional=False,
             cell=True,
         )
-        return (state[0][:, 0], state[1][:, 0]) if mode == "LSTM" else state[:, 0]
+        return (state[0][:, 0], state[1][:, 0]) if mode == "LSTM" else cast(Tensor, state)[:, 0]
 
     def forward(self, input: Tensor, hx=None):
         return self._step(self._mode, input, hx)

@@ -29,7 +29,7 @@ _BY_BATCHED: dict[type, _Counterpart] = {}
 _builtins_loaded = False
 
 
-def constructor_kwargs(module: nn.Module, torch_type: type) -> dict[str, object]:
+def constructor_kwargs(module: nn.Module, torch_type: type[object]) -> dict[str, object]:
     """The arguments of ``torch_type.__init__`` read back from ``module``'s attributes of the same names.
 
     torch.nn layers (and batchlayers' counterparts) keep their constructor arguments as attributes, except
@@ -54,7 +54,7 @@ def constructor_kwargs(module: nn.Module, torch_type: type) -> dict[str, object]
     return kwargs
 
 
-def _accepts_device(cls: type) -> bool:
+def _accepts_device(cls: type[object]) -> bool:
     return "device" in inspect.signature(cls.__init__).parameters
 
 

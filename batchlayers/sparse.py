@@ -14,7 +14,7 @@ __all__ = ["BatchedEmbedding", "BatchedEmbeddingBag"]
 _INDEX_DTYPES = (torch.int64, torch.int32)
 
 
-def _check_index_range(layer: nn.Module, input: Tensor) -> None:
+def _check_index_range(layer: BatchedEmbedding | BatchedEmbeddingBag, input: Tensor) -> None:
     check_index_range(layer_name(layer), input, layer.num_embeddings)
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -101,18 +101,21 @@ def verify(
     def leaf(t: Tensor, where: str) -> Tensor:
         return t.detach().requires_grad_() if t.is_floating_point() else t
 
+    def model_leaf(i: int) -> Callable[[Tensor, str], Tensor]:
+        return lambda t, where: leaf(t[i], where)
+
     map_tensors(list(inputs), lambda t, where: check(t, f"inputs{where}"))
     map_tensors(dict(kwargs), lambda t, where: check(t, f"kwargs{where}"))
     stacked_in = map_tensors((inputs, kwargs), leaf)
-    own_in = [map_tensors(stacked_in, lambda t, where, i=i: leaf(t[i], where)) for i in range(len(models))]
+    own_in = [map_tensors(stacked_in, model_leaf(i)) for i in range(len(models))]
     saved = [{n: b.detach().clone() for n, b in m.named_buffers()} for m in (stacked, *models)]
     try:
         result = _measure(models, stacked, stacked_in, own_in, rtol, atol, seed)
     finally:  # (after the gradients: autograd may have saved a buffer, and checks its version)
         for module, buffers in zip((stacked, *models), saved):
             with torch.no_grad():
-                for name, value in module.named_buffers():
-                    value.copy_(buffers[name])
+                for name, buffer in module.named_buffers():
+                    buffer.copy_(buffers[name])
     return result
 
 
@@ -170,7 +173,7 @@ def _gradients(
     module: nn.Module, inputs: object, outputs: dict[str, Tensor], cotangents: dict[str, Tensor], part
 ) -> dict[str, Tensor]:
     """Gradients of ``sum(output * cotangent)`` for every parameter and floating input, without ``.grad``."""
-    wrt = {f"grad of {n}": p for n, p in module.named_parameters() if p.requires_grad}
+    wrt: dict[str, Tensor] = {f"grad of {n}": p for n, p in module.named_parameters() if p.requires_grad}
     wrt.update({f"grad of {k}": t for k, t in _tensors(inputs, "input").items() if t.requires_grad})
     total = sum((outputs[n] * part(g)).sum() for n, g in cotangents.items() if outputs[n].requires_grad)
     if not wrt or not isinstance(total, Tensor):

@@ -207,7 +207,7 @@ def test_tensor_loader_batches_on_the_tensors_device(device: str, mode: str) -> 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_keep_models_takes_indices_from_the_models_device(device: str) -> None:
-    """Survivors are picked from scores computed where the models run (the training toolkit page's successive halving)."""
+    """Survivors are picked from scores computed where the models run (docs/training.md's successive halving)."""
     x = torch.randn(20, 3)
     loader = ModelTensorLoader(x.to(device), num_models=3, batch_size=6, seed=13)
     reference = ModelTensorLoader(x, num_models=3, batch_size=6, seed=13)

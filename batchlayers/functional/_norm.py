@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -101,7 +102,7 @@ def check_trailing_norm(
     names = ["normalized_shape"] if len(shape) == 1 else [f"normalized_shape[{i}]" for i in range(len(shape))]
     check_call_input(function, x, num_models, trailing=list(zip(names, shape)), layout="(M, *, *normalized_shape)")
     for what, p in (("weight", weight), ("bias", bias)):
-        check_parameter(function, what, p, (num_models, *shape), "(M, *normalized_shape)", x)
+        check_parameter(function, what, p, (num_models, *shape), "(M, *normalized_shape)", cast(Tensor, x))  # (checked)
     return shape
 
 
@@ -113,7 +114,7 @@ def check_channel_norm(function: str, x: object, *params: tuple[str, Tensor | No
     num_models, num_channels = (x.shape[0], x.shape[2]) if isinstance(x, Tensor) else (0, 0)
     check_call_input(function, x, num_models, channels=("C", num_channels), min_ndim=min_ndim, layout="(M, B, C, *)")
     for what, p in params:
-        check_parameter(function, what, p, (num_models, num_channels), "(M, C)", x)
+        check_parameter(function, what, p, (num_models, num_channels), "(M, C)", cast(Tensor, x))  # (checked above)
     return num_channels
 
 
@@ -264,16 +265,20 @@ def instance_norm(
     if not use_input_stats and (running_mean is None or running_var is None):
         raise ValueError("instance_norm: running_mean and running_var are needed when use_input_stats is False")
     stats_dtype = x.dtype if weight is None else weight.dtype
-    if running_mean is not None and (running_mean.dtype != stats_dtype or running_var.dtype != stats_dtype):
-        mean, var = running_mean.to(stats_dtype), running_var.to(stats_dtype)
+    # (running_var comes with running_mean: the layers pass their running statistics both or neither)
+    if running_mean is not None and (
+        running_mean.dtype != stats_dtype or cast(Tensor, running_var).dtype != stats_dtype
+    ):
+        mean, var = running_mean.to(stats_dtype), cast(Tensor, running_var).to(stats_dtype)
         out = instance_norm(x, mean, var, weight, bias, use_input_stats, momentum, eps)
         if use_input_stats:
             with torch.no_grad():
                 running_mean.copy_(mean)
-                running_var.copy_(var)
+                cast(Tensor, running_var).copy_(var)
         return out
     if not use_input_stats:
-        return running_stats_norm(x[0] if shared else x, running_mean, running_var, weight, bias, eps, param_view)
+        mean, var = cast(Tensor, running_mean), cast(Tensor, running_var)  # (checked above)
+        return running_stats_norm(x[0] if shared else x, mean, var, weight, bias, eps, param_view)
 
     if shared and mixed:
         # The per-model affine below runs outside torch's kernel: normalise in float32, round once.
@@ -289,14 +294,20 @@ def instance_norm(
             # Every model sees the same per-sample statistics: computed once, into fresh buffers (momentum 1).
             sample_mean, sample_var = flat.new_zeros(flat.shape[1]), flat.new_zeros(flat.shape[1])
             normalized = F.batch_norm(flat, sample_mean, sample_var, training=True, momentum=1.0, eps=eps)
-            _blend_running_stats(running_mean, running_var, sample_mean, sample_var, batch, momentum)
+            _blend_running_stats(running_mean, cast(Tensor, running_var), sample_mean, sample_var, batch, momentum)
         return per_model_affine(normalized.view(source.shape), num_models, weight, bias, param_view)
 
     if x.stride(0) == num_channels * x.stride(2):
         packed = x.transpose(0, 1).reshape(batch, num_models * num_channels, *spatial)
+        flat_mean, flat_var, flat_weight, flat_bias = (
+            None if t is None else t.view(-1) for t in (running_mean, running_var, weight, bias)
+        )
         out = F.instance_norm(
             packed,
-            *(None if t is None else t.view(-1) for t in (running_mean, running_var, weight, bias)),
+            flat_mean,
+            flat_var,
+            flat_weight,
+            flat_bias,
             use_input_stats=True,
             momentum=momentum,
             eps=eps,
@@ -315,9 +326,11 @@ def instance_norm(
     flat = x.reshape(1, num_models * batch * num_channels, *spatial)
     out = F.batch_norm(flat, repeated_mean, repeated_var, per_instance(weight), per_instance(bias), True, momentum, eps)
     if running_mean is not None:
+        # (repeated from running_mean and running_var, which comes with it)
+        repeated_mean, repeated_var = cast(Tensor, repeated_mean), cast(Tensor, repeated_var)
         with torch.no_grad():
             running_mean.copy_(repeated_mean.view(num_models, batch, num_channels).mean(1))
-            running_var.copy_(repeated_var.view(num_models, batch, num_channels).mean(1))
+            cast(Tensor, running_var).copy_(repeated_var.view(num_models, batch, num_channels).mean(1))
     return out.view(x.shape)
 
 

@@ -16,6 +16,7 @@ ops per step here.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -107,9 +108,9 @@ def rnn(
                 _autocast(input, cast_to),
                 None
                 if hx is None
-                else tuple(_autocast(h, cast_to) for h in hx)
+                else cast("tuple[Tensor, Tensor]", tuple(_autocast(h, cast_to) for h in hx))
                 if mode == "LSTM"
-                else _autocast(hx, cast_to),
+                else _autocast(cast(Tensor, hx), cast_to),
                 [_autocast(w, cast_to) for w in weights],
                 num_layers=num_layers,
                 bias=bias,
@@ -126,33 +127,38 @@ def rnn(
     hidden_size = weights[0].shape[1] // GATES[mode]
     out_size = proj_size if proj_size > 0 else hidden_size
     lstm = mode == "LSTM"
+    c0: list[Tensor] | None
     if hx is None:
         zeros = input.new_zeros(num_directions * num_models, batch, out_size)
         h0 = [zeros] * num_layers
         c0 = [zeros if proj_size == 0 else input.new_zeros(num_directions * num_models, batch, hidden_size)]
         c0 = c0 * num_layers
-    else:
-        h_all, c_all = hx if lstm else (hx, None)
+    elif lstm:
+        h_all, c_all = cast("tuple[Tensor, Tensor]", hx)
         h0 = [_directions_to_models(h_all, layer, num_directions) for layer in range(num_layers)]
-        c0 = [_directions_to_models(c_all, layer, num_directions) for layer in range(num_layers)] if lstm else None
+        c0 = [_directions_to_models(c_all, layer, num_directions) for layer in range(num_layers)]
+    else:
+        h0 = [_directions_to_models(cast(Tensor, hx), layer, num_directions) for layer in range(num_layers)]
+        c0 = None
 
     time_dim = 2 if batch_first else 1
     layer_input = input
-    h_n, c_n = [], []
+    h_n: list[Tensor] = []
+    c_n: list[Tensor] = []
     for layer in range(num_layers):
         start = layer * num_directions * per_direction
         params = [weights[start + d * per_direction : start + (d + 1) * per_direction] for d in range(num_directions)]
-        output, h_last, c_last = _layer(
-            mode, layer_input, h0[layer], c0[layer] if lstm else None, params, bias, proj_size, time_dim
-        )
+        c0_layer = c0[layer] if lstm and c0 is not None else None
+        output, h_last, c_last = _layer(mode, layer_input, h0[layer], c0_layer, params, bias, proj_size, time_dim)
         h_n.extend(h_last.view(num_directions, num_models, *h_last.shape[1:]).unbind(0))
         if lstm:
+            c_last = cast(Tensor, c_last)  # (an LSTM layer returns its c)
             c_n.extend(c_last.view(num_directions, num_models, *c_last.shape[1:]).unbind(0))
         if dropout > 0 and training and layer < num_layers - 1:
             output = _dropout(output, dropout, generator)
         layer_input = output
-    h_n = torch.stack(h_n, 1)
-    return (layer_input, (h_n, torch.stack(c_n, 1))) if lstm else (layer_input, h_n)
+    h_stacked = torch.stack(h_n, 1)
+    return (layer_input, (h_stacked, torch.stack(c_n, 1))) if lstm else (layer_input, h_stacked)
 
 
 def _check_arguments(mode, input, hx, weights, num_layers, num_directions, bias, batch_first, proj_size) -> None:
@@ -259,7 +265,7 @@ def _dropout(x: Tensor, p: float, generator: torch.Generator | None) -> Tensor:
     return x * mask * (1 / (1 - p))
 
 
-def _cat_directions(tensors: Sequence[Tensor], dim: int) -> Tensor:
+def _cat_directions(tensors: list[Tensor], dim: int) -> Tensor:
     return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim)
 
 
@@ -310,7 +316,7 @@ def _layer(
     fused = _fused_steps() and not autocast_enabled(x)
     if mode == "LSTM":
         steps = _LSTMSteps.apply if fused else _lstm_steps
-        hs, h_last, c_last = steps(inputs, b_rec, h0, c0, w_rec, w_proj)
+        hs, h_last, c_last = steps(inputs, b_rec, h0, cast(Tensor, c0), w_rec, w_proj)  # (an LSTM is given c0)
     elif mode == "GRU":
         steps = _GRUSteps.apply if fused else _gru_steps
         hs, h_last = steps(inputs, h0, w_rec, b_rec)
@@ -542,6 +548,7 @@ class _LSTMSteps(torch.autograd.Function):
         grad_w_rec = _weight_grad(grad_pre, h0, hs) if ctx.needs_input_grad[4] else None
         grad_w_proj = None
         if w_proj is not None and ctx.needs_input_grad[5]:
+            assert grad_out is not None  # (made when w_proj is given)
             grad_w_proj = torch.bmm(_rows(grad_out).transpose(1, 2), _rows(rs))
         return grad_pre, grad_b, grad_h, grad_c, grad_w_rec, grad_w_proj
 

@@ -8,7 +8,7 @@ import numbers
 import types
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -28,9 +28,9 @@ class PerModelValue(Tensor):
     ``(M,)`` tensor the schedule computed, which a plain ``fill_`` rejects.
     """
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]  # (stubs: a classmethod)
 
-    def fill_(self, value):  # type: ignore[override]
+    def fill_(self, value):
         if isinstance(value, Tensor) and value.dim() > 0:
             if value.shape != self.shape:
                 raise ValueError(
@@ -86,7 +86,7 @@ def broadcast_per_model(value: float | Tensor, like: Sequence[Tensor]) -> float 
 # and float32, tests/test_optim.py); ``a + mul(b, s)`` would round twice and differ in the last bit.
 
 
-def foreach_add_scaled(tensors: list[Tensor], others: list[Tensor], scale: float | list[Tensor]) -> list[Tensor]:
+def foreach_add_scaled(tensors: list[Tensor], others: list[Tensor], scale: float | list[Tensor]) -> tuple[Tensor, ...]:
     """``tensors + scale * others`` as ``torch.add(tensors, others, alpha=scale)`` rounds it."""
     if isinstance(scale, list):
         return torch._foreach_addcmul(tensors, others, scale)
@@ -112,7 +112,10 @@ def foreach_addcmul_scaled_(
 
 
 def foreach_addcdiv_scaled_(
-    tensors: list[Tensor], numerators: list[Tensor], denominators: list[Tensor], scale: float | list[Tensor]
+    tensors: list[Tensor],
+    numerators: list[Tensor],
+    denominators: list[Tensor] | tuple[Tensor, ...],
+    scale: float | list[Tensor],
 ) -> None:
     """``tensors += scale * numerators / denominators`` as ``addcdiv_(..., value=scale)`` rounds it."""
     if isinstance(scale, list):
@@ -330,9 +333,9 @@ class BatchedOptimizer(Optimizer):
         if len(sizes) != 1:
             raise ValueError(
                 f"{type(self).__name__}: all parameters of a group need the same number of models "
-                f"(size of dimension 0), got sizes {sorted(sizes)}"
+                f"(size of dimension 0), got sizes {sorted(cast('set[int]', sizes))}"
             )
-        return sizes.pop()
+        return cast(int, sizes.pop())  # (None refused above)
 
     def _get(self, group: dict[str, Any], key: str | tuple[str, int]) -> Any:
         return group[key] if isinstance(key, str) else group[key[0]][key[1]]
@@ -445,7 +448,9 @@ class BatchedOptimizer(Optimizer):
         self._check_num_models(state_dict)  # before anything changes: torch's load replaces state and groups
         # How this optimizer runs (``fused``, ``foreach``) stays its own: a checkpoint carries training state,
         # and every path computes the same numbers.
-        implementation = [{k: g[k] for k in ("fused", "foreach") if k in g} for g in self.param_groups]
+        implementation: list[dict[str, Any]] = [
+            {k: g[k] for k in ("fused", "foreach") if k in g} for g in self.param_groups
+        ]
         super().load_state_dict(state_dict)
         for group, own in zip(self.param_groups, implementation):
             group.update(own)
@@ -605,6 +610,7 @@ class BatchedOptimizer(Optimizer):
                     num_models,
                 )
             if saved is not None:
+                assert inactive is not None  # (saved only then)
                 for entries in saved:
                     for tensor, old in entries:
                         tensor.index_copy_(0, inactive, old)

@@ -14,7 +14,7 @@ import numbers
 import warnings
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal, cast
 
 import torch
 from torch import Tensor
@@ -68,14 +68,21 @@ class ReduceLROnPlateau(lr_scheduler.ReduceLROnPlateau):
         ...     scheduler.step(validation_losses(model))      # (M,)
     """
 
+    # Per model: (M,) tensors where torch keeps one number.
+    best: Tensor  # type: ignore[assignment]
+    num_bad_epochs: Tensor  # type: ignore[assignment]
+    cooldown_counter: Tensor  # type: ignore[assignment]
+    min_lrs: list[float | Tensor]  # type: ignore[assignment]
+    optimizer: BatchedOptimizer
+
     def __init__(
         self,
         optimizer: Optimizer,
-        mode: str = "min",
+        mode: Literal["min", "max"] = "min",
         factor: float = 0.1,
         patience: int = 10,
         threshold: float = 1e-4,
-        threshold_mode: str = "rel",
+        threshold_mode: Literal["rel", "abs"] = "rel",
         cooldown: int = 0,
         min_lr: float | Tensor | Sequence[float | Tensor] = 0,
         eps: float = 1e-8,
@@ -92,9 +99,10 @@ class ReduceLROnPlateau(lr_scheduler.ReduceLROnPlateau):
             raise ValueError(f"{name}: the optimizer's param groups hold different numbers of models {sizes}")
         num_models = sizes[0]
         for arg, value in (("patience", patience), ("cooldown", cooldown)):
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+            if isinstance(value, bool) or not isinstance(cast(object, value), numbers.Integral) or value < 0:
                 raise ValueError(f"{name}: {arg} must be a non-negative int, got {value!r}")
-        if isinstance(factor, bool) or not isinstance(factor, numbers.Real) or not 0 <= factor < 1:
+        # (cast: to mypy an int is no numbers.Integral, a float no numbers.Real, which would end the checks here)
+        if isinstance(factor, bool) or not isinstance(cast(object, factor), numbers.Real) or not 0 <= factor < 1:
             raise ValueError(f"{name}: factor must be a number in [0, 1) (the lr is multiplied by it), got {factor!r}")
         if mode not in ("min", "max") or threshold_mode not in ("rel", "abs"):
             raise ValueError(
@@ -102,7 +110,8 @@ class ReduceLROnPlateau(lr_scheduler.ReduceLROnPlateau):
                 f"threshold_mode={threshold_mode!r}"
             )
         self._num_models = num_models  # read by _reset, which torch's __init__ calls
-        super().__init__(optimizer, mode, factor, patience, threshold, threshold_mode, cooldown, min_lr, eps)
+        # (torch's types say floats: (M,) tensors pass through to min_lrs, checked below)
+        super().__init__(optimizer, mode, factor, patience, threshold, threshold_mode, cooldown, cast(Any, min_lr), eps)
         del self._num_models
         self.min_lrs = [self._check_min_lr(value, num_models) for value in self.min_lrs]
         _LIVE.setdefault(optimizer, weakref.WeakSet()).add(self)
@@ -132,7 +141,7 @@ class ReduceLROnPlateau(lr_scheduler.ReduceLROnPlateau):
         self.num_bad_epochs = torch.zeros(num_models, dtype=torch.int64)
 
     @property
-    def in_cooldown(self) -> Tensor:  # type: ignore[override]
+    def in_cooldown(self) -> Tensor:
         """``(M,)`` bool: the models in their cooldown."""
         return self.cooldown_counter > 0
 
