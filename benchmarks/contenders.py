@@ -135,19 +135,16 @@ def _loop(workload: Workload, models, x, y, train, compile, optim_impl, *, singl
 
 def _torch_func(workload: Workload, models, x, y, train, compile, optim_impl) -> Runner:
     # The official model-ensembling recipe: stack_module_state + functional_call + vmap.
-    from torch.func import functional_call, replace_all_batch_norm_modules_, stack_module_state, vmap
+    from torch.func import functional_call, stack_module_state, vmap
 
     if any(isinstance(m, nn.RNNBase) for m in models[0].modules()):
         raise Unavailable("vmap has no batching rule for torch's LSTM/GRU/RNN kernels (aten::lstm and co.)")
     params, buffers = stack_module_state([m.train(train) for m in models])
     base = copy.deepcopy(models[0]).to("meta")
+    # BatchNorm keeps its running statistics: with buffers stacked like the parameters (in_dims 0), vmap updates
+    # each model's in place (torch 2.13), so this contender does the work the loop does. (The ensembling
+    # tutorial's replace_all_batch_norm_modules_ is for buffers shared by all models.)
     note = ""
-    if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in base.modules()):
-        # vmap cannot update running statistics in place; the recipe turns them off.
-        replace_all_batch_norm_modules_(base)
-        kept = {name for name, _ in base.named_buffers()}
-        buffers = {k: v for k, v in buffers.items() if k in kept}
-        note = "BatchNorm without running stats (replace_all_batch_norm_modules_)"
     if not train:
         params = {k: v.detach() for k, v in params.items()}
     # Moving the base to "meta" unties shared parameters (a tied GPT head), so name every alias.
