@@ -19,6 +19,7 @@ import dataclasses
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -46,8 +47,9 @@ class _Call:
     batch: int
     tracker: Tracker
     shared_buffer_versions: list[tuple[str, Tensor, int]]
-    # per swapped layer being called: (broadcast, model dimension of its inputs), a stack for re-entry
-    leaves: dict[int, list[tuple[bool, int]]] = field(default_factory=dict)
+    # per swapped layer being called: (broadcast, model dimension of its inputs, whether an input without samples
+    # has a leading 1, None when it has samples), a stack for re-entry
+    leaves: dict[int, list[tuple[bool, int, bool | None]]] = field(default_factory=dict)
 
 
 def _calls() -> list[_Call]:
@@ -68,7 +70,7 @@ def map_tensors(obj: object, fn: Callable[[Tensor, str], object], where: str = "
     if isinstance(obj, Tensor):
         return fn(obj, where)
     if isinstance(obj, tuple):
-        items = [map_tensors(v, fn, f"{where}[{i}]") for i, v in enumerate(obj)]
+        items: list[Any] = [map_tensors(v, fn, f"{where}[{i}]") for i, v in enumerate(obj)]
         return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
     if isinstance(obj, list):
         return [map_tensors(v, fn, f"{where}[{i}]") for i, v in enumerate(obj)]
@@ -81,10 +83,10 @@ def map_tensors(obj: object, fn: Callable[[Tensor, str], object], where: str = "
         return out
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         values = {f.name: map_tensors(getattr(obj, f.name), fn, f"{where}.{f.name}") for f in dataclasses.fields(obj)}
-        out = type(obj).__new__(type(obj))  # not __init__: it may validate or compute (and torch.compile traces this)
+        made = type(obj).__new__(type(obj))  # not __init__: it may validate or compute (and torch.compile traces this)
         for name, value in {**getattr(obj, "__dict__", {}), **values}.items():
-            object.__setattr__(out, name, value)
-        return out
+            object.__setattr__(made, name, value)
+        return made
     return obj
 
 
@@ -111,7 +113,7 @@ class FoldInputs:
         self.own_code = list(own_code)  # those of them that the architecture's own code uses (not a batched layer)
 
     def __call__(self, root: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        num_models = root.num_models
+        num_models = cast(int, root.num_models)  # set by stack(); torch's stubs type module attributes as tensors
         name = type(root).__name__
         found = _tensors(args, "args") + _tensors(kwargs, "kwargs")
         if not found:
@@ -119,7 +121,7 @@ class FoldInputs:
                 f"stacked {name} (M={num_models}): needs at least one tensor input shaped (M, B, *) to know the "
                 "batch size, got none"
             )
-        batch = None
+        batch: int | None = None
         for where, t in found:
             if t.dim() < 2 or t.shape[0] != num_models:
                 raise ValueError(
@@ -133,6 +135,7 @@ class FoldInputs:
                     f"stacked {name}: every tensor input needs the same (M, B) = ({num_models}, {batch}), but "
                     f"{where} has shape {tuple(t.shape)}"
                 )
+        batch = cast(int, batch)  # set by the loop: found is not empty
 
         # A shared input (stride-0 expand) is copied here: the user's forward needs one ordinary batch.
         def fold(t: Tensor, where: str) -> Tensor:
@@ -142,7 +145,8 @@ class FoldInputs:
             set_tag(folded, 0)
             return folded
 
-        args, kwargs = map_tensors(args, fold), map_tensors(kwargs, fold)
+        # map_tensors keeps the container types: a tuple and a dict
+        args, kwargs = cast(tuple, map_tensors(args, fold)), cast(dict, map_tensors(kwargs, fold))
         self.tag_per_model(root)
         # Under torch.compile version counters are not traceable: it runs without the shared-buffer check.
         compiling = torch.compiler.is_compiling()
@@ -167,7 +171,7 @@ class FoldInputs:
         ``batchlayers._per_model``). Checked on every call, as ``.to()`` and ``load_state_dict(assign=True)``
         replace tensors; torch.compile cannot trace the tagging of a parameter, so there it only checks."""
         compiling = torch.compiler.is_compiling()
-        if compiling and getattr(self, "own_code", ()):
+        if compiling and getattr(self, "own_code", None):  # None, not (): mypy checks a () default against the bool
             # torch.compile does not pass size reads (x.shape) to the tracker: the architecture's own code
             # would see the stored (M, *) sizes of its per-model tensors. Raising here (and in the tracker,
             # for frames compiled on their own) makes torch.compile run those frames eagerly.
@@ -178,11 +182,11 @@ class FoldInputs:
         for path, leaves in getattr(self, "per_model_by_module", ()):
             module = root
             for atom in path:
-                module = module._modules[atom]
+                module = cast(nn.Module, module._modules[atom])  # a submodule on the path, never a None entry
             for leaf in leaves:
-                t = module._parameters.get(leaf)
+                t: Tensor | None = module._parameters.get(leaf)
                 if t is None:
-                    t = module._buffers[leaf]
+                    t = cast(Tensor, module._buffers[leaf])  # a registered buffer (a None one is not listed)
                 if getattr(t, "_batchlayers_models", None) is PerModel:
                     continue
                 if compiling:
@@ -214,9 +218,9 @@ def _tensor(root: nn.Module, name: str) -> Tensor:
     *path, leaf = name.split(".")
     module = root
     for atom in path:
-        module = module._modules[atom]
+        module = cast(nn.Module, module._modules[atom])  # a submodule on the path, never a None entry
     found = module._parameters.get(leaf)
-    return module._buffers[leaf] if found is None else found
+    return cast(Tensor, module._buffers[leaf]) if found is None else found  # a registered buffer, not None
 
 
 class UnfoldOutputs:
@@ -330,7 +334,8 @@ class UnfoldLeafInputs:
             if tag is None:
                 _refuse_batch_sized(layer_name(layer), "its input", t, call, anywhere=False)
             elif tag is not PerModel:
-                layouts.add((tag, t.shape[tag]))
+                model_dim = cast(int, tag)  # not None, not PerModel, not Lost (refused or made 0 above)
+                layouts.add((model_dim, t.shape[model_dim]))
         if len(layouts) > 1:
             raise ValueError(
                 f"{layer_name(layer)}: its inputs hold the models' samples on different dimensions or in different "
@@ -528,7 +533,7 @@ def _every_name(root: nn.Module, buffer_names: list[str]) -> list[str]:
 
 
 def attach_leaf_hooks(layer: nn.Module, path: str) -> None:
-    layer._batchlayers_path = path
+    layer._batchlayers_path = path  # type: ignore[assignment]  # torch's stubs allow only tensors and modules
     layer.register_forward_pre_hook(UnfoldLeafInputs(), with_kwargs=True)
     layer.register_forward_hook(FoldLeafOutput(), always_call=True)
 

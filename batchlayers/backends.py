@@ -33,6 +33,8 @@ import statistics
 import time
 from collections.abc import Callable, Hashable, Iterator, Mapping
 from contextlib import contextmanager
+from functools import partial
+from typing import cast
 
 import torch
 
@@ -142,8 +144,8 @@ class ConvSettings:
                     self.cache[key] = name
                     step()
 
-                device = torch.device(key[0])
-                winner = fastest({name: lambda name=name: run(name) for name in names}, device, repeats)
+                device = torch.device(cast(tuple, key)[0])  # the keys _resolve records: tuples, the device first
+                winner = fastest({name: partial(run, name) for name in names}, device, repeats)
                 self.cache[key] = chosen[key] = winner
         return chosen
 

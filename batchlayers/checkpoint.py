@@ -202,7 +202,8 @@ def _digest(tensor: Tensor, name: str) -> str:
             f"{'meta ' if tensor.is_meta else ''}tensor; checksums cover dense tensors that hold their data"
         )
     data = tensor.detach().cpu().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
-    return hashlib.new(_ALGORITHM, memoryview(data.numpy())).hexdigest()
+    # .data: the array's memoryview (numpy's stubs give ndarray the Buffer protocol only from Python 3.12)
+    return hashlib.new(_ALGORITHM, data.numpy().data).hexdigest()
 
 
 def _checksum(obj: Any) -> dict[str, Any]:
@@ -322,7 +323,7 @@ def _load(path, where: str, *, verify: bool = True, **torch_kwargs) -> Any:
             from safetensors import safe_open
             from safetensors.torch import load_file
 
-            state = load_file(os.fspath(path), device=device)
+            state: Any = load_file(os.fspath(path), device=device)
             with safe_open(os.fspath(path), "pt") as f:
                 checksum = (f.metadata() or {}).get(_METADATA_KEY)
         else:
@@ -594,8 +595,8 @@ def stack_checkpoints(
     for i, path in enumerate(paths):
         checkpoint = _resolve(path, f"stack_checkpoints (checkpoint {i + 1} of {len(paths)})", key)
         if checkpoint.shards is not None:
-            listed = [name for _, names in checkpoint.shards for name in names]
-            check_names(listed, f"'{checkpoint.file}' (its weight_map)", "")
+            weight_map = [name for _, names in checkpoint.shards for name in names]
+            check_names(weight_map, f"'{checkpoint.file}' (its weight_map)", "")
         checkpoints.append(checkpoint)
 
     result = _skeleton(model, len(paths))
@@ -637,8 +638,8 @@ def stack_checkpoints(
         chosen: dict[str, str | None] = {}  # each stacked tensor -> the name its value is read under
         if checkpoint.shards is not None:
             parts = list(checkpoint.shards)
-            names = {name for _, listed in checkpoint.shards for name in listed}
-            chosen = {t: next((n for n in p if n in names), None) for t, p in preferred.items()}
+            in_shards = {name for _, listed in checkpoint.shards for name in listed}
+            chosen = {t: next((n for n in p if n in in_shards), None) for t, p in preferred.items()}
         for k, (file, listed) in enumerate(parts):
             where = f"stack_checkpoints (file {i + 1} of {len(paths)})"
             if checkpoint.shards is not None:

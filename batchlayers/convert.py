@@ -32,6 +32,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -160,7 +161,7 @@ def _set_tensor(module: nn.Module, name: str, value: Tensor) -> None:
     for p in parents:
         module = getattr(module, p)
     if leaf in module._parameters:
-        module._parameters[leaf] = value
+        module._parameters[leaf] = cast(nn.Parameter, value)  # the source's is a parameter too, kept one by _rebuilt
     else:
         module._buffers[leaf] = value
 
@@ -202,8 +203,8 @@ def _swap_in(root: nn.Module, replaced: dict[int, object]) -> nn.Module:
     for module in list(root.modules()):
         for key, child in module._modules.items():
             if child is not None and id(child) in replaced:
-                module._modules[key] = replaced[id(child)]
-    return replaced.get(id(root), root)
+                module._modules[key] = cast(nn.Module, replaced[id(child)])  # what replaces a module is one
+    return cast(nn.Module, replaced.get(id(root), root))
 
 
 def _translator(memo: dict[int, object], replaced: dict[int, object]) -> Callable[[object], object]:
@@ -264,7 +265,7 @@ def _skeleton(template: nn.Module, num_models: int, differing: frozenset[str] = 
         _fold.attach_leaf_hooks(batched, path)
         replaced[id(memo[id(leaf)])] = batched
     for module, tensors in own_tensors:
-        copied = memo[id(module)]
+        copied = cast(nn.Module, memo[id(module)])  # deepcopy's copy of the module
         for name, t in tensors.items():
             if id(t) not in made:
                 made[id(t)] = _new_stacked(t, num_models)
@@ -279,7 +280,7 @@ def _skeleton(template: nn.Module, num_models: int, differing: frozenset[str] = 
                 f"stack: {type(template).__name__} has its own attribute 'num_models'; the stacked model uses that "
                 "name for M. Rename the attribute"
             )
-        root.num_models = num_models
+        root.num_models = num_models  # type: ignore[assignment]  # torch's stubs allow only tensors and modules
         _fold.guard_nested_tensors(root)
         own_ids = {id(made[id(t)]) for _, tensors in own_tensors for t in tensors.values()}
         own_code = [n for n, t in stacked.items() if id(t) in own_ids]
@@ -354,7 +355,8 @@ def _stack_tensor_attributes(stacked: nn.Module, models: Sequence[nn.Module]) ->
                     "in model 0; per-model values need one shape and dtype"
                 )
         path, _, attr = name.rpartition(".")
-        per_model = torch.stack([v.detach().to(first.device) for v in values])
+        tensors = cast("list[Tensor]", values)  # none is None: refused above
+        per_model = torch.stack([v.detach().to(tensors[0].device) for v in tensors])
         set_tag(per_model, PerModel)
         stacked.get_submodule(path).__dict__[attr] = per_model
 
@@ -491,8 +493,8 @@ def select(batched: nn.Module, indices: Sequence[int] | Tensor) -> nn.Module:
     index = torch.tensor(_indices(indices, num_models), dtype=torch.long)
     memo: dict[int, object] = {}
     for k, t in _stacked_tensors(batched).items():
-        memo[k] = _rebuilt(t, t.detach().index_select(0, index.to(t.device)))
-        set_tag(memo[k], get_tag(t))  # (tensor attributes are tagged only here; parameters on every call)
+        memo[k] = rebuilt = _rebuilt(t, t.detach().index_select(0, index.to(t.device)))
+        set_tag(rebuilt, get_tag(t))  # (tensor attributes are tagged only here; parameters on every call)
     result = _copy_with(batched, memo)
     set_num_models_(result, len(index))
     _fold.tag_per_model(result)
@@ -523,7 +525,7 @@ def concat(models: Sequence[nn.Module]) -> nn.Module:
             set_tag(joined, PerModel)
             memo[id(t)] = joined
     result = _copy_with(models[0], memo)
-    set_num_models_(result, sum(m.num_models for m in models))
+    set_num_models_(result, sum(cast(int, m.num_models) for m in models))  # ints: _require_stacked checked them
     _fold.tag_per_model(result)
     return result
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -68,11 +70,14 @@ def batch_norm(
     use_batch_stats = training or running_mean is None
     update_stats = training and running_mean is not None
     per_model_momentum = isinstance(momentum, Tensor)
+    # mean, var below: running_mean and running_var, given (both, checked above) wherever update_stats is true
+    # or use_batch_stats is false
 
     if is_shared(x):
         source = x[0]
         if not use_batch_stats:
-            return running_stats_norm(source, running_mean, running_var, weight, bias, eps, param_view)
+            mean, var = cast(Tensor, running_mean), cast(Tensor, running_var)
+            return running_stats_norm(source, mean, var, weight, bias, eps, param_view)
         if mixed:
             # The per-model affine below runs outside torch's kernel: normalise in float32, round once.
             out = batch_norm(upcast(x), running_mean, running_var, weight, bias, training, momentum, eps)
@@ -80,9 +85,10 @@ def batch_norm(
         if not update_stats:
             normalized = F.batch_norm(source, None, None, training=True, eps=eps)
             return per_model_affine(normalized, num_models, weight, bias, param_view)
-        batch_mean, batch_var = _fresh_stats(running_mean, num_channels)
+        mean, var = cast(Tensor, running_mean), cast(Tensor, running_var)
+        batch_mean, batch_var = _fresh_stats(mean, num_channels)
         normalized = F.batch_norm(source, batch_mean, batch_var, training=True, momentum=1.0, eps=eps)
-        _update_running_stats(running_mean, running_var, batch_mean, batch_var, momentum)
+        _update_running_stats(mean, var, batch_mean, batch_var, momentum)
         return per_model_affine(normalized, num_models, weight, bias, param_view)
 
     packed = x.transpose(0, 1).reshape(batch, num_models * num_channels, *spatial)
@@ -91,14 +97,16 @@ def batch_norm(
     if update_stats and per_model_momentum:
         # F.batch_norm takes one momentum for all channels: let it write this batch's statistics into fresh
         # buffers (momentum 1), then blend them into each model's running statistics with its own factor.
-        batch_mean, batch_var = _fresh_stats(running_mean, num_models * num_channels)
+        mean, var = cast(Tensor, running_mean), cast(Tensor, running_var)
+        batch_mean, batch_var = _fresh_stats(mean, num_models * num_channels)
         out = F.batch_norm(packed, batch_mean, batch_var, flat_weight, flat_bias, True, 1.0, eps)
         batch_mean, batch_var = batch_mean.view(num_models, num_channels), batch_var.view(num_models, num_channels)
-        _update_running_stats(running_mean, running_var, batch_mean, batch_var, momentum)
+        _update_running_stats(mean, var, batch_mean, batch_var, momentum)
     else:
         flat_mean = None if running_mean is None else running_mean.view(-1)
         flat_var = None if running_var is None else running_var.view(-1)
-        scalar_momentum = 0.0 if per_model_momentum else momentum  # a tensor only matters when updating
+        # a tensor only matters when updating; else a float
+        scalar_momentum = 0.0 if per_model_momentum else cast(float, momentum)
         out = F.batch_norm(packed, flat_mean, flat_var, flat_weight, flat_bias, use_batch_stats, scalar_momentum, eps)
     return out.view(batch, num_models, num_channels, *spatial).transpose(0, 1)
 

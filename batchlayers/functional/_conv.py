@@ -8,9 +8,9 @@ depends on the device and the shapes. :func:`conv` and :func:`conv_transpose` pi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
-from typing import NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -46,7 +46,7 @@ def padding_for_pad(padding: str | _IntOrTuple, kernel_size: Sequence[int], dila
             total = d * (k - 1)
             pads += [total // 2, total - total // 2]
         return pads
-    return [p for p in reversed(_tuple(padding, n)) for _ in range(2)]
+    return [p for p in reversed(_tuple(cast(_IntOrTuple, padding), n)) for _ in range(2)]  # the strings: above
 
 
 class _Options(NamedTuple):
@@ -122,7 +122,7 @@ def _loop(x: Tensor, weight: Tensor, bias: Tensor | None, opts: _Options) -> Ten
     if is_shared(x):
         # Pad and convert the shared batch once, not once per model; what is left is a zero-padded conv.
         x0, padding = _prepare(x[0], weight.shape[3:], opts)
-        inputs = [x0] * num_models
+        inputs: Sequence[Tensor] = [x0] * num_models
         opts = opts._replace(padding=padding, padding_mode="zeros")
     else:
         inputs = x.unbind(0)
@@ -180,7 +180,7 @@ def _loop_transpose(x: Tensor, weight: Tensor, bias: Tensor | None, opts: _Trans
     num_models = weight.shape[0]
     if is_shared(x):
         x0 = x[0] if opts.memory_format is None else x[0].contiguous(memory_format=opts.memory_format)
-        inputs = [x0] * num_models  # converted once, not once per model
+        inputs: Sequence[Tensor] = [x0] * num_models  # converted once, not once per model
     else:
         inputs = x.unbind(0)
     biases = [None] * num_models if bias is None else bias.unbind(0)
@@ -285,17 +285,24 @@ def _resolve(strategy: str, x: Tensor, weight: Tensor, bias: Tensor | None, opts
     return winner
 
 
-def _timed_run(strategy: str, tensors, grad_needed: bool, opts: _Options | _TransposeOptions) -> None:
+def _timed_run(
+    strategy: str,
+    tensors: tuple[Tensor, Tensor, Tensor | None],
+    grad_needed: bool,
+    opts: _Options | _TransposeOptions,
+) -> None:
     """One forward (and backward when training) on detached copies: the layer's gradients stay untouched."""
     with torch.enable_grad() if grad_needed else torch.no_grad():
         leaves = [None if t is None else t.detach().requires_grad_(t.requires_grad) for t in tensors]
-        y = _apply(strategy, *leaves, opts)
+        x, weight, bias = leaves
+        y = _apply(strategy, cast(Tensor, x), cast(Tensor, weight), bias, opts)  # only the bias may be None
         if grad_needed:
             torch.autograd.grad(y, [t for t in leaves if t is not None and t.requires_grad], torch.ones_like(y))
 
 
 def _apply(strategy: str, x: Tensor, weight: Tensor, bias: Tensor | None, opts: _Options | _TransposeOptions) -> Tensor:
-    fn, channels_last = (_TRANSPOSE_STRATEGIES if isinstance(opts, _TransposeOptions) else _STRATEGIES)[strategy]
+    table = _TRANSPOSE_STRATEGIES if isinstance(opts, _TransposeOptions) else _STRATEGIES
+    fn, channels_last = cast("tuple[Callable[..., Tensor], bool]", table[strategy])  # takes opts of its kind
     memory_format = _CHANNELS_LAST.get(weight.dim() - 3) if channels_last else None  # weight: (M, out, in, *k)
     return fn(x, weight, bias, opts._replace(memory_format=memory_format))
 
@@ -365,8 +372,9 @@ def conv(
     """
     backends.check_conv_strategy(strategy, "batchlayers.functional.conv")
     _check_conv_arguments("batchlayers.functional.conv", input, weight, bias, groups, transposed=False)
-    hashable = [tuple(a) if isinstance(a, list) else a for a in (stride, padding, dilation)]
-    opts = _Options(*hashable, groups, padding_mode)
+    hashable: list[Any] = [tuple(a) if isinstance(a, list) else a for a in (stride, padding, dilation)]
+    stride, padding, dilation = hashable
+    opts = _Options(stride, padding, dilation, groups, padding_mode)
     return _apply(_resolve(strategy, input, weight, bias, opts), input, weight, bias, opts)
 
 
