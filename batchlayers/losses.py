@@ -252,6 +252,7 @@ def cross_entropy(
         and weight is None
         and label_smoothing == 0.0
         and reduction in ("mean", "sum", "none")
+        and not torch.compiler.is_compiling()  # it branches on the targets' values; inductor fuses torch's path
     ):
         _check_classification("cross_entropy", input, target)
         fast = _two_class_cross_entropy(input, target, ignore_index, reduction)

@@ -134,3 +134,15 @@ def test_in_place_ops_keep_the_samples_under_compile(how: str) -> None:
     x = torch.randn(M, 2, 4, dtype=torch.float64)
     out = torch.compile(bl.stack(models), fullgraph=True, backend="aot_eager")(x)
     assert_close(out, torch.stack([m(x[i]) for i, m in enumerate(models)]), msg=f"compiled output with {how}")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_two_class_cross_entropy_compiles_in_one_graph(reduction: str) -> None:
+    """The eager two-class path branches on the targets' values (a graph break, an error with fullgraph=True);
+    compiled, the loss takes torch's path, which inductor fuses."""
+    logits = torch.randn(M, 5, 2, dtype=torch.float64, requires_grad=True)
+    target = torch.randint(0, 2, (M, 5))
+    loss = torch.compile(bl.losses.cross_entropy, fullgraph=True, backend="aot_eager")
+    compiled = loss(logits, target, reduction=reduction)
+    expected = torch.stack([nn.functional.cross_entropy(logits[i], target[i], reduction=reduction) for i in range(M)])
+    assert_close(compiled, expected, msg=f"compiled two-class cross entropy, reduction={reduction}")
