@@ -29,7 +29,9 @@ def batch_norm(
     Channel packing turns all models into one ``F.batch_norm`` over ``M*C`` channels: ``(M, B, C, *)`` is
     viewed as ``(B, M*C, *)`` (free when ``x`` is a transposed view of a packed tensor, as a batched
     convolution returns; otherwise one copy) and the ``(M, C)`` running statistics are viewed flat, so the
-    kernel updates them in place. The output is the transposed view of the packed result.
+    kernel updates them in place. The output is the transposed view of the packed result. Normalising by the
+    running statistics (eval mode) needs no packing: one per-model scale and shift, ``x * scale + shift`` as
+    torch's kernel computes it, in ``x``'s own memory format.
 
     A shared stride-0 batch has the same statistics for every model: it is normalised once and only the
     per-model affine (and, in eval mode, the per-model running statistics) fan it out to ``M`` outputs.
@@ -91,6 +93,11 @@ def batch_norm(
         _update_running_stats(mean, var, batch_mean, batch_var, momentum)
         return per_model_affine(normalized, num_models, weight, bias, param_view)
 
+    if not use_batch_stats:
+        # Eval mode: each model's statistics and affine as one scale and shift, in x's own memory format (a
+        # per-model channels-last convolution output stays so; packing into (B, M*C, *) and back would copy twice).
+        stats = cast(Tensor, running_mean), cast(Tensor, running_var)  # (use_batch_stats is False: both given)
+        return running_stats_norm(x, *stats, weight, bias, eps, param_view)
     packed = x.transpose(0, 1).reshape(batch, num_models * num_channels, *spatial)
     flat_weight = None if weight is None else weight.view(-1)
     flat_bias = None if bias is None else bias.view(-1)
