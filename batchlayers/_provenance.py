@@ -158,7 +158,7 @@ class Tracker(TorchFunctionMode):
             _tag_all(out, lost or Lost(f"{_name(func)} (batchlayers has no rule for it)"))
         else:
             entry.rule(self, entry.name, args, kwargs, out, tagged)
-        if torch.compiler.is_compiling() and _IN_PLACE.get(func, False) and isinstance(args[0], Tensor):
+        if torch.compiler.is_compiling() and _IN_PLACE.get(func, False) and args and isinstance(args[0], Tensor):
             # torch.compile traces the result of an in-place op (``x += y``, ``x.relu_()``) as another tensor
             # than its input, one without the input's tag: give back the input, as eager torch does.
             tag = get_tag(out)
