@@ -4,6 +4,8 @@ original torch.nn models do, each with its own ``torch.optim`` optimizer and its
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from convert_harness import seeded
@@ -24,30 +26,31 @@ M, STEPS = 3, 3
 LRS = [1e-3, 3e-3, 1e-2]
 
 
-def _batched_mlp() -> nn.Module:
-    """Written with batched layers: the models are its slices."""
-    return nn.Sequential(bl.BatchedLinear(M, 6, 8), nn.ReLU(), bl.BatchedLinear(M, 8, 3)).double()
-
-
-def _slices(batched: nn.Module) -> list[nn.Module]:
+def _batched_layers() -> tuple[list[nn.Module], nn.Module]:
+    """An MLP written with batched layers, and its slices as torch.nn models."""
+    batched = nn.Sequential(bl.BatchedLinear(M, 6, 8), nn.ReLU(), bl.BatchedLinear(M, 8, 3)).double()
     models = []
     for i in range(M):
         model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3)).double()
         model.load_state_dict({k: v[i] for k, v in batched.state_dict().items()})
         models.append(model)
-    return models
+    return models, batched
+
+
+def _stacked(factory) -> Callable[[], tuple[list[nn.Module], nn.Module]]:
+    def make() -> tuple[list[nn.Module], nn.Module]:
+        models = [seeded(factory, i) for i in range(M)]
+        return models, bl.stack(models)
+
+    return make
 
 
 CASES = {
-    # id: (models and the batched model, input of one model, loss of one model's output)
-    "batched-layers": (lambda: (lambda b: (_slices(b), b))(_batched_mlp()), (4, 6), "ce"),
-    "stacked-MLP": (lambda: (lambda ms: (ms, bl.stack(ms)))([seeded(MLP, i) for i in range(M)]), (4, 6), "ce"),
-    "stacked-ResNet-BatchNorm": (
-        lambda: (lambda ms: (ms, bl.stack(ms)))([seeded(CNN, i) for i in range(M)]),
-        (4, 3, 8, 8),
-        "ce",
-    ),
-    "stacked-GPT": (lambda: (lambda ms: (ms, bl.stack(ms)))([seeded(GPT, i) for i in range(M)]), (2, 8), "lm"),
+    # id: (() -> (the models, the batched model), one model's input shape, "classes" or "tokens")
+    "batched-layers": (_batched_layers, (4, 6), "classes"),
+    "stacked-MLP": (_stacked(MLP), (4, 6), "classes"),
+    "stacked-ResNet-BatchNorm": (_stacked(CNN), (4, 3, 8, 8), "classes"),
+    "stacked-GPT": (_stacked(GPT), (2, 8), "tokens"),
 }
 
 
@@ -66,7 +69,7 @@ def test_inductor_fullgraph_training_equals_the_original_models(case: str, optim
     make, sample_shape, kind = CASES[case]
     originals, batched = make()  # the reference trains the originals themselves, each with torch.optim
     gen = torch.Generator().manual_seed(0)
-    if kind == "lm":
+    if kind == "tokens":
         xs = torch.randint(0, 11, (STEPS, M, *sample_shape), generator=gen)
         targets = torch.randint(0, 11, (STEPS, M, *sample_shape), generator=gen)
     else:
@@ -80,7 +83,7 @@ def test_inductor_fullgraph_training_equals_the_original_models(case: str, optim
         outs = []
         for i, (model, opt) in enumerate(zip(originals, references)):
             out = model(xs[step, i])
-            logits = out.logits if kind == "lm" else out
+            logits = out.logits if kind == "tokens" else out
             loss = nn.functional.cross_entropy(logits.flatten(0, -2), targets[step, i].flatten())
             opt.zero_grad()
             loss.backward()
@@ -93,7 +96,7 @@ def test_inductor_fullgraph_training_equals_the_original_models(case: str, optim
     step_fn = torch.compile(opt.step, fullgraph=True)
     for step in range(STEPS):
         out = forward(xs[step])
-        logits = out.logits if kind == "lm" else out
+        logits = out.logits if kind == "tokens" else out
         losses = bl.losses.cross_entropy(logits.flatten(1, -2), targets[step].flatten(1))
         opt.zero_grad()
         losses.sum().backward()
