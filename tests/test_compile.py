@@ -149,3 +149,31 @@ def test_two_class_cross_entropy_compiles_in_one_graph(reduction: str) -> None:
     compiled = loss(logits, target, reduction=reduction)
     expected = torch.stack([nn.functional.cross_entropy(logits[i], target[i], reduction=reduction) for i in range(M)])
     assert_close(compiled, expected, msg=f"compiled two-class cross entropy, reduction={reduction}")
+
+
+class _Breaks(nn.Module):
+    """A forward with a graph break in the middle: dynamo compiles the part before it and the rest as separate
+    graphs, with the stacked call's tracker carried across."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 3)
+
+    def forward(self, x):
+        out = torch.relu(self.fc1(x))
+        torch._dynamo.graph_break()
+        out = out + torch.tanh(out)
+        out = self.fc2(out) * 2
+        return self.fc3(out + x[:, :1])
+
+
+@pytest.mark.parametrize("backend", ["inductor", "aot_eager"])
+def test_a_graph_break_inside_a_stacked_forward(backend: str) -> None:
+    models = [seeded(_Breaks, i) for i in range(M)]
+    x = torch.randn(M, 2, 4, dtype=torch.float64, requires_grad=True)
+    out = torch.compile(bl.stack(models), backend=backend)(x)
+    expected = torch.stack([m(x[i]) for i, m in enumerate(models)])
+    assert_close(out, expected, msg=f"output with a graph break ({backend})")
+    (grad,) = torch.autograd.grad(out.sum(), x)
+    (expected_grad,) = torch.autograd.grad(expected.sum(), x)
+    assert_close(grad, expected_grad, msg=f"input gradient with a graph break ({backend})")
