@@ -29,7 +29,41 @@ def _padding_idx_within(layer: nn.Module, padding_idx: int | None, num_embedding
     return padding_idx + num_embeddings if padding_idx < 0 else padding_idx
 
 
-class BatchedEmbedding(nn.Module):
+class _EmbeddingTable(nn.Module):
+    """What both batched embedding layers hold: the ``(M, num_embeddings, embedding_dim)`` table, each model's
+    initialised as torch's, with its padding row zeroed."""
+
+    num_models: int
+    num_embeddings: int
+    embedding_dim: int
+    padding_idx: int | None
+    weight: nn.Parameter
+
+    def _make_weight(self, _weight: Tensor | None, requires_grad: bool, factory_kwargs: dict) -> None:
+        shape = (self.num_models, self.num_embeddings, self.embedding_dim)
+        if _weight is None:
+            self.weight = nn.Parameter(torch.empty(shape, **factory_kwargs), requires_grad=requires_grad)
+            self.reset_parameters()
+            return
+        if not isinstance(_weight, Tensor) or _weight.shape != shape:
+            got = _fmt(_weight.shape) if isinstance(_weight, Tensor) else type(_weight).__name__
+            raise ValueError(
+                f"{type(self).__name__}: expected _weight of shape (M, num_embeddings, embedding_dim) = "
+                f"{_fmt(shape)}, got {got}"
+            )
+        self.weight = nn.Parameter(_weight, requires_grad=requires_grad)
+
+    def reset_parameters(self) -> None:
+        init_per_model_(self.weight, init.normal_)
+        self._fill_padding_idx_with_zero()
+
+    def _fill_padding_idx_with_zero(self) -> None:
+        if self.padding_idx is not None:
+            with torch.no_grad():
+                self.weight[:, self.padding_idx].fill_(0)
+
+
+class BatchedEmbedding(_EmbeddingTable):
     r"""``num_models`` independent :class:`torch.nn.Embedding` lookup tables, used together.
 
     Model ``m``'s indices look up rows of model ``m``'s table only; all models are served by one lookup in
@@ -117,27 +151,7 @@ class BatchedEmbedding(nn.Module):
         self.norm_type = norm_type
         self.scale_grad_by_freq = scale_grad_by_freq
         self.sparse = sparse
-        shape = (num_models, num_embeddings, embedding_dim)
-        if _weight is None:
-            self.weight = nn.Parameter(torch.empty(shape, **factory_kwargs), requires_grad=not _freeze)
-            self.reset_parameters()
-        else:
-            if not isinstance(_weight, Tensor) or _weight.shape != shape:
-                got = _fmt(_weight.shape) if isinstance(_weight, Tensor) else type(_weight).__name__
-                raise ValueError(
-                    f"{type(self).__name__}: expected _weight of shape (M, num_embeddings, embedding_dim) = "
-                    f"{_fmt(shape)}, got {got}"
-                )
-            self.weight = nn.Parameter(_weight, requires_grad=not _freeze)
-
-    def reset_parameters(self) -> None:
-        init_per_model_(self.weight, init.normal_)
-        self._fill_padding_idx_with_zero()
-
-    def _fill_padding_idx_with_zero(self) -> None:
-        if self.padding_idx is not None:
-            with torch.no_grad():
-                self.weight[:, self.padding_idx].fill_(0)
+        self._make_weight(_weight, not _freeze, factory_kwargs)
 
     def forward(self, input: Tensor) -> Tensor:
         check_input(self, input, what="indices", check_dtype=False)
@@ -203,7 +217,7 @@ class BatchedEmbedding(nn.Module):
         return s
 
 
-class BatchedEmbeddingBag(nn.Module):
+class BatchedEmbeddingBag(_EmbeddingTable):
     r"""``num_models`` independent :class:`torch.nn.EmbeddingBag` tables, used together.
 
     Model ``m``'s bags hold model ``m``'s indices and sum, average or take the maximum of rows of model ``m``'s
@@ -307,30 +321,10 @@ class BatchedEmbeddingBag(nn.Module):
         self.norm_type = norm_type
         self.scale_grad_by_freq = scale_grad_by_freq
         self.padding_idx = _padding_idx_within(self, padding_idx, num_embeddings)
-        shape = (num_models, num_embeddings, embedding_dim)
-        if _weight is None:
-            self.weight = nn.Parameter(torch.empty(shape, **factory_kwargs))
-            self.reset_parameters()
-        else:
-            if not isinstance(_weight, Tensor) or _weight.shape != shape:
-                got = _fmt(_weight.shape) if isinstance(_weight, Tensor) else type(_weight).__name__
-                raise ValueError(
-                    f"{type(self).__name__}: expected _weight of shape (M, num_embeddings, embedding_dim) = "
-                    f"{_fmt(shape)}, got {got}"
-                )
-            self.weight = nn.Parameter(_weight)
+        self._make_weight(_weight, True, factory_kwargs)
         self.mode = mode
         self.sparse = sparse
         self.include_last_offset = include_last_offset
-
-    def reset_parameters(self) -> None:
-        init_per_model_(self.weight, init.normal_)
-        self._fill_padding_idx_with_zero()
-
-    def _fill_padding_idx_with_zero(self) -> None:
-        if self.padding_idx is not None:
-            with torch.no_grad():
-                self.weight[:, self.padding_idx].fill_(0)
 
     def forward(self, input: Tensor, offsets: Tensor | None = None, per_sample_weights: Tensor | None = None) -> Tensor:
         check_embedding_bag_arguments(
