@@ -117,8 +117,37 @@ def _grouped(x: Tensor, weight: Tensor, bias: Tensor | None, opts: _Options) -> 
     return y.unflatten(1, (groups, num_models, per_group)).movedim(2, 0).flatten(2, 3)
 
 
+class _GradientInInputLayout(torch.autograd.Function):
+    """The identity, whose backward gives the gradient the input's memory format.
+
+    A channels-last convolution of a contiguous input returns its input gradient channels-last; the
+    elementwise backward before it (ReLU's ``threshold_backward``, a residual add) then mixes layouts, which
+    is slow: ``threshold_backward`` with a channels-last gradient and a contiguous saved output took 7.8 ms
+    instead of 0.54 ms (128x16x32x32, 2 threads). One copy of the gradient into the input's layout is cheaper.
+    """
+
+    @staticmethod
+    def forward(x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        ctx.contiguous = inputs[0].is_contiguous()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        return grad.contiguous() if ctx.contiguous else grad
+
+
 def _loop(x: Tensor, weight: Tensor, bias: Tensor | None, opts: _Options) -> Tensor:
     num_models = weight.shape[0]
+    if (
+        opts.memory_format is not None
+        and x.requires_grad
+        and x.is_contiguous()
+        and not torch.compiler.is_compiling()  # inductor plans its own layouts
+    ):
+        x = _GradientInInputLayout.apply(x)
     if is_shared(x):
         # Pad and convert the shared batch once, not once per model; what is left is a zero-padded conv.
         x0, padding = _prepare(x[0], weight.shape[3:], opts)
