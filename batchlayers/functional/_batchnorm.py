@@ -115,7 +115,29 @@ def batch_norm(
         # a tensor only matters when updating; else a float
         scalar_momentum = 0.0 if per_model_momentum else cast(float, momentum)
         out = F.batch_norm(packed, flat_mean, flat_var, flat_weight, flat_bias, use_batch_stats, scalar_momentum, eps)
-    return out.view(batch, num_models, num_channels, *spatial).transpose(0, 1)
+    out = out.view(batch, num_models, num_channels, *spatial).transpose(0, 1)
+    if not (torch.compiler.is_compiling() or x.is_contiguous() or _packs_as_view(x)) and x.numel() > 0:
+        # Packing copied x, which is in another memory format than torch's default (a per-model channels-last
+        # convolution output): give the output that format too (the copy the fold would make anyway), so that
+        # the activation, residual add and convolution after it, and their backward, see one layout. Stacked
+        # small ResNet training step, interleaved in one process: 98.0 -> 91.7 ms (2 threads), 167 -> 161 ms
+        # (1 thread). (Compiled, inductor plans the layouts.)
+        out = _in_layout_of(out, x)
+    return out
+
+
+def _packs_as_view(x: Tensor) -> bool:
+    """Whether ``(M, B, C, *)`` ``x`` packs into ``(B, M*C, *)`` without a copy: its models and channels merge."""
+    num_models, num_channels = x.shape[0], x.shape[2]
+    return num_models == 1 or num_channels == 1 or x.stride(0) == num_channels * x.stride(2)
+
+
+def _in_layout_of(t: Tensor, like: Tensor) -> Tensor:
+    """``t`` copied into the memory format of ``like`` (same shape): its dimensions in ``like``'s stride order."""
+    strides = like.stride()
+    order = sorted(range(like.dim()), key=lambda d: (-strides[d], d))
+    inverse = [order.index(d) for d in range(like.dim())]
+    return t.permute(order).contiguous().permute(inverse)
 
 
 def _fresh_stats(like: Tensor, size: int) -> tuple[Tensor, Tensor]:
