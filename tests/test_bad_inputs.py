@@ -250,6 +250,8 @@ FUNCTIONAL = [
     pytest.param(lambda: BF.conv(r(M, 3, 8, 8), r(M, 4, 3, 3, 3)), ValueError, ("batchlayers.functional.conv", "5-D", "(3, 3, 8, 8)"), id="F.conv-missing-batch"),  # noqa: E501
     pytest.param(lambda: BF.conv(r(M, 2, 3, 8), r(4, 3, 3)), ValueError, ("batchlayers.functional.conv", "weight", "(M, C_out, C_in // groups, *kernel_size)", "(4, 3, 3)"), id="F.conv-weight-without-models"),  # noqa: E501
     pytest.param(lambda: BF.conv(r(M, 2, 4, 8, 8), r(M, 4, 2, 3, 3), groups=3), ValueError, ("batchlayers.functional.conv", "C_out=4", "groups=3"), id="F.conv-groups-not-dividing"),  # noqa: E501
+    pytest.param(lambda: BF.conv(r(M, 2, 3, 8, 8), r(M, 4, 3, 3, 3), padding="full", padding_mode="reflect"), ValueError, ("batchlayers.functional.conv", "'valid', 'same'", "'full'"), id="F.conv-unknown-padding-string"),  # noqa: E501
+    pytest.param(lambda: BF.conv(r(M, 2, 3, 8, 8), r(M, 4, 3, 3, 3), padding=1, padding_mode="mirror"), ValueError, ("batchlayers.functional.conv", "padding_mode", "'mirror'"), id="F.conv-unknown-padding-mode"),  # noqa: E501
     pytest.param(lambda: BF.conv_transpose(r(2, 2, 3, 8, 8), r(M, 3, 4, 3, 3)), ValueError, ("batchlayers.functional.conv_transpose", "dimension 0 (models) is 2, not 3"), id="F.conv_transpose-input-of-other-models"),  # noqa: E501
     pytest.param(lambda: BF.conv_transpose(r(M, 2, 4, 8, 8), r(M, 3, 4, 3, 3)), ValueError, ("batchlayers.functional.conv_transpose", "C_in=3", "is 4"), id="F.conv_transpose-wrong-channels"),  # noqa: E501
     pytest.param(lambda: BF.conv_transpose(r(M, 2, 3, 8), r(M, 3, 4, 3), r(M, 3)), ValueError, ("batchlayers.functional.conv_transpose", "bias", "(3, 4)", "(3, 3)"), id="F.conv_transpose-bias-other-channels"),  # noqa: E501

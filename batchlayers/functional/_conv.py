@@ -49,6 +49,9 @@ def padding_for_pad(padding: str | _IntOrTuple, kernel_size: Sequence[int], dila
     return [p for p in reversed(_tuple(cast(_IntOrTuple, padding), n)) for _ in range(2)]  # the strings: above
 
 
+_PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
+
+
 class _Options(NamedTuple):
     """The per-call convolution arguments, hashable so they can be part of a cache key."""
 
@@ -401,6 +404,12 @@ def conv(
     """
     backends.check_conv_strategy(strategy, "batchlayers.functional.conv")
     _check_conv_arguments("batchlayers.functional.conv", input, weight, bias, groups, transposed=False)
+    if isinstance(padding, str) and padding not in ("valid", "same"):
+        raise ValueError(f"batchlayers.functional.conv: padding must be 'valid', 'same' or ints, got {padding!r}")
+    if padding_mode not in _PADDING_MODES:
+        raise ValueError(
+            f"batchlayers.functional.conv: padding_mode must be one of {_PADDING_MODES}, got {padding_mode!r}"
+        )
     hashable: list[Any] = [tuple(a) if isinstance(a, list) else a for a in (stride, padding, dilation)]
     stride, padding, dilation = hashable
     opts = _Options(stride, padding, dilation, groups, padding_mode)
