@@ -7,7 +7,7 @@ from typing import cast
 
 from torch import Tensor, nn
 
-from ._utils import check_input, check_norm_dtypes
+from ._utils import check_norm_dtypes
 from .functional._batchnorm import batch_norm
 from .normalization import BatchedNormBase, check_values_per_statistic
 
@@ -36,14 +36,7 @@ class _BatchedBatchNorm(BatchedNormBase):
         super().__init__(num_models, num_features, eps, momentum, affine, track_running_stats, device, dtype, bias=bias)
 
     def forward(self, input: Tensor) -> Tensor:
-        check_input(
-            self,
-            input,
-            channels=("C", self.num_features),
-            ndims=self._input_ndims,
-            layout=self._layout,
-            check_dtype=False,
-        )
+        self._check_input(input)
         # As torch.nn: running statistics are used in eval mode when present, updated in training mode
         # only when tracked.
         track = not self.training or self.track_running_stats

@@ -359,6 +359,18 @@ class BatchedNormBase(nn.Module):
         self.reset_running_stats()
         reset_affine(self)
 
+    def _check_input(self, input: Tensor) -> None:
+        """``(M, B, C, *)`` with this layer's models, channels and number of dimensions (any float dtype: the
+        subclasses check dtypes as their torch counterparts do)."""
+        check_input(
+            self,
+            input,
+            channels=("C", self.num_features),
+            ndims=self._input_ndims,
+            layout=self._layout,
+            check_dtype=False,
+        )
+
     def extra_repr(self) -> str:
         parts = [f"num_models={self.num_models}", str(self.num_features)]
         if self.eps != 1e-5:
@@ -396,14 +408,7 @@ class _BatchedInstanceNorm(BatchedNormBase):
         super().__init__(num_models, num_features, eps, momentum, affine, track_running_stats, device, dtype, bias=bias)
 
     def forward(self, input: Tensor) -> Tensor:
-        check_input(
-            self,
-            input,
-            channels=("C", self.num_features),
-            ndims=self._input_ndims,
-            layout=self._layout,
-            check_dtype=False,
-        )
+        self._check_input(input)
         check_norm_dtypes(self, input, (self.weight, self.bias))  # the running statistics may have any dtype
         use_input_stats = self.training or not self.track_running_stats
         if use_input_stats and math.prod(input.shape[3:]) == 1:
