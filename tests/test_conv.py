@@ -437,3 +437,22 @@ def test_load_cache_refuses_other_files(tmp_path, content: str, pattern: str) ->
     with pytest.raises(ValueError, match=rf"load_cache: '{path}' {pattern}"):
         backends.conv.load_cache(path)
     assert backends.conv.cache == {}
+
+
+def test_loop_channels_last_gives_a_contiguous_input_a_contiguous_gradient() -> None:
+    """The channels-last convolution returns its input gradient channels-last; a contiguous input gets it back
+    contiguous, so the elementwise backward before it (a ReLU's) does not mix layouts. Same numbers as the loop.
+    (The input is not a leaf: a leaf's accumulated .grad takes the leaf's layout whatever autograd passes.)"""
+    torch.manual_seed(0)
+    layer = BatchedConv2d(3, 4, 5, 3, padding=1, dtype=torch.float64)
+    layer.strategy = "loop_channels_last"
+    x = torch.randn(3, 2, 4, 6, 6, dtype=torch.float64, requires_grad=True) * 1
+    y = layer(x)
+    grad_y = torch.randn_like(y)
+    (grad_x,) = torch.autograd.grad(y, x, grad_y)
+    assert grad_x.is_contiguous(), f"input gradient strides {grad_x.stride()}"
+    modules = unbatch(layer, lambda: nn.Conv2d(4, 5, 3, padding=1, dtype=torch.float64))
+    for i, module in enumerate(modules):
+        xi = x[i].detach().requires_grad_()
+        module(xi).backward(grad_y[i])
+        assert_close(grad_x[i], xi.grad, msg=f"model {i}'s input gradient")

@@ -315,3 +315,24 @@ def test_property_matches_loop(config, layout: str, batch: int) -> None:
         return torch.randn(*lead, *sample_shape, dtype=F64) * 2 + 1
 
     compare_with_loop(batched, modules, make_input, shared=layout == "shared", steps=2, batch=batch)
+
+
+def per_model_channels_last(num_models: int, batch: int, channels: int, *spatial: int) -> torch.Tensor:
+    """``(M, B, C, *)`` stored as ``(M, B, *, C)``: each model's ``(B, C, *)`` channels-last, as the loop
+    convolution strategies return."""
+    stored = torch.randn(num_models, batch, *spatial, channels, dtype=F64)
+    return stored.movedim(-1, 2)
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_batch_norm_keeps_a_per_model_channels_last_layout(training: bool) -> None:
+    """Packing copies such an input; the output comes back in its layout, not torch's default (or, in eval mode,
+    is computed in it), so the activation and convolution after it see one layout. Same numbers as the loop."""
+    torch.manual_seed(0)
+    x = per_model_channels_last(3, 4, 4, 3, 3)
+    batched = perturbed(BatchedBatchNorm2d(3, 4, dtype=F64)).train(training)
+    y = batched(x)
+    assert y.stride() == x.stride(), f"output strides {y.stride()}, input strides {x.stride()}"
+    batched = perturbed(BatchedBatchNorm2d(3, 4, dtype=F64))
+    modules = unbatch(batched, lambda: nn.BatchNorm2d(4, dtype=F64))
+    compare_with_loop(batched, modules, lambda lead: per_model_channels_last(lead[0], lead[1], 4, 3, 3), shared=False)
