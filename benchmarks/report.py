@@ -113,11 +113,12 @@ def plot(path: pathlib.Path, rows: Sequence[dict], title: str) -> bool:
     return True
 
 
-# (description, workload, mode, M, row field, contender, comparison, threshold)
+# (description, workload, mode, M, row field, contender, comparison, threshold): issue 10's targets, and
+# those of earlier issues (5, 9) that it does not replace.
 TARGETS = [
     ("small MLP M=64: >= 40x the loop", "mlp-tiny", "train", 64, "speedup_vs_loop", "batchlayers", ">=", 40),
     ("small MLP M=64: >= 2x torch.func", "mlp-tiny", "train", 64, "speedup_vs_torch_func", "batchlayers", ">=", 2),
-    ("small MLP M=1024: <= 5x one model's step", "mlp-tiny", "train", 1024, "cost_vs_single", "batchlayers", "<=", 5),
+    ("small MLP M=1024: <= 8x one model's step", "mlp-tiny", "train", 1024, "cost_vs_single", "batchlayers", "<=", 8),
     ("784-256-256-10 M=64: >= 1x the loop", "mlp-wide", "train", 64, "speedup_vs_loop", "batchlayers", ">=", 1),
     (
         "784-256-256-10 M=64: >= 1.25x torch.func",
@@ -129,10 +130,11 @@ TARGETS = [
         ">=",
         1.25,
     ),
-    ("784-256-256-10 M=64: >= 70% of dense GEMM", "mlp-wide", "train", 64, "pct_gemm", "batchlayers", ">=", 70),
-    ("(same, inference only)", "mlp-wide", "infer", 64, "pct_gemm", "batchlayers", ">=", 70),
-    ("small CNN M=16: >= 1.2x the loop", "cnn", "train", 16, "speedup_vs_loop", "batchlayers", ">=", 1.2),
+    ("784-256-256-10 M=64: >= 65% of dense GEMM", "mlp-wide", "train", 64, "pct_gemm", "batchlayers", ">=", 65),
+    ("(same, inference only: >= 70%)", "mlp-wide", "infer", 64, "pct_gemm", "batchlayers", ">=", 70),
+    ("small CNN M=16: >= 1.3x the loop", "cnn", "train", 16, "speedup_vs_loop", "batchlayers", ">=", 1.3),
     ("small CNN M=16: >= 1.5x torch.func", "cnn", "train", 16, "speedup_vs_torch_func", "batchlayers", ">=", 1.5),
+    ("ResNet M=4: >= 1.2x the loop", "resnet", "train", 4, "speedup_vs_loop", "batchlayers", ">=", 1.2),
     ("U-Net M=8: >= 1x the loop", "unet", "train", 8, "speedup_vs_loop", "batchlayers", ">=", 1),
     ("LSTM policy M=32: >= 3x the loop", "lstm-policy", "train", 32, "speedup_vs_loop", "batchlayers", ">=", 3),
     ("LSTM 2x256 M=8: >= 0.9x the loop", "lstm", "train", 8, "speedup_vs_loop", "batchlayers", ">=", 0.9),
@@ -159,6 +161,19 @@ TARGETS = [
     ("GPT-mini M=8: >= 1.5x the loop", "gpt", "train", 8, "speedup_vs_loop", "batchlayers", ">=", 1.5),
     ("GPT-mini M=8: >= 1.2x torch.func", "gpt", "train", 8, "speedup_vs_torch_func", "batchlayers", ">=", 1.2),
 ]
+# With --compile (every contender compiled), issue 10 asks compiled batchlayers for >= 1.1x compiled torch.func.
+COMPILED_TARGETS = [
+    (
+        "compiled GPT-mini M=8: >= 1.1x compiled torch.func",
+        "gpt",
+        "train",
+        8,
+        "speedup_vs_torch_func",
+        "batchlayers",
+        ">=",
+        1.1,
+    ),
+]
 
 
 def _find(rows, workload, mode, num_models, contender):
@@ -171,8 +186,9 @@ def _find(rows, workload, mode, num_models, contender):
 NOISE = 0.05  # ratios within 5% of the threshold are reported as parity, not as a miss
 
 
-def target_table(rows: Sequence[dict]) -> str:
-    """The issue's performance targets against this run (only those whose rows were measured)."""
+def target_table(rows: Sequence[dict], compiled: bool = False) -> str:
+    """The issues' performance targets against this run (only those whose rows were measured): the eager
+    ones, or with ``compiled`` (a ``--compile`` run) the compiled ones."""
     lines = ["| target | measured | met |", "|---|---|---|"]
 
     def add(description, value, op, threshold):
@@ -181,7 +197,9 @@ def target_table(rows: Sequence[dict]) -> str:
         verdict = "yes" if met else ("within 5%" if near else "NO")
         lines.append(f"| {description} | {_fmt(value)} | {verdict} |")
 
-    for description, workload, mode, num_models, field, contender, op, threshold in TARGETS:
+    for description, workload, mode, num_models, field, contender, op, threshold in (
+        COMPILED_TARGETS if compiled else TARGETS
+    ):
         row = _find(rows, workload, mode, num_models, contender)
         if row is not None and row.get(field) is not None:
             add(description, row[field], op, threshold)
