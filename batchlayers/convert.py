@@ -39,6 +39,7 @@ from torch import Tensor, nn
 
 from . import _fold
 from ._architecture import (
+    _param_names,
     check_models,
     check_same_architecture,
     first_difference,
@@ -179,13 +180,23 @@ def _adopt(
     target: nn.Module, source: nn.Module, made: dict[int, Tensor], what: str, expected: Callable[[Tensor], Tensor]
 ) -> None:
     """Give ``target`` (freshly built, any device) ``expected(t)`` for every tensor ``t`` of ``source`` with
-    the same name; the same source tensor maps to one target tensor (ties)."""
+    the same name; the same source tensor maps to one target tensor (ties). Names and kinds (parameter or
+    buffer) are checked before anything is changed."""
     target_table, source_table = tensor_table(target), tensor_table(source)
     if set(target_table) != set(source_table):
         raise TypeError(
             f"{what}: {type(target).__name__} has parameters/buffers {sorted(target_table)} but "
             f"{type(source).__name__} has {sorted(source_table)}; they must carry the same names"
         )
+    target_params, source_params = _param_names(target), _param_names(source)
+    for name in source_table:
+        if (name in source_params) != (name in target_params):
+            kinds = ("a parameter", "a buffer") if name in source_params else ("a buffer", "a parameter")
+            raise TypeError(
+                f"{what}: '{name}' is {kinds[0]} of {type(source).__name__} but {kinds[1]} of "
+                f"{type(target).__name__}; a counterpart must register each tensor as the same kind (a parameter "
+                "is trained by an optimizer over .parameters(), a buffer is not)"
+            )
     for name, t in source_table.items():
         if id(t) not in made:
             made[id(t)] = expected(t)
@@ -451,12 +462,14 @@ def unstack(batched: nn.Module) -> list[nn.Module]:
         memo: dict[int, object] = {k: _rebuilt(t, t.detach()[i].clone()) for k, t in stacked.items()}
         model = copy.deepcopy(batched, memo)
         replaced: dict[int, object] = {}
-        for module in list(model.modules()):
+        for path, module in list(model.named_modules()):
             if not (_fold.is_swapped_leaf(module) or (module is model and type(module) in _BY_BATCHED)):
                 continue
             counterpart = _BY_BATCHED[type(module)]
             plain = counterpart.to_torch(module)
-            _adopt(plain, module, {}, f"unstack: the torch counterpart of {type(module).__name__}", lambda t: t)
+            where = repr(path) if path else "the model itself"
+            what = f"unstack: the torch counterpart of {where} ({type(module).__name__})"
+            _adopt(plain, module, {}, what, lambda t: t)
             plain.train(module.training)
             replaced[id(module)] = plain
         model = _swap_in(model, replaced)

@@ -40,6 +40,28 @@ class _BatchedScale(nn.Module):
         return x * self.scale.view(shape)
 
 
+class _ScaleBuffer(nn.Module):
+    """A user leaf like _Scale whose scale is a fixed buffer, not a parameter."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.features = features
+        self.register_buffer("scale", torch.randn(features))
+
+    def forward(self, x):
+        return x * self.scale
+
+
+class _BatchedScaleBuffer(_BatchedScale):
+    """A counterpart of _Scale that registers the scale as a buffer."""
+
+    def __init__(self, num_models: int, features: int, device=None, dtype=None) -> None:
+        super().__init__(num_models, features, device, dtype)
+        scale = self.scale.detach()
+        del self.scale
+        self.register_buffer("scale", scale)
+
+
 class _WithScale(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -174,6 +196,37 @@ def test_register_checks_the_counterpart(restore_registry) -> None:
         stack([_WithScale()])
     with pytest.raises(TypeError, match="must be an nn.Module subclass"):
         register(_Scale, object)
+
+
+@pytest.mark.parametrize(
+    "torch_type, batched_type",
+    [(_Scale, _BatchedScaleBuffer), (_ScaleBuffer, _BatchedScale)],
+    ids=["parameter registered as a buffer", "buffer registered as a parameter"],
+)
+def test_register_checks_the_kind_of_each_tensor(restore_registry, torch_type, batched_type) -> None:
+    """A counterpart holding a parameter of the torch layer as a buffer (never trained) or the reverse is refused,
+    naming the module, the tensor and both kinds, on the way to the batched layer and back."""
+    register(torch_type, batched_type)
+    kinds = {True: "a parameter", False: "a buffer"}
+    torch_kind = kinds[isinstance(torch_type(3).scale, nn.Parameter)]
+    batched_kind = kinds[isinstance(batched_type(2, 3).scale, nn.Parameter)]
+    with pytest.raises(TypeError) as info:
+        stack([nn.Sequential(nn.Linear(4, 3), torch_type(3)) for _ in range(2)])
+    expected = (
+        "stack",
+        "'1'",
+        f"'scale' is {torch_kind} of {torch_type.__name__}",
+        f"{batched_kind} of {batched_type.__name__}",
+    )
+    assert all(words in str(info.value) for words in expected), str(info.value)
+    with pytest.raises(TypeError) as info:
+        convert.unstack(batched_type(2, 3))
+    expected = (
+        "unstack",
+        f"'scale' is {batched_kind} of {batched_type.__name__}",
+        f"{torch_kind} of {torch_type.__name__}",
+    )
+    assert all(words in str(info.value) for words in expected), str(info.value)
 
 
 def test_forward_hooks_run_on_one_models_view() -> None:
