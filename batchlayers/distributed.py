@@ -22,8 +22,8 @@ last bits with 2 threads, and is identical with 1). The exception measured is ba
 CPU: torch's kernel rounds its per-channel sums differently for different numbers of channels (``M * C``),
 so the gradients of a model with a batch norm agree with the single-process run to about 1e-16, not bit for
 bit. Everything that crosses ranks is copied bytes, never arithmetic. ``tests/test_distributed.py`` checks
-weights, optimizer state and losses against the single-process run after training, a cross-rank exploit,
-global successive halving and a resume on another number of ranks.
+weights, optimizer and scheduler state and losses against the single-process run after training, a cross-rank
+exploit, global successive halving and a resume on another number of ranks.
 
 A sharded sweep::
 
@@ -78,7 +78,14 @@ from torch.optim import Optimizer
 
 from .convert import replicate, select, shared_buffers
 from .data import ModelBatchSampler
-from .population import _scheduler_lists, copy_model_, index_models_, keep_models_
+from .population import (
+    _check_schedulers,
+    _scheduler_lists,
+    _scheduler_state,
+    copy_model_,
+    index_models_,
+    keep_models_,
+)
 
 __all__ = [
     "ModelShard",
@@ -518,24 +525,27 @@ def top_k_models(scores: Tensor, shard: ModelShard, k: int, *, largest: bool = T
     return values.argsort(descending=largest, stable=True)[:k]
 
 
-def _scheduler_state(scheduler: Any, num_models: int, path: str = "") -> Iterable[tuple[str, Tensor]]:
-    """``(path, tensor)`` for every ``(M,)`` tensor a scheduler holds as an attribute of its own (per-model
-    state such as :class:`batchlayers.optim.lr_scheduler.ReduceLROnPlateau`'s ``best``), also in nested
-    schedulers."""
-    for name, value in list(vars(scheduler).items()):
-        if isinstance(value, Tensor) and value.shape == (num_models,):
-            yield f"{path}{name}", value
-        elif isinstance(value, list) and value and all(hasattr(s, "optimizer") for s in value):
-            for i, child in enumerate(value):
-                yield from _scheduler_state(child, num_models, f"{path}{name}/{i}/")
-
-
-def _population_checks(model, optimizer, schedulers, copy_hyperparameters: bool = True) -> list[Any]:
+def _population_checks(model, optimizer, schedulers, caller: str, copy_hyperparameters: bool = True) -> list[Any]:
     """``batchlayers.population``'s own checks (an optimizer over this model, every scheduler holding
     per-model values given, or ``schedulers=[]``), by copying model 0 onto itself, which changes nothing.
-    Returns the schedulers to carry along."""
+    Returns the schedulers to carry along: those given, in their order, the same on every rank.
+
+    The local tools also carry the optimizer's live ``batchlayers.optim.lr_scheduler`` schedulers found through
+    their registry; across ranks that would need every rank to find them in one order, so they must be given:
+    one left out would keep each position's old model's state (best metric, bad epochs) without an error."""
+    from .optim.lr_scheduler import live_schedulers  # (the population tools sit above the optimizers)
+
     carried = None if schedulers is None else list(schedulers)
     copy_model_(model, optimizer, 0, 0, copy_hyperparameters=copy_hyperparameters, schedulers=carried)
+    if optimizer is not None:
+        missing = [s for s in live_schedulers(optimizer) if not any(s is t for t in carried or ())]
+        if missing:
+            raise ValueError(
+                f"{caller}: the optimizer has {len(missing)} per-model scheduler(s) not in schedulers= "
+                f"({', '.join(type(s).__name__ for s in missing)}), whose per-model state must move with the "
+                f"models; pass every scheduler of the optimizer, in the same order on every rank: "
+                f"{caller}(..., schedulers=[...])"
+            )
     return carried or []
 
 
@@ -597,12 +607,24 @@ def _per_model_tensors(
                         suffix = f"/{pos}" if isinstance(value, tuple) else ""
                         found.append((f"hyper/{index}/{key}{suffix}", v.as_subclass(Tensor)))
     for s, scheduler in enumerate(schedulers):
-        for path, value in _scheduler_state(scheduler, num_models):
-            found.append((f"scheduler/{s}/state/{path}", value))
-        for li, entries in enumerate(_scheduler_lists(scheduler) if hyperparameters else ()):
-            for vi, v in enumerate(entries):
-                if isinstance(v, Tensor) and v.shape == (num_models,):
-                    found.append((f"scheduler/{s}/{li}/{vi}", v))
+        found += _scheduler_tensors(scheduler, s, num_models, hyperparameters=hyperparameters)
+    return found
+
+
+def _scheduler_tensors(
+    scheduler: Any, index: int, num_models: int, *, hyperparameters: bool = True
+) -> list[tuple[str, Tensor]]:
+    """``(label, tensor)`` for every ``(M,)`` tensor of ``schedulers[index]``, found as
+    ``batchlayers.population`` finds them: its per-model state (``best``...), and with ``hyperparameters`` the
+    per-model entries of its per-group lists (``base_lrs``, ``_last_lr``...), also in nested schedulers."""
+    found = [
+        (f"scheduler/{index}/state/{i}/{name}", value)
+        for i, (_, name, value) in enumerate(_scheduler_state(scheduler, num_models))
+    ]
+    for li, entries in enumerate(_scheduler_lists(scheduler) if hyperparameters else ()):
+        for vi, v in enumerate(entries):
+            if isinstance(v, Tensor) and v.shape == (num_models,):
+                found.append((f"scheduler/{index}/{li}/{vi}", v))
     return found
 
 
@@ -715,7 +737,9 @@ def copy_model_across_ranks_(
         schedulers: the learning-rate schedulers of ``optimizer``, as in :func:`~batchlayers.copy_model_`:
             their per-model state is copied, and with ``copy_hyperparameters`` their per-model base learning
             rates. Not given, the call is refused when the optimizer has a scheduler whose per-model values
-            would be left behind (``schedulers=[]`` if none is used any more).
+            would be left behind (``schedulers=[]`` if none is used any more). Unlike the local tools, every
+            :class:`batchlayers.optim.lr_scheduler.ReduceLROnPlateau` of the optimizer must be listed too (in
+            one order on every rank), or the call is refused.
     """
     caller = "copy_model_across_ranks_"
     src_pos = _as_positions(src, shard.num_models, "src", caller)
@@ -726,7 +750,7 @@ def copy_model_across_ranks_(
         raise ValueError(f"{caller}: dst {dst_pos} repeats a model")
 
     def prepare():
-        carried = _population_checks(model, optimizer, schedulers, copy_hyperparameters)
+        carried = _population_checks(model, optimizer, schedulers, caller, copy_hyperparameters)
         return _per_model_tensors(
             model, optimizer, shard.num_local, caller, hyperparameters=copy_hyperparameters, schedulers=carried
         )
@@ -777,7 +801,9 @@ def keep_models_across_ranks_(
             bool mask.
         schedulers: the learning-rate schedulers of ``optimizer``, whose per-model values follow, as in
             :func:`~batchlayers.keep_models_` (not given, the call is refused when the optimizer has a
-            scheduler holding per-model values; ``schedulers=[]`` if none is used any more).
+            scheduler holding per-model values; ``schedulers=[]`` if none is used any more). Unlike
+            :func:`~batchlayers.keep_models_`, every :class:`batchlayers.optim.lr_scheduler.ReduceLROnPlateau` of
+            the optimizer must be listed too (in one order on every rank), or the call is refused.
 
     Returns:
         The new :class:`ModelShard`; its ``model_ids`` follow the kept models.
@@ -793,7 +819,7 @@ def keep_models_across_ranks_(
     carried: list[Any] = []
 
     def prepare():
-        carried.extend(_population_checks(model, optimizer, schedulers))
+        carried.extend(_population_checks(model, optimizer, schedulers, caller))
         return _per_model_tensors(model, optimizer, shard.num_local, caller, schedulers=carried)
 
     entries = _agreed_tensors(shard, caller, prepare)
@@ -887,6 +913,120 @@ def _json_value(value: Any) -> Any:
 
 _SKIP = object()
 
+# In a saved scheduler state: a value the JSON metadata does not hold (a tensor, saved per model; a function), which
+# the loading scheduler keeps as its own (its per-model tensors are then overwritten with the saved ones).
+_KEPT = {"batchlayers.distributed": "kept"}
+_MISSING = object()
+
+
+def _given_schedulers(schedulers: Any, optimizer: Optimizer | None, caller: str) -> list[Any] | None:
+    """``schedulers`` as a list, each checked to be a learning-rate scheduler of ``optimizer``; ``None`` stays."""
+    if schedulers is None:
+        return None
+    if isinstance(schedulers, Iterable) and not isinstance(schedulers, (str, bytes)):
+        schedulers = list(schedulers)
+    _check_schedulers(schedulers, optimizer, [], caller, silent=False)  # (raises for anything else)
+    return list(schedulers)
+
+
+def _json_tree(value: Any, where: str, tensors: list[tuple[str, Tensor]]) -> Any:
+    """``value`` (a scheduler's state) as JSON, tensors and objects replaced by ``_KEPT``; tensors listed."""
+    if isinstance(value, Tensor):
+        tensors.append((where, value))
+        return _KEPT
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_json_tree(v, f"{where}[{i}]", tensors) for i, v in enumerate(value)]
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return {k: _json_tree(v, f"{where}[{k!r}]", tensors) for k, v in value.items()}
+    return _KEPT  # a function, a callable object: the loading scheduler's own, as torch's state_dict leaves them
+
+
+def _scheduler_record(scheduler: Any, index: int, num_models: int, caller: str) -> dict[str, Any]:
+    """The metadata of ``schedulers[index]``: its type and its ``state_dict()`` less its per-model tensors."""
+    tensors: list[tuple[str, Tensor]] = []
+    state = _json_tree(scheduler.state_dict(), "state_dict()", tensors)
+    name = type(scheduler).__name__
+    for where, t in tensors:
+        if t.shape != (num_models,):
+            raise ValueError(
+                f"{caller}: schedulers[{index}] ({name}) holds {where} of shape {tuple(t.shape)}; only per-model "
+                f"({num_models},) tensors (one value per model of this rank) and JSON values can be saved"
+            )
+    found = len(_scheduler_tensors(scheduler, index, num_models))
+    if len(tensors) != found:
+        raise ValueError(
+            f"{caller}: schedulers[{index}] ({name}) holds {len(tensors)} per-model tensors in its state_dict(), of "
+            f"which {found} are where the per-model values of a scheduler are found (its own attributes and its "
+            "per-group lists); the others could not be saved per model"
+        )
+    return {"type": name, "state": state}
+
+
+def _restored(live: Any, saved: Any, where: str, caller: str) -> Any:
+    """The saved state ``saved`` (from :func:`_json_tree`), where it kept a value the ``live`` state's value (a
+    tensor copied: a new scheduler may hold one tensor in two places, e.g. ``SequentialLR``'s ``_last_lr`` and its
+    first scheduler's, which the saved one holds apart); tuples where ``live`` has them. Raises where the checkpoint
+    kept a value this scheduler lacks."""
+    if saved == _KEPT:
+        if live is _MISSING:
+            raise ValueError(f"{caller}: the checkpoint's {where} is a tensor or an object, this scheduler has none")
+        return live.clone() if isinstance(live, Tensor) else live
+    if isinstance(saved, dict):
+        base = live if isinstance(live, dict) else {}
+        return {**base, **{k: _restored(base.get(k, _MISSING), v, f"{where}[{k!r}]", caller) for k, v in saved.items()}}
+    if isinstance(saved, list):
+        same = isinstance(live, (list, tuple)) and len(live) == len(saved)
+        items = [_restored(live[i] if same else _MISSING, v, f"{where}[{i}]", caller) for i, v in enumerate(saved)]
+        return tuple(items) if isinstance(live, tuple) else items
+    return saved
+
+
+def _scheduler_plan(
+    schedulers: list[Any] | None, records: list[dict[str, Any]] | None, labels: Iterable[str], num_models: int
+) -> tuple[list[dict[str, Any]], dict[str, Tensor]]:
+    """Before anything is loaded: check that ``schedulers`` are those the checkpoint holds; return the state dict
+    each one loads (its per-model tensors still its own) and its per-model tensors, by label."""
+    caller = "load_population_"
+    if schedulers is None:
+        return [], {}
+    names = [type(s).__name__ for s in schedulers]
+    if records is None:
+        if schedulers:
+            raise ValueError(
+                f"{caller}: the checkpoint was saved without schedulers, but schedulers= has {len(schedulers)} "
+                f"({', '.join(names)}); load it with schedulers=None (the schedulers keep their own state)"
+            )
+        return [], {}
+    if len(records) != len(schedulers):
+        raise ValueError(
+            f"{caller}: the checkpoint holds {len(records)} schedulers ({', '.join(r['type'] for r in records)}), "
+            f"schedulers= has {len(schedulers)} ({', '.join(names)}); pass the schedulers that were saved, in the "
+            "same order"
+        )
+    states: list[dict[str, Any]] = []
+    live: dict[str, Tensor] = {}
+    for index, (scheduler, record, name) in enumerate(zip(schedulers, records, names)):
+        if record["type"] != name:
+            raise ValueError(
+                f"{caller}: schedulers[{index}] is {name}, the checkpoint's schedulers[{index}] is {record['type']}"
+            )
+        live.update(_scheduler_tensors(scheduler, index, num_models))
+        states.append(_restored(scheduler.state_dict(), record["state"], f"schedulers[{index}].state_dict()", caller))
+    saved = {label for label in labels if label.startswith("scheduler/")}
+    if saved != live.keys():
+        counts = [
+            f"schedulers[{i}] ({name}) {sum(lb.startswith(f'scheduler/{i}/') for lb in saved)} in the checkpoint, "
+            f"{sum(lb.startswith(f'scheduler/{i}/') for lb in live)} here"
+            for i, name in enumerate(names)
+        ]
+        raise ValueError(
+            f"{caller}: the checkpoint's schedulers and these hold different per-model (M,) tensors: "
+            f"{'; '.join(counts)} (a per-model learning rate in one, a float in the other?)"
+        )
+    return states, live
+
 
 def save_population(
     checkpoint_id: str | os.PathLike,
@@ -894,30 +1034,40 @@ def save_population(
     shard: ModelShard,
     optimizer: Optimizer | None = None,
     *,
+    schedulers: Sequence[Any] | None = None,
     extra: dict[str, Any] | None = None,
     process_group: Any = None,
 ) -> None:
     r"""Save a sharded population with :mod:`torch.distributed.checkpoint`; any number of ranks can load it.
 
     Every model's tensors are saved under its global position (``models/<position>/model/<name>``,
-    ``.../optim/<parameter>/<state>``, ``.../hyper/<group>/<name>``), each rank writing its own models, so
-    :func:`load_population_` on ``R'`` ranks reads exactly the models each new rank holds. Also saved: the
-    model ids, the optimizer's other (scalar) hyperparameters and state, a stacked model's shared buffers,
-    and ``extra`` (the same on every rank: an epoch counter, an RNG seed). Learning-rate schedulers are not
-    saved here: save their ``state_dict()`` yourself where their values are scalars.
+    ``.../optim/<parameter>/<state>``, ``.../hyper/<group>/<name>``, ``.../scheduler/<index>/...``), each rank
+    writing its own models, so :func:`load_population_` on ``R'`` ranks reads exactly the models each new rank
+    holds. Also saved: the model ids, the optimizer's other (scalar) hyperparameters and state, the schedulers'
+    other state (``last_epoch``, ``_step_count``...), a stacked model's shared buffers, and ``extra`` (the same
+    on every rank: an epoch counter, an RNG seed).
 
     Args:
         checkpoint_id: the checkpoint's folder (``torch.distributed.checkpoint``'s ``checkpoint_id``).
         model: this rank's batched module.
         shard: this rank's :class:`ModelShard`.
         optimizer: the optimizer over ``model``'s parameters, or ``None``.
+        schedulers: the learning-rate schedulers of ``optimizer`` to save (``torch.optim.lr_scheduler`` ones
+            over per-model or float learning rates, :class:`batchlayers.optim.lr_scheduler.ReduceLROnPlateau`):
+            their ``(M,)`` tensors (``base_lrs``, ``best``...) per model, the rest of their ``state_dict()``
+            (JSON values) once; functions (``LambdaLR``'s) are not saved, as with torch. Default: ``None``, none
+            saved. Pass every scheduler of the optimizer whose state should be saved, including a
+            ``ReduceLROnPlateau``: only those passed are saved.
         extra: more entries, the same on every rank: tensors, ints, floats, strings.
         process_group: the group that saves together: every rank holding models. Default: the default group
             (with data-parallel replicas of a shard, the replicas' identical entries are written once).
     """
     import torch.distributed.checkpoint as dcp
 
-    entries = _per_model_tensors(model, optimizer, shard.num_local, "save_population", grads=False)
+    caller = "save_population"
+    given = _given_schedulers(schedulers, optimizer, caller)
+    entries = _per_model_tensors(model, optimizer, shard.num_local, caller, grads=False, schedulers=given or ())
+    records = None if given is None else [_scheduler_record(s, i, shard.num_local, caller) for i, s in enumerate(given)]
     state: dict[str, Any] = {}
     for label, t in entries:
         for index, position in enumerate(shard.positions):
@@ -935,7 +1085,9 @@ def save_population(
                 for key, value in optimizer.state.get(p, {}).items():
                     if isinstance(value, Tensor) and value.dim() == 0:  # e.g. torch.optim's shared step count
                         state[f"shared/optim/{names[id(p)]}/{key}"] = value
-    meta = {"format": _FORMAT, "num_models": shard.num_models, "model_ids": list(shard.model_ids)}
+    meta: dict[str, Any] = {"format": _FORMAT, "num_models": shard.num_models, "model_ids": list(shard.model_ids)}
+    if records is not None:
+        meta["schedulers"] = records
     state["shared/meta"] = json.dumps({**meta, "param_groups": groups})
     for key, value in (extra or {}).items():
         state[f"extra/{key}"] = value
@@ -987,22 +1139,30 @@ def load_population_(
     shard: ModelShard,
     optimizer: Optimizer | None = None,
     *,
+    schedulers: Sequence[Any] | None = None,
     extra: dict[str, Any] | None = None,
     process_group: Any = None,
 ) -> ModelShard:
-    r"""Load this rank's models (and their optimizer state) from a population saved by :func:`save_population`.
+    r"""Load this rank's models, optimizer and scheduler state from a population saved by :func:`save_population`.
 
     The population may have been saved on any number of ranks: each rank reads the models at its own
-    positions. ``model`` (and ``optimizer``) must be built for ``shard.num_local`` models of the same
-    architecture, e.g. with :func:`build_shard` and ``ModelShard.from_group(saved_num_models(path))``;
-    their values are replaced in place (the optimizer through its ``load_state_dict``, so state it has not
-    created yet is created).
+    positions. ``model`` (and ``optimizer``, ``schedulers``) must be built for ``shard.num_local`` models of the
+    same architecture, e.g. with :func:`build_shard` and ``ModelShard.from_group(saved_num_models(path))``;
+    their values are replaced in place (the optimizer and the schedulers through their ``load_state_dict``, so
+    state the optimizer has not created yet is created). Each scheduler then continues exactly as the saved one
+    would have: its models' ``(M,)`` values (``base_lrs``, ``best``, ``num_bad_epochs``...) and its saved
+    ``last_epoch``, ``_step_count``... The checkpoint, the schedulers and the models are checked against each
+    other before anything is loaded.
 
     Args:
         checkpoint_id: the checkpoint's folder.
         model: this rank's batched module.
         shard: this rank's :class:`ModelShard` of the saved number of models.
         optimizer: the optimizer over ``model``'s parameters, or ``None`` (its saved state is then ignored).
+        schedulers: the learning-rate schedulers of ``optimizer`` to load, of the types saved and in the order
+            they were passed to :func:`save_population`; build them over ``optimizer`` as for a new run (create
+            them before this call: a new scheduler sets the optimizer's learning rates). Default: ``None``, the
+            saved schedulers (if any) are ignored.
         extra: the entries saved as ``extra`` that are wanted, each key with a placeholder of the saved
             value's kind (a tensor of its shape, or any object); replaced in place by the saved values, as
             :func:`torch.distributed.checkpoint.load` does.
@@ -1021,6 +1181,7 @@ def load_population_(
             f"{caller}: the checkpoint holds {max(saved) + 1 if saved else 0} models, the shard splits "
             f"{shard.num_models}; build it with ModelShard.from_group(saved_num_models(checkpoint_id))"
         )
+    given = _given_schedulers(schedulers, optimizer, caller)
     labels = saved[shard.start]
     live = dict(_per_model_tensors(model, None, shard.num_local, caller, grads=False))
     saved_model = {label for label in labels if label.startswith("model/")}
@@ -1029,13 +1190,21 @@ def load_population_(
             f"{caller}: the checkpoint's models and this model hold different tensors: "
             f"{sorted(saved_model ^ live.keys())[:6]}"
         )
+    head: dict[str, Any] = {"shared/meta": ""}  # the metadata first: checked before anything is loaded
+    _without_process_group_warning(dcp.load, head, checkpoint_id, process_group)
+    meta = json.loads(head["shared/meta"])
+    if meta.get("format") != _FORMAT:
+        raise ValueError(f"{caller}: {os.fspath(checkpoint_id)!r} is not a population saved by save_population")
+    scheduler_states, scheduler_tensors = _scheduler_plan(given, meta.get("schedulers"), labels, shard.num_local)
     targets: dict[str, Tensor] = dict(live)
     if optimizer is not None:
         device = next(model.parameters()).device
         for label, info in labels.items():
-            if not label.startswith("model/"):
+            if label.startswith(("optim/", "hyper/")):
                 dtype = info.properties.dtype
                 targets[label] = torch.empty((shard.num_local, *info.size), dtype=dtype, device=device)
+    for label, t in scheduler_tensors.items():
+        targets[label] = torch.empty((shard.num_local,), dtype=labels[label].properties.dtype, device=t.device)
     state: dict[str, Any] = {}
     for label, t in targets.items():
         for index, position in enumerate(shard.positions):
@@ -1049,17 +1218,17 @@ def load_population_(
             if key.startswith("shared/optim/"):
                 shared_optim[key] = torch.empty(info.size, dtype=info.properties.dtype)
         state.update(shared_optim)
-    state["shared/meta"] = ""
     for key, value in (extra or {}).items():
         state[f"extra/{key}"] = value
     _without_process_group_warning(dcp.load, state, checkpoint_id, process_group)
-    meta = json.loads(state["shared/meta"])
-    if meta.get("format") != _FORMAT:
-        raise ValueError(f"{caller}: {os.fspath(checkpoint_id)!r} is not a population saved by save_population")
     for key in extra or {}:
         extra[key] = state[f"extra/{key}"]  # type: ignore[index]
     if optimizer is not None:
         _load_optimizer(optimizer, model, targets, shared_optim, meta["param_groups"])
+    for index, (scheduler, scheduler_state) in enumerate(zip(given or (), scheduler_states)):
+        scheduler.load_state_dict(scheduler_state)
+        for label, t in _scheduler_tensors(scheduler, index, shard.num_local):
+            t.copy_(targets[label])
     return ModelShard(shard.num_models, shard.rank, shard.world_size, meta["model_ids"], group=shard.group)
 
 

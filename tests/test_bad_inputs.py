@@ -21,6 +21,8 @@ from torch.utils.data import TensorDataset
 import batchlayers as bl
 import batchlayers.functional as BF
 from batchlayers import losses as L
+from batchlayers.distributed import ModelShard, load_population_, save_population
+from batchlayers.functional._norm import instance_norm
 from batchlayers.optim import SGD, Adam, AdamW, RMSprop
 from batchlayers.optim.lr_scheduler import ReduceLROnPlateau
 
@@ -126,6 +128,52 @@ def keep_with_foreign_scheduler():
     layer, opt = linear_with(lambda p: SGD(p, lr=per_model(0.1, 0.2, 0.3)))
     other = SGD(params(), lr=0.1)
     bl.keep_models_(layer, opt, [0], schedulers=[torch.optim.lr_scheduler.StepLR(other, 1)])
+
+
+def schedulers_of(opt, kinds):
+    make = {
+        "StepLR": lambda: torch.optim.lr_scheduler.StepLR(opt, 1),
+        "ExponentialLR": lambda: torch.optim.lr_scheduler.ExponentialLR(opt, 0.9),
+        "ReduceLROnPlateau": lambda: ReduceLROnPlateau(opt),
+    }
+    return [make[kind]() for kind in kinds]
+
+
+def save_population_with_foreign_scheduler(tmp, with_optimizer=True):
+    layer, opt = linear_with(lambda p: SGD(p, lr=per_model(0.1, 0.2, 0.3)))
+    foreign = schedulers_of(SGD(params(), lr=0.1), ["StepLR"])
+    save_population(tmp / "population", layer, ModelShard(M), opt if with_optimizer else None, schedulers=foreign)
+
+
+class PerModelFactor:
+    """A callable object LambdaLR saves in its state_dict(), holding an (M,) tensor."""
+
+    def __init__(self) -> None:
+        self.factor = per_model(1.0, 0.5, 0.25)
+
+    def __call__(self, epoch: int) -> float:
+        return 1.0
+
+
+def save_population_with_scheduler(tmp, make_optimizer, make_scheduler):
+    layer = bl.BatchedLinear(M, 4, 2)
+    opt = make_optimizer(layer.parameters())
+    save_population(tmp / "population", layer, ModelShard(M), opt, schedulers=[make_scheduler(opt)])
+
+
+def load_population_with(tmp, kinds, saved=("StepLR", "ReduceLROnPlateau"), float_lr=False, foreign=False):
+    """Save a population of M linear models with schedulers of the kinds ``saved`` (``None``: without schedulers),
+    load it with schedulers of ``kinds`` (of another optimizer with ``foreign``); a refused load changes nothing."""
+    layer, opt = linear_with(lambda p: SGD(p, lr=per_model(0.1, 0.2, 0.3)))
+    save_population(tmp / "population", layer, ModelShard(M), opt, schedulers=saved and schedulers_of(opt, saved))
+    layer, opt = linear_with(lambda p: SGD(p, lr=0.1 if float_lr else per_model(0.4, 0.5, 0.6)))
+    schedulers = schedulers_of(SGD(params(), lr=0.1) if foreign else opt, kinds)
+    before = _snapshot(layer, opt, *schedulers)
+    try:
+        load_population_(tmp / "population", layer, ModelShard(M), opt, schedulers=schedulers)
+    except (TypeError, ValueError):
+        _assert_same(before, _snapshot(layer, opt, *schedulers))
+        raise
 
 
 def plateau(**kwargs):
@@ -261,6 +309,8 @@ FUNCTIONAL = [
     pytest.param(lambda: BF.batch_norm(r(M, 4, 5), torch.zeros(M, 5), torch.ones(M, 5), training=True, momentum=torch.full((1,), 0.1)), ValueError, ("batchlayers.functional.batch_norm", "momentum", "(3,)", "(1,)"), id="F.batch_norm-momentum-of-one-value"),  # noqa: E501
     pytest.param(lambda: BF.batch_norm(r(M, 5), None, None, training=True), ValueError, ("batchlayers.functional.batch_norm", "(M, B, C, *)", "(3, 5)"), id="F.batch_norm-missing-batch"),  # noqa: E501
     pytest.param(lambda: BF.batch_norm(r(M, 4, 5), torch.zeros(M, 5), None, training=True), ValueError, ("batchlayers.functional.batch_norm", "running_mean and running_var"), id="F.batch_norm-mean-without-var"),  # noqa: E501
+    pytest.param(lambda: instance_norm(r(M, 4, 5, 6), torch.zeros(M, 5), None), ValueError, ("instance_norm", "running_mean was given without running_var"), id="instance_norm-mean-without-var"),  # noqa: E501
+    pytest.param(lambda: instance_norm(r(M, 4, 5, 6), None, torch.ones(M, 5)), ValueError, ("instance_norm", "running_var was given without running_mean"), id="instance_norm-var-without-mean"),  # noqa: E501
     pytest.param(lambda: BF.layer_norm(r(M, 2, 4), (4,), r(4), r(4)), ValueError, ("batchlayers.functional.layer_norm", "weight", "(3, 4)", "(4)"), id="F.layer_norm-weight-without-models"),  # noqa: E501
     pytest.param(lambda: BF.layer_norm(r(M, 2, 4), (4,), r(1, 4)), ValueError, ("batchlayers.functional.layer_norm", "weight", "(3, 4)", "(1, 4)"), id="F.layer_norm-weight-of-one-model"),  # noqa: E501
     pytest.param(lambda: BF.layer_norm(r(M, 2, 4), (5,)), ValueError, ("batchlayers.functional.layer_norm", "normalized_shape=5", "is 4"), id="F.layer_norm-other-shape"),  # noqa: E501
@@ -414,6 +464,15 @@ FILES = [
     pytest.param(lambda tmp: bl.stack_checkpoints(zoo.MLP(), [sharded(tmp, lambda m: m.update({"fc9.weight": m["fc1.weight"]}))]), ValueError, ("stack_checkpoints", "model.safetensors.index.json", "MLP", "unexpected keys ['fc9.weight']"), id="stack_checkpoints-index-names-unknown-tensor"),  # noqa: E501
     pytest.param(lambda tmp: bl.stack_checkpoints(zoo.MLP(), [sharded(tmp, lambda m: m.pop("fc2.bias"))]), ValueError, ("stack_checkpoints", "model.safetensors.index.json", "MLP", "missing keys ['fc2.bias']"), id="stack_checkpoints-index-lacks-tensor"),  # noqa: E501
     pytest.param(lambda tmp: bl.stack_checkpoints(zoo.MLP(), [sharded(tmp)], key="model"), ValueError, ("stack_checkpoints", "key='model'", "sharded", "save_pretrained folder"), id="stack_checkpoints-key-with-folder"),  # noqa: E501
+    pytest.param(save_population_with_foreign_scheduler, ValueError, ("save_population", "schedulers[0]", "StepLR", "another optimizer"), id="save_population-scheduler-of-another-optimizer"),  # noqa: E501
+    pytest.param(lambda tmp: save_population_with_foreign_scheduler(tmp, with_optimizer=False), ValueError, ("save_population", "schedulers", "without their optimizer"), id="save_population-schedulers-without-optimizer"),  # noqa: E501
+    pytest.param(lambda tmp: save_population_with_scheduler(tmp, lambda p: torch.optim.SGD(p, lr=torch.tensor(0.1)), lambda o: torch.optim.lr_scheduler.StepLR(o, 1)), ValueError, ("save_population", "schedulers[0] (StepLR)", "state_dict()['base_lrs'][0]", "shape ()", "(3,)"), id="save_population-scheduler-with-0d-tensor-lr"),  # noqa: E501
+    pytest.param(lambda tmp: save_population_with_scheduler(tmp, lambda p: SGD(p, lr=per_model(0.1, 0.2, 0.3)), lambda o: torch.optim.lr_scheduler.LambdaLR(o, PerModelFactor())), ValueError, ("save_population", "schedulers[0] (LambdaLR)", "holds 3 per-model tensors", "2 are where"), id="save_population-scheduler-with-tensor-in-lambda"),  # noqa: E501
+    pytest.param(lambda tmp: load_population_with(tmp, ["StepLR", "ReduceLROnPlateau"], foreign=True), ValueError, ("load_population_", "schedulers[0]", "StepLR", "another optimizer"), id="load_population_-scheduler-of-another-optimizer"),  # noqa: E501
+    pytest.param(lambda tmp: load_population_with(tmp, ["StepLR"]), ValueError, ("load_population_", "holds 2 schedulers (StepLR, ReduceLROnPlateau)", "schedulers= has 1 (StepLR)"), id="load_population_-fewer-schedulers-than-saved"),  # noqa: E501
+    pytest.param(lambda tmp: load_population_with(tmp, ["StepLR"], saved=None), ValueError, ("load_population_", "saved without schedulers", "schedulers= has 1 (StepLR)"), id="load_population_-schedulers-not-saved"),  # noqa: E501
+    pytest.param(lambda tmp: load_population_with(tmp, ["ExponentialLR", "ReduceLROnPlateau"]), ValueError, ("load_population_", "schedulers[0] is ExponentialLR", "checkpoint's schedulers[0] is StepLR"), id="load_population_-scheduler-of-another-type"),  # noqa: E501
+    pytest.param(lambda tmp: load_population_with(tmp, ["StepLR", "ReduceLROnPlateau"], float_lr=True), ValueError, ("load_population_", "different per-model (M,) tensors", "schedulers[0] (StepLR) 2 in the checkpoint, 0 here"), id="load_population_-float-lr-where-saved-per-model"),  # noqa: E501
 ]  # fmt: skip
 
 

@@ -17,6 +17,7 @@ import datetime
 import importlib
 import multiprocessing
 import pathlib
+import shutil
 import time
 import traceback
 import warnings
@@ -43,6 +44,7 @@ from batchlayers.distributed import (
     shard_models,
     top_k_models,
 )
+from batchlayers.optim.lr_scheduler import ReduceLROnPlateau
 
 NUM_MODELS = 7  # uneven over 2 ranks (4, 3) and 3 ranks (3, 2, 2); 5 after halving: (3, 2) and (2, 2, 1)
 KEEP = 5
@@ -101,6 +103,33 @@ def make_optimizer(model: nn.Module, positions: range | list[int]) -> torch.opti
     return bl.optim.AdamW(model.parameters(), lr=lrs, betas=(0.8, 0.95), weight_decay=1e-2)
 
 
+SCHEDULERS = ("StepLR", "ExponentialLR", "SequentialLR")  # the step-count schedule beside each model's plateau
+
+
+def make_schedulers(optimizer: torch.optim.Optimizer, kind: str = "StepLR") -> list:
+    """A torch.optim.lr_scheduler schedule over the per-model lr and batchlayers' per-model plateau."""
+    lr_scheduler = torch.optim.lr_scheduler
+    schedule = {
+        "StepLR": lambda: lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5),
+        "ExponentialLR": lambda: lr_scheduler.ExponentialLR(optimizer, gamma=0.8),
+        "SequentialLR": lambda: lr_scheduler.SequentialLR(
+            optimizer,
+            [lr_scheduler.LinearLR(optimizer, 0.5, total_iters=2), lr_scheduler.ExponentialLR(optimizer, gamma=0.8)],
+            milestones=[2],
+        ),
+    }[kind]()
+    return [schedule, ReduceLROnPlateau(optimizer, factor=0.5, patience=0)]
+
+
+def step_schedulers(schedulers: list, model: nn.Module, x_val, y_val, num_models: int) -> torch.Tensor:
+    """An epoch's end: the schedule steps, the plateau steps on each model's validation loss (returned)."""
+    losses = validation_losses(model, x_val, y_val, num_models)
+    schedule, plateau = schedulers
+    schedule.step()
+    plateau.step(losses)
+    return losses
+
+
 def train_epoch(model: nn.Module, optimizer, loader, gather=lambda t: t) -> list[torch.Tensor]:
     """One epoch; returns every step's ``(M,)`` losses (gathered from all ranks by ``gather``)."""
     model.train()
@@ -126,9 +155,33 @@ def perturb_(optimizer, shard: ModelShard, positions: list[int]) -> None:
             optimizer.param_groups[0]["lr"][shard.local_index(p)] *= 1.5
 
 
-def population_state(model: nn.Module, optimizer=None) -> dict[str, torch.Tensor]:
-    """Every per-model tensor: weights, buffers, optimizer state and (M,) hyperparameters, model first."""
+def scheduler_state(schedulers) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
+    """The schedulers' ``state_dict()``: its (M,) tensors and its other values, by path."""
+    tensors: dict[str, torch.Tensor] = {}
+    others: dict[str, object] = {}
+
+    def walk(value, path: str) -> None:
+        if isinstance(value, torch.Tensor):
+            tensors[path] = value.clone()
+        elif isinstance(value, dict):
+            for key, v in value.items():
+                walk(v, f"{path}/{key}")
+        elif isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                walk(v, f"{path}/{i}")
+        else:
+            others[path] = value
+
+    for i, scheduler in enumerate(schedulers):
+        walk(scheduler.state_dict(), f"scheduler/{i}")
+    return tensors, others
+
+
+def population_state(model: nn.Module, optimizer=None, schedulers=()) -> dict[str, torch.Tensor]:
+    """Every per-model tensor: weights, buffers, optimizer state, (M,) hyperparameters and the schedulers' (M,)
+    tensors, model first."""
     state = {f"model/{k}": v.detach().clone() for k, v in model.state_dict().items()}
+    state.update(scheduler_state(schedulers)[0])
     names = {id(p): n for n, p in model.named_parameters()}
     for group in optimizer.param_groups if optimizer is not None else ():
         for p in group["params"]:
@@ -152,26 +205,29 @@ def sharded_sweep(rank: int, world_size: int, folder: pathlib.Path) -> dict:
     model = build_shard(factory, shard, seed=SEED)
     result: dict = {"positions": list(shard.positions), "init": population_state(model)}
     optimizer = make_optimizer(model, shard.positions)
-    scheduler = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.9)
+    schedulers = make_schedulers(optimizer)
     loader = shard_data_(bl.ModelTensorLoader(x, y, num_models=shard.num_local, batch_size=8, seed=DATA_SEED), shard)
 
     def gather(t):
         return gather_per_model(t, shard)
 
     history = train_epoch(model, optimizer, loader, gather)
-    scheduler.step()
+    step_schedulers(schedulers, model, x_val, y_val, shard.num_local)
     result["nonfinite"] = gather(bl.nonfinite_models(history[-1][list(shard.positions)], model))
-    copy_model_across_ranks_(model, optimizer, shard, SWAP_SRC, SWAP_DST, schedulers=[scheduler])
+    copy_model_across_ranks_(model, optimizer, shard, SWAP_SRC, SWAP_DST, schedulers=schedulers)
     perturb_(optimizer, shard, SWAP_DST)
     history += train_epoch(model, optimizer, loader, gather)
-    scheduler.step()
-    keep = top_k_models(validation_losses(model, x_val, y_val, shard.num_local), shard, KEEP, largest=False)
-    shard = keep_models_across_ranks_(model, optimizer, shard, keep, schedulers=[scheduler])
+    losses = step_schedulers(schedulers, model, x_val, y_val, shard.num_local)
+    keep = top_k_models(losses, shard, KEEP, largest=False)
+    shard = keep_models_across_ranks_(model, optimizer, shard, keep, schedulers=schedulers)
     shard_data_(loader, shard)
     history += train_epoch(model, optimizer, loader, gather)
-    save_population(folder / "population", model, shard, optimizer, extra={"epoch": loader.sampler.epoch})
+    step_schedulers(schedulers, model, x_val, y_val, shard.num_local)
+    save_population(
+        folder / "population", model, shard, optimizer, schedulers=schedulers, extra={"epoch": loader.sampler.epoch}
+    )
     result.update(keep=keep, history=history, model_ids=shard.model_ids, positions_after=list(shard.positions))
-    result["final"] = population_state(model, optimizer)
+    result["final"] = population_state(model, optimizer, schedulers)
     result["ddp"] = ddp_on_full_population(rank, world_size)
     return result
 
@@ -196,24 +252,41 @@ def ddp_batches() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(2, 3, 8, 6, generator=g, dtype=torch.float64), torch.randint(3, (2, 3, 8), generator=g)
 
 
-def resumed_sweep(rank: int, world_size: int, folder: pathlib.Path) -> dict:
-    """Resume the 2-rank run's checkpoint on 3 ranks, train an epoch, exploit across ranks, export models."""
-    x, y, _, _ = data()
-    shard = ModelShard.from_group(saved_num_models(folder / "population"))
+def resume_population(path: pathlib.Path) -> tuple[dict, tuple]:
+    """Load a saved population on this process's ranks (one process without a process group), train two more
+    epochs with its schedulers, exploit across ranks."""
+    x, y, x_val, y_val = data()
+    shard = ModelShard.from_group(saved_num_models(path))
     model = build_shard(factory, shard, seed=SEED + 1)  # other weights: everything must come from the checkpoint
     optimizer = make_optimizer(model, shard.positions)  # lr, state: replaced by the checkpoint's
+    schedulers = make_schedulers(optimizer)  # their state too
     extra = {"epoch": 0}
-    shard = load_population_(folder / "population", model, shard, optimizer, extra=extra)
+    shard = load_population_(path, model, shard, optimizer, schedulers=schedulers, extra=extra)
     result = {
         "positions": list(shard.positions),
         "model_ids": shard.model_ids,
-        "loaded": population_state(model, optimizer),
+        "loaded": population_state(model, optimizer, schedulers),
+        "loaded_scheduler_values": scheduler_state(schedulers)[1],
     }
     loader = shard_data_(bl.ModelTensorLoader(x, y, num_models=shard.num_local, batch_size=8, seed=DATA_SEED), shard)
     loader.set_epoch(extra["epoch"])
-    result["history"] = train_epoch(model, optimizer, loader, lambda t: gather_per_model(t, shard))
-    copy_model_across_ranks_(model, optimizer, shard, [4, 0], [0, 2], schedulers=[])
-    result["final"] = population_state(model, optimizer)
+
+    def gather(t):
+        return gather_per_model(t, shard)
+
+    result["history"] = train_epoch(model, optimizer, loader, gather)
+    step_schedulers(schedulers, model, x_val, y_val, shard.num_local)
+    result["history"] += train_epoch(model, optimizer, loader, gather)
+    copy_model_across_ranks_(model, optimizer, shard, [4, 0], [0, 2], schedulers=schedulers)
+    result["final"] = population_state(model, optimizer, schedulers)
+    result["final_scheduler_values"] = scheduler_state(schedulers)[1]
+    return result, (model, optimizer, shard)
+
+
+def resumed_sweep(rank: int, world_size: int, folder: pathlib.Path) -> dict:
+    """Resume the 2-rank run's checkpoint and the one-process run's on 3 ranks, train on, export models."""
+    result, (model, optimizer, shard) = resume_population(folder / "population")
+    result["from_one_process"] = resume_population(folder / "one_process_population")[0]
     result["exported"] = gather_models(model, shard, [4, 1, 4], dst=1)
     try:  # rank 2 without its optimizer: every rank must refuse (none may wait for a message never sent)
         copy_model_across_ranks_(model, optimizer if rank < 2 else None, shard, [4], [0], schedulers=[])
@@ -375,30 +448,43 @@ def reference_init(num_models: int, seed: int) -> nn.Module:
     return model
 
 
-def reference_sweep() -> dict:
+def reference_sweep(folder: pathlib.Path) -> dict:
+    """All models in one process; also saved there, at the point where the 2-rank run saves them."""
     x, y, x_val, y_val = data()
     model = reference_init(NUM_MODELS, SEED)
     result = {"init": population_state(model)}
     optimizer = make_optimizer(model, range(NUM_MODELS))
-    scheduler = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.9)
+    schedulers = make_schedulers(optimizer)
     loader = bl.ModelTensorLoader(x, y, num_models=NUM_MODELS, batch_size=8, seed=DATA_SEED)
     history = train_epoch(model, optimizer, loader)
-    scheduler.step()
+    step_schedulers(schedulers, model, x_val, y_val, NUM_MODELS)
     result["nonfinite"] = bl.nonfinite_models(history[-1], model)
-    bl.copy_model_(model, optimizer, SWAP_SRC, SWAP_DST, schedulers=[scheduler])
+    bl.copy_model_(model, optimizer, SWAP_SRC, SWAP_DST, schedulers=schedulers)
     for d in SWAP_DST:
         optimizer.param_groups[0]["lr"][d] *= 1.5
     history += train_epoch(model, optimizer, loader)
-    scheduler.step()
-    keep = validation_losses(model, x_val, y_val, NUM_MODELS).argsort(stable=True)[:KEEP]
-    bl.keep_models_(model, optimizer, keep, schedulers=[scheduler])
+    keep = step_schedulers(schedulers, model, x_val, y_val, NUM_MODELS).argsort(stable=True)[:KEEP]
+    bl.keep_models_(model, optimizer, keep, schedulers=schedulers)
     loader.keep_models_(keep)
     history += train_epoch(model, optimizer, loader)
-    result.update(keep=keep, history=history, final=population_state(model, optimizer))
-    # Resumed on other ranks (the scheduler is not in the checkpoint: the lr stays where it is).
+    step_schedulers(schedulers, model, x_val, y_val, KEEP)
+    result.update(keep=keep, history=history, final=population_state(model, optimizer, schedulers))
+    result["final_scheduler_values"] = scheduler_state(schedulers)[1]
+    result["checkpoint"] = folder / "one_process_population"
+    shard = ModelShard(KEEP, model_ids=keep.tolist())
+    save_population(
+        result["checkpoint"], model, shard, optimizer, schedulers=schedulers, extra={"epoch": loader.sampler.epoch}
+    )
+    # Resumed on other ranks, schedulers and all.
     history = train_epoch(model, optimizer, loader)
-    bl.copy_model_(model, optimizer, [4, 0], [0, 2], schedulers=[])  # the scheduler stayed behind
-    result["resumed"] = {"history": history, "final": population_state(model, optimizer)}
+    step_schedulers(schedulers, model, x_val, y_val, KEEP)
+    history += train_epoch(model, optimizer, loader)
+    bl.copy_model_(model, optimizer, [4, 0], [0, 2], schedulers=schedulers)
+    result["resumed"] = {
+        "history": history,
+        "final": population_state(model, optimizer, schedulers),
+        "final_scheduler_values": scheduler_state(schedulers)[1],
+    }
     result["model"] = model
     return result
 
@@ -411,9 +497,9 @@ def load_example(monkeypatch: pytest.MonkeyPatch):
 
 
 @pytest.fixture(scope="module")
-def reference() -> dict:
+def reference(tmp_path_factory) -> dict:
     with one_thread():
-        return reference_sweep()
+        return reference_sweep(tmp_path_factory.mktemp("reference"))
 
 
 @pytest.fixture(scope="module")
@@ -545,16 +631,29 @@ def test_ddp_inside_each_shard_on_a_2x2_mesh(tmp_path) -> None:
         assert_identical(ranks[rank]["final"], state, ranks[rank]["positions"], f"rank {rank}, loaded in one process")
 
 
-def test_resume_on_three_ranks_and_on_one(two_ranks, reference, tmp_path) -> None:
+def assert_resumed(result: dict, reference: dict, what: str) -> None:
+    """A resumed run (``resume_population``) loaded the reference's models and their schedulers at their positions
+    and continued exactly as the reference did without the checkpoint."""
+    positions = result["positions"]
+    assert result["model_ids"] == tuple(reference["keep"].tolist()), what
+    assert_identical(result["loaded"], reference["final"], positions, f"{what} loaded")
+    assert result["loaded_scheduler_values"] == reference["final_scheduler_values"], what
+    for losses, expected in zip(result["history"], reference["resumed"]["history"], strict=True):
+        assert torch.equal(losses, expected), what
+    assert_identical(result["final"], reference["resumed"]["final"], positions, f"{what} final")
+    assert result["final_scheduler_values"] == reference["resumed"]["final_scheduler_values"], what
+
+
+def test_resume_on_three_ranks_and_on_one(two_ranks, reference) -> None:
+    """Saved on 2 ranks and in one process, with a StepLR over the per-model lr and a per-model plateau: resumed
+    on 3 ranks and in one process, every model (weights, Adam state, lr, schedulers) continues exactly."""
     _, folder = two_ranks
+    shutil.copytree(reference["checkpoint"], folder / "one_process_population", dirs_exist_ok=True)
     ranks = launch("resumed_sweep", 3, folder)
-    survivors = tuple(reference["keep"].tolist())
     for rank, result in enumerate(ranks):
-        assert result["positions"] == [[0, 1], [2, 3], [4]][rank] and result["model_ids"] == survivors
-        assert_identical(result["loaded"], reference["final"], result["positions"], f"rank {rank} loaded")
-        for losses, expected in zip(result["history"], reference["resumed"]["history"], strict=True):
-            assert torch.equal(losses, expected)
-        assert_identical(result["final"], reference["resumed"]["final"], result["positions"], f"rank {rank} final")
+        assert result["positions"] == [[0, 1], [2, 3], [4]][rank]
+        assert_resumed(result, reference, f"rank {rank}, saved on 2 ranks")
+        assert_resumed(result["from_one_process"], reference, f"rank {rank}, saved in one process")
         assert "holds other per-model tensors than rank" in result["mismatch"]
     exported = ranks[1]["exported"]
     assert ranks[0]["exported"] is None and ranks[2]["exported"] is None
@@ -562,11 +661,47 @@ def test_resume_on_three_ranks_and_on_one(two_ranks, reference, tmp_path) -> Non
     for name, value in exported.items():
         assert torch.equal(value, expected_model[f"model/{name}"][[4, 1, 4]]), name
     # One process, no process group: the 2-rank checkpoint holds the whole population.
-    model = factory(KEEP)
-    optimizer = make_optimizer(model, range(KEEP))
-    shard = load_population_(folder / "population", model, ModelShard(KEEP), optimizer)
-    assert shard.model_ids == survivors
-    assert_identical(population_state(model, optimizer), reference["final"], list(range(KEEP)), "one process")
+    with one_thread():
+        result = resume_population(folder / "population")[0]
+    assert result["positions"] == list(range(KEEP))
+    assert_resumed(result, reference, "one process, saved on 2 ranks")
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("kind", SCHEDULERS)
+def test_schedulers_saved_in_one_process_continue_on_more_ranks(kind, world_size, tmp_path) -> None:
+    """Each rank's load of a population saved in one process, run here rank by rank (no process group is
+    needed to load): its models, lr and schedulers continue as the models trained without the checkpoint."""
+    x, y, x_val, y_val = data()
+    with one_thread():
+        model = reference_init(NUM_MODELS, SEED)
+        optimizer = make_optimizer(model, range(NUM_MODELS))
+        schedulers = make_schedulers(optimizer, kind)
+        loader = bl.ModelTensorLoader(x, y, num_models=NUM_MODELS, batch_size=8, seed=DATA_SEED)
+        for epoch in range(5):
+            if epoch == 3:
+                extra = {"epoch": loader.sampler.epoch}
+                save_population(tmp_path / "population", model, ModelShard(NUM_MODELS), optimizer,
+                                schedulers=schedulers, extra=extra)  # fmt: skip
+            train_epoch(model, optimizer, loader)
+            step_schedulers(schedulers, model, x_val, y_val, NUM_MODELS)
+        expected, expected_values = population_state(model, optimizer, schedulers), scheduler_state(schedulers)[1]
+        for rank in range(world_size):
+            shard = ModelShard(NUM_MODELS, rank, world_size)
+            part = build_shard(factory, shard, seed=SEED + 1)
+            part_optimizer = make_optimizer(part, shard.positions)
+            part_schedulers = make_schedulers(part_optimizer, kind)
+            extra = {"epoch": 0}
+            load_population_(tmp_path / "population", part, shard, part_optimizer, schedulers=part_schedulers,
+                             extra=extra)  # fmt: skip
+            part_loader = bl.ModelTensorLoader(x, y, num_models=shard.num_local, batch_size=8, seed=DATA_SEED)
+            shard_data_(part_loader, shard).set_epoch(extra["epoch"])
+            for _ in range(2):
+                train_epoch(part, part_optimizer, part_loader)
+                step_schedulers(part_schedulers, part, x_val, y_val, shard.num_local)
+            state = population_state(part, part_optimizer, part_schedulers)
+            assert_identical(state, expected, list(shard.positions), f"rank {rank} of {world_size}")
+            assert scheduler_state(part_schedulers)[1] == expected_values
 
 
 def test_a_hanging_rank_fails_the_launch_and_is_killed(tmp_path) -> None:
@@ -595,6 +730,37 @@ def test_one_process_shard_needs_no_process_group(reference) -> None:
     )
     exported = gather_models(model, shard, [2, 0])
     assert all(torch.equal(v, expected_model.state_dict()[k][[2, 0]]) for k, v in exported.items())
+
+
+@pytest.mark.parametrize("given", [None, "schedule only"])
+@pytest.mark.parametrize("call", ["copy", "keep"])
+def test_cross_rank_calls_refuse_a_plateau_scheduler_left_out(call, given) -> None:
+    """Across ranks only the schedulers given move with the models (every rank must list them in one order): a
+    live per-model ReduceLROnPlateau left out would keep each position's old model's best metric and bad-epoch
+    count, so the call is refused before anything changes; listed, the models' plateau state moves with them."""
+    model = reference_init(NUM_MODELS, SEED)
+    optimizer = make_optimizer(model, range(NUM_MODELS))
+    schedule, plateau = make_schedulers(optimizer)
+    plateau.step(torch.arange(NUM_MODELS, dtype=torch.float64))
+    weights, best = copy.deepcopy(model.state_dict()), plateau.best.clone()
+    shard = ModelShard.from_group(NUM_MODELS)
+    schedulers = None if given is None else [schedule]
+    with pytest.raises(
+        ValueError,
+        match=r"(across_ranks_: the optimizer has 1 per-model scheduler\(s\) not in "
+        r"schedulers= \(ReduceLROnPlateau\))|(would be left behind|initial_lr)",
+    ):
+        if call == "copy":
+            copy_model_across_ranks_(model, optimizer, shard, [1], [0], schedulers=schedulers)
+        else:
+            keep_models_across_ranks_(model, optimizer, shard, [2, 1, 0], schedulers=schedulers)
+    assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items()) and torch.equal(plateau.best, best)
+    if call == "copy":
+        copy_model_across_ranks_(model, optimizer, shard, [1], [0], schedulers=[schedule, plateau])
+        assert plateau.best.tolist() == [1.0, 1.0] + list(range(2, NUM_MODELS))
+    else:
+        keep_models_across_ranks_(model, optimizer, shard, [2, 1, 0], schedulers=[schedule, plateau])
+        assert plateau.best.tolist() == [2.0, 1.0, 0.0]
 
 
 def test_example_on_two_ranks_equals_one_process(tmp_path, load_example) -> None:

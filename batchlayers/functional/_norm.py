@@ -254,6 +254,12 @@ def instance_norm(
     (computed in float32, the result in ``x``'s dtype); the running statistics, of any dtype, are used (and
     updated) in the weight's dtype (``x``'s without a weight) and written back in their own.
     """
+    if (running_mean is None) != (running_var is None):
+        given, missing = ("running_mean", "running_var") if running_var is None else ("running_var", "running_mean")
+        raise ValueError(
+            f"instance_norm: {given} was given without {missing}; running_mean and running_var are given together "
+            "or not at all"
+        )
     num_models, batch, num_channels = x.shape[:3]
     spatial = x.shape[3:]
     param_view = channel_view(num_models, x.dim(), num_channels)
@@ -265,7 +271,7 @@ def instance_norm(
     if not use_input_stats and (running_mean is None or running_var is None):
         raise ValueError("instance_norm: running_mean and running_var are needed when use_input_stats is False")
     stats_dtype = x.dtype if weight is None else weight.dtype
-    # (running_var comes with running_mean: the layers pass their running statistics both or neither)
+    # (running_var comes with running_mean: checked above)
     if running_mean is not None and (
         running_mean.dtype != stats_dtype or cast(Tensor, running_var).dtype != stats_dtype
     ):
