@@ -561,3 +561,19 @@ def test_bias_corrections_are_pythons_float_powers() -> None:
     roots = _base.power(1 - got, 0.5, betas.device)
     assert_equal(roots, torch.tensor([(1 - v) ** 0.5 for v in got.tolist()], dtype=torch.float64))
     assert _base.power(0.9, 3.0, betas.device) == 0.9**3.0
+
+
+@pytest.mark.parametrize("fused", [None, True], ids=["foreach", "fused"])
+@pytest.mark.parametrize("kind", ["sparse", "complex"])
+def test_unsupported_parameters_are_refused_before_anything_changes(kind, fused) -> None:
+    """A sparse gradient or a complex parameter after a valid one: refused before any state is created or any
+    parameter is updated."""
+    dense = torch.nn.Parameter(torch.randn(3, 4))
+    dense.grad = torch.randn(3, 4)
+    other = torch.nn.Parameter(torch.randn(3, 4, dtype=torch.complex64 if kind == "complex" else torch.float32))
+    other.grad = torch.randn_like(other).to_sparse() if kind == "sparse" else torch.randn_like(other)
+    opt = Adam([dense, other], lr=0.1, fused=fused)
+    before = dense.detach().clone()
+    with pytest.raises(RuntimeError, match=f"Adam does not support {kind}"):
+        opt.step()
+    assert torch.equal(dense.detach(), before) and len(opt.state) == 0

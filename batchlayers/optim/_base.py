@@ -404,8 +404,11 @@ class BatchedOptimizer(Optimizer):
 
     def hyperparameter(self, group: dict[str, Any], key: str | tuple[str, int], num_models: int) -> Hyperparameter:
         """The value to compute with: a float, or an ``(M,)`` tensor (checked against the current ``M``)."""
-        value = self._get(group, key)
-        if isinstance(value, Tensor):
+        value = group[key] if type(key) is str else group[key[0]][key[1]]
+        if type(value) is float:  # the common case first: a few us a step on small models
+            if math.isfinite(value) and value >= 0 and (value < 1 or type(key) is str or key[0] != "betas"):
+                return value
+        elif isinstance(value, Tensor):
             if value.dim() == 0:
                 return value.item()
             if value.shape != (num_models,):
@@ -572,24 +575,30 @@ class BatchedOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # One pass over the parameters, the checks included: on small models this loop is a good part of the step.
         for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
+            params, grads = [], []
+            for p in group["params"]:
+                grad = p.grad
+                if grad is not None:
+                    if grad.is_sparse:
+                        raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+                    if p.is_complex():
+                        raise RuntimeError(f"{type(self).__name__} does not support complex parameters")
+                    params.append(p)
+                    grads.append(grad)
             if not params:
                 continue
             num_models = self._group_num_models(group)
-            inactive = self._inactive_models(active, num_models, params[0].device)
+            inactive = None if active is None else self._inactive_models(active, num_models, params[0].device)
             if inactive is not None and inactive.numel() == num_models:
                 continue
-            for p in params:
-                if p.grad.is_sparse:
-                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-                if p.is_complex():
-                    raise RuntimeError(f"{type(self).__name__} does not support complex parameters")
             states = []
             for p in params:
-                if len(self.state[p]) == 0:  # before the snapshot below, so new state is masked too
-                    self.state[p].update(self._init_state(p, group))
-                states.append(self.state[p])
+                state = self.state[p]
+                if not state:  # before the snapshot below, so new state is masked too
+                    state.update(self._init_state(p, group))
+                states.append(state)
             saved = None
             if inactive is not None and inactive.numel() > 0:
                 # Put inactive models' slices back afterwards: exact, and it covers every state entry.
@@ -597,18 +606,22 @@ class BatchedOptimizer(Optimizer):
                     [(t, t.index_select(0, inactive)) for t in (p, *s.values()) if isinstance(t, Tensor)]
                     for p, s in zip(params, states)
                 ]
-            buckets: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-            for i, p in enumerate(params):
-                buckets.setdefault((p.device, p.dtype), []).append(i)
             update = self._update_fused if group.get("fused") else self._update
-            for indices in buckets.values():
-                update(
-                    group,
-                    [params[i] for i in indices],
-                    [params[i].grad for i in indices],
-                    [states[i] for i in indices],
-                    num_models,
-                )
+            device, dtype = params[0].device, params[0].dtype
+            if all(p.dtype == dtype and p.device == device for p in params):
+                update(group, params, grads, states, num_models)
+            else:
+                buckets: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+                for i, p in enumerate(params):
+                    buckets.setdefault((p.device, p.dtype), []).append(i)
+                for indices in buckets.values():
+                    update(
+                        group,
+                        [params[i] for i in indices],
+                        [grads[i] for i in indices],
+                        [states[i] for i in indices],
+                        num_models,
+                    )
             if saved is not None:
                 assert inactive is not None  # (saved only then)
                 for entries in saved:
