@@ -72,6 +72,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="glibc: keep freed memory in the process (mallopt) so large tensors do not page-fault every step",
     )
+    parser.add_argument(
+        "--compare-freed-memory",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also time the training steps in a second, fresh process with --keep-freed-memory and report both "
+        "(default: on for CPU runs without --keep-freed-memory where glibc's mallopt exists)",
+    )
     parser.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True, help="measure peak memory")
     parser.add_argument("--results-file", type=pathlib.Path, help="default: results/<setup>.<format>")
     parser.add_argument("--format", choices=["csv", "json"], default="csv")
@@ -83,7 +90,58 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
     args.iters = args.iters if args.iters is not None else (10 if args.quick else 30)
     args.budget_s = args.budget_s if args.budget_s is not None else (2.0 if args.quick else 8.0)
+    if args.compare_freed_memory is None:
+        args.compare_freed_memory = (
+            args.device == "cpu" and not args.keep_freed_memory and "train" in args.modes and _has_mallopt()
+        )
     return args
+
+
+def _has_mallopt() -> bool:
+    import ctypes
+    import ctypes.util
+
+    try:
+        return hasattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), "mallopt")
+    except OSError:
+        return False
+
+
+def _kept_memory_run(args: argparse.Namespace) -> tuple[dict, list[dict]]:
+    """The setup and training rows of a second run of the same configurations in a fresh process with
+    ``keep_freed_memory()`` (glibc's settings cannot be undone within a process, so both cannot share one)."""
+    import json
+    import subprocess
+    import tempfile
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    with tempfile.TemporaryDirectory() as folder:
+        path = pathlib.Path(folder) / "kept.json"
+        argv = [sys.executable, "-m", "benchmarks", "--device", args.device, "--dtype", args.dtype]
+        argv += ["--warmup", str(args.warmup), "--iters", str(args.iters), "--budget-s", str(args.budget_s)]
+        argv += ["--optimizer", args.optimizer, "--loop-max-models", str(args.loop_max_models)]
+        argv += ["--seed", str(args.seed), "--workloads", *args.workloads, "--contenders", *args.contenders]
+        argv += ["--num-models", *map(str, args.num_models)] if args.num_models else []
+        argv += ["--batch-size", str(args.batch_size)] if args.batch_size else []
+        argv += ["--quick"] if args.quick else []
+        argv += ["--compile"] if args.compile else []
+        argv += ["--modes", "train", "--keep-freed-memory", "--no-compare-freed-memory", "--no-memory", "--no-plot"]
+        argv += ["--no-progress", "--format", "json", "--results-file", str(path)]
+        subprocess.run(argv, check=True, cwd=root, stdout=subprocess.DEVNULL)
+        result = json.loads(path.read_text())
+        return result["setup"], result["rows"]
+
+
+def _merge_kept(rows: list[dict], kept: list[dict]) -> None:
+    """Add the kept-memory run's time and ratios to the matching training rows (``*_kept`` fields)."""
+    by_key = {(r["workload"], r["num_models"], r["contender"]): r for r in kept if r.get("median_ms") is not None}
+    for row in rows:
+        other = by_key.get((row["workload"], row["num_models"], row["contender"]))
+        if row["mode"] != "train" or other is None:
+            continue
+        for field in ("median_ms", "speedup_vs_loop", "speedup_vs_torch_func", "cost_vs_single", "pct_gemm"):
+            if other.get(field) is not None:
+                row[f"{field}_kept"] = other[field]
 
 
 def _sizes(workload: Workload, args: argparse.Namespace) -> tuple[int, ...]:
@@ -263,6 +321,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     args.argv = None if argv is None else ["python -m benchmarks", *argv]
     setup, rows = run(args)
+    if args.compare_freed_memory:
+        kept_setup, kept_rows = _kept_memory_run(args)
+        _merge_kept(rows, kept_rows)
+        setup["kept_memory_run"] = kept_setup["keep_freed_memory"]  # whether glibc took the settings there
     path = args.results_file or pathlib.Path("results") / f"{_setup_name(args)}.{args.format}"
     write_results(path, args.format, setup, rows)
     header = (
@@ -272,6 +334,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"\n{header}\n`{setup['command']}`\n")
     print(markdown_table(rows))
     print("\nSummary (ms per step; single = one torch.nn model's step):\n")
+    if args.compare_freed_memory:
+        print(
+            "(`kept`: the training steps run again in a fresh process with `batchlayers.backends.cpu."
+            "keep_freed_memory()`, so that large tensors stop page-faulting every step; an opt-in setting)\n"
+        )
     print(summary_table(rows))
     print("\nTargets (issue 10, and those of issues 5 and 9 it keeps):\n")
     print(target_table(rows, compiled=args.compile))

@@ -52,12 +52,15 @@ def summary_table(rows: Sequence[dict]) -> str:
     """One line per (workload, mode, M): each contender's ms per step and batchlayers' speedups."""
     configs = list(dict.fromkeys((r["workload"], r["mode"], r["num_models"]) for r in rows))
     head = ["workload", "mode", "M", *(f"{c} ms" for c in SUMMARY_CONTENDERS), "batchlayers x loop", "x torch.func"]
+    kept = any("speedup_vs_loop_kept" in r for r in rows)
+    head += ["x loop, kept", "x torch.func, kept"] if kept else []
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for key in configs:
         by_name = {r["contender"]: r for r in rows if (r["workload"], r["mode"], r["num_models"]) == key}
         ours = by_name.get("batchlayers", {})
         cells = [*map(str, key), *(_fmt(by_name.get(c, {}).get("median_ms")) for c in SUMMARY_CONTENDERS)]
         cells += [_fmt(ours.get("speedup_vs_loop")), _fmt(ours.get("speedup_vs_torch_func"))]
+        cells += [_fmt(ours.get("speedup_vs_loop_kept")), _fmt(ours.get("speedup_vs_torch_func_kept"))] if kept else []
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -189,20 +192,27 @@ NOISE = 0.05  # ratios within 5% of the threshold are reported as parity, not as
 def target_table(rows: Sequence[dict], compiled: bool = False) -> str:
     """The issues' performance targets against this run (only those whose rows were measured): the eager
     ones, or with ``compiled`` (a ``--compile`` run) the compiled ones."""
-    lines = ["| target | measured | met |", "|---|---|---|"]
+    kept = any(f"{t[4]}_kept" in r for t in TARGETS for r in rows)
+    head = ["target", "measured", "met"] + (["kept memory", "met"] if kept else [])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
 
-    def add(description, value, op, threshold):
+    def verdict(value, op, threshold):
         met = value >= threshold if op == ">=" else value <= threshold
         near = abs(value / threshold - 1) <= NOISE
-        verdict = "yes" if met else ("within 5%" if near else "NO")
-        lines.append(f"| {description} | {_fmt(value)} | {verdict} |")
+        return "yes" if met else ("within 5%" if near else "NO")
+
+    def add(description, value, op, threshold, kept_value=None):
+        cells = [description, _fmt(value), verdict(value, op, threshold)]
+        if kept:
+            cells += ["", ""] if kept_value is None else [_fmt(kept_value), verdict(kept_value, op, threshold)]
+        lines.append("| " + " | ".join(cells) + " |")
 
     for description, workload, mode, num_models, field, contender, op, threshold in (
         COMPILED_TARGETS if compiled else TARGETS
     ):
         row = _find(rows, workload, mode, num_models, contender)
         if row is not None and row.get(field) is not None:
-            add(description, row[field], op, threshold)
+            add(description, row[field], op, threshold, row.get(f"{field}_kept"))
     # Shared batch: never slower than per-model copies; memory: a batched step's peak within torch.func's.
     for r in rows:
         if r["contender"] != "batchlayers" or r.get("median_ms") is None or r["num_models"] == 1:
@@ -210,7 +220,10 @@ def target_table(rows: Sequence[dict], compiled: bool = False) -> str:
         key = (r["workload"], r["mode"], r["num_models"])
         copies = _find(rows, *key, "batchlayers-copies")
         if copies and copies.get("median_ms"):
-            add(f"{key[0]} {key[1]} M={key[2]}: shared >= copies' speed", copies["median_ms"] / r["median_ms"], ">=", 1)
+            both = copies.get("median_ms_kept") and r.get("median_ms_kept")
+            kept_ratio = copies["median_ms_kept"] / r["median_ms_kept"] if both else None
+            description = f"{key[0]} {key[1]} M={key[2]}: shared >= copies' speed"
+            add(description, copies["median_ms"] / r["median_ms"], ">=", 1, kept_ratio)
         vmap = _find(rows, *key, "torch.func")
         if r["mode"] == "train" and vmap and r.get("peak_step_mb") is not None and vmap.get("peak_step_mb"):
             ours = r["peak_step_mb"] + r["held_mb"]

@@ -13,8 +13,8 @@ from benchmarks.workloads import WORKLOADS
 BUILT_FROM_LAYERS = [name for name, w in WORKLOADS.items() if w.batched == "layers"]
 
 
-def _run(tmp_path, *argv):
-    main(["--num-models", "2", "--batch-size", "2", "--iters", "1", "--warmup", "0", "--no-progress", *argv])
+def _run(tmp_path, *argv, compare="--no-compare-freed-memory"):
+    main(["--num-models", "2", "--batch-size", "2", "--iters", "1", "--warmup", "0", "--no-progress", compare, *argv])
 
 
 def test_every_workload_runs_and_contenders_agree(tmp_path, capsys):
@@ -61,3 +61,23 @@ def test_csv_output_and_loop_cap(tmp_path):
     assert float(rows["batchlayers"]["check_rel_diff"]) < 1e-3
     assert rows["batchlayers"]["device"] == "cpu"
     assert not results.with_suffix(".png").exists()
+
+
+def test_training_is_timed_again_with_freed_memory_kept(tmp_path, capsys):
+    """The comparison run: the training steps again in a fresh process with keep_freed_memory(), reported beside
+    the first run's (this process's allocator is left alone)."""
+    results = tmp_path / "bench.json"
+    argv = ("--workloads", "mlp-tiny", "cnn", "--no-memory", "--no-plot", "--results-file", str(results))
+    _run(tmp_path, *argv, "--format", "json", compare="--compare-freed-memory")
+    printed = capsys.readouterr().out
+    assert "x loop, kept" in printed and "kept memory" in printed
+    data = json.loads(results.read_text())
+    assert data["setup"]["kept_memory_run"] is True and data["setup"]["keep_freed_memory"] is False
+    for row in data["rows"]:
+        where = f"{row['workload']} {row['mode']} {row['contender']}"
+        if row["mode"] == "train":
+            assert row["median_ms_kept"] >= 0, where
+            if row["contender"] != "loop":
+                assert row["speedup_vs_loop_kept"] > 0, where
+        else:
+            assert not any(key.endswith("_kept") for key in row), where
