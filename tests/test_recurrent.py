@@ -170,6 +170,78 @@ def test_plain_recurrence_matches_loop(monkeypatch, kind, bidirectional):
     grad.sum().backward()
 
 
+def _force_per_model_kernels(monkeypatch) -> list[int]:
+    """Make every LSTM take the per-model kernel path; returns a list that grows by one per call of it."""
+    calls: list[int] = []
+    run = _recurrent._per_model_lstm
+    monkeypatch.setattr(_recurrent, "_per_model_kernels", lambda *args: True)
+    monkeypatch.setattr(_recurrent, "_per_model_lstm", lambda *args: calls.append(1) or run(*args))
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [F64, F32], ids=["f64", "f32"])
+@pytest.mark.parametrize("shared", [False, True], ids=["per_model", "shared"])
+@pytest.mark.parametrize("with_h0", [False, True], ids=["zeros", "h0"])
+@pytest.mark.parametrize("batch_first", [False, True], ids=["time_major", "batch_first"])
+@pytest.mark.parametrize("bidirectional", [False, True], ids=["uni", "bi"])
+@pytest.mark.parametrize("num_layers", [1, 2])
+@pytest.mark.parametrize("kind", ["LSTM", "LSTM_PROJ"])
+@pytest.mark.filterwarnings("ignore:LSTM with projections is not supported with oneDNN")
+def test_lstm_per_model_kernels_match_loop(
+    monkeypatch, kind, num_layers, bidirectional, batch_first, with_h0, shared, dtype
+):
+    """The per-model path (torch's own LSTM kernel once per model, chosen for few models with large matrix
+    multiplies), forced at these small sizes: outputs, states and every gradient equal the loop's."""
+    calls = _force_per_model_kernels(monkeypatch)
+    torch.manual_seed(0)
+    options = dict(num_layers=num_layers, batch_first=batch_first, bidirectional=bidirectional)
+    batched, make_torch = build(kind, 3, dtype, **options)
+    modules = unbatch(batched, make_torch)
+    x = network_input(None if shared else 3, batch_first, dtype)
+    hx = initial_state(kind, 3, (num_layers * (2 if bidirectional else 1), B), dtype) if with_h0 else None
+    compare(batched, modules, x, hx, shared=shared)
+    assert calls == [1]
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+def test_lstm_per_model_kernels_with_dropout(monkeypatch, training):
+    """Dropout in eval mode does nothing, so the per-model path serves it; in training every model draws its
+    own masks in the batched recurrence (its random stream), so that path is kept."""
+    calls = _force_per_model_kernels(monkeypatch)
+    torch.manual_seed(0)
+    batched, make_torch = build("LSTM", 3, num_layers=2, dropout=0.5)
+    modules = unbatch(batched, make_torch)
+    batched.train(training)
+    for m in modules:
+        m.train(training)
+    if training:
+        batched(network_input(3, False))
+    else:
+        compare(batched, modules, network_input(3, False), None, shared=False)
+    assert calls == ([] if training else [1])
+
+
+@pytest.mark.parametrize(
+    "num_models, batch, hidden_size, dtype, proj_size, expected",
+    [
+        (8, 64, 256, F32, 0, True),  # the benchmark's 2x256 LSTM
+        (4, 16, 256, F32, 0, True),
+        (8, 128, 64, F32, 0, True),
+        (8, 32, 128, F32, 0, True),
+        (16, 64, 128, F32, 0, False),  # more models: the batched recurrence
+        (32, 8, 64, F32, 0, False),  # the RL policy
+        (8, 16, 64, F32, 0, False),  # small matrix multiplies
+        (8, 64, 256, F64, 0, False),  # not oneDNN's kernel
+        (8, 64, 256, F32, 32, False),  # projections leave oneDNN
+    ],
+)
+def test_per_model_kernels_rule(num_models, batch, hidden_size, dtype, proj_size, expected):
+    """The measured rule of the docstring: at most 8 models, B * H >= 4096, float32 through oneDNN."""
+    x = torch.zeros(num_models, 2, batch, 3, dtype=dtype)
+    onednn = torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
+    assert _recurrent._per_model_kernels(x, batch, hidden_size, proj_size) is (expected and onednn)
+
+
 @pytest.mark.parametrize("shared", [False, True], ids=["per_model", "shared"])
 @pytest.mark.parametrize("bidirectional", [False, True], ids=["uni", "bi"])
 @pytest.mark.parametrize("kind", NETWORKS)
