@@ -287,8 +287,8 @@ def _per_model_lstm(
     out_size: int,
 ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
     """Each model's ``torch.lstm``, the call ``torch.nn.LSTM.forward`` makes, with its slice of every weight and
-    state; the outputs and final states stacked along the model dimension (``x[m]`` of a shared stride-0 batch
-    is the batch itself: no copy)."""
+    state; the outputs and final states stacked along the model dimension (a shared stride-0 batch unbinds into
+    M views of the batch itself: no copy)."""
     if hx is None:
         lead = (num_layers * (2 if bidirectional else 1), x.shape[1] if batch_first else x.shape[2])
         zeros = x.new_zeros(*lead, out_size), x.new_zeros(*lead, hidden_size)
