@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import pathlib
 import platform
+import subprocess
 import sys
 import warnings
 from collections.abc import Sequence
@@ -111,7 +112,6 @@ def _kept_memory_run(args: argparse.Namespace) -> tuple[dict, list[dict]]:
     """The setup and training rows of a second run of the same configurations in a fresh process with
     ``keep_freed_memory()`` (glibc's settings cannot be undone within a process, so both cannot share one)."""
     import json
-    import subprocess
     import tempfile
 
     root = pathlib.Path(__file__).resolve().parent.parent
@@ -322,9 +322,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.argv = None if argv is None else ["python -m benchmarks", *argv]
     setup, rows = run(args)
     if args.compare_freed_memory:
-        kept_setup, kept_rows = _kept_memory_run(args)
-        _merge_kept(rows, kept_rows)
-        setup["kept_memory_run"] = kept_setup["keep_freed_memory"]  # whether glibc took the settings there
+        try:
+            kept_setup, kept_rows = _kept_memory_run(args)
+        except (OSError, subprocess.CalledProcessError, ValueError, KeyError) as error:
+            # The first run's results stand on their own: report them, say why the comparison is missing.
+            print(
+                f"the keep_freed_memory() comparison run failed, reporting the first run only: {error}", file=sys.stderr
+            )
+            setup["kept_memory_run"] = None
+        else:
+            _merge_kept(rows, kept_rows)
+            setup["kept_memory_run"] = kept_setup["keep_freed_memory"]  # whether glibc took the settings there
     path = args.results_file or pathlib.Path("results") / f"{_setup_name(args)}.{args.format}"
     write_results(path, args.format, setup, rows)
     header = (

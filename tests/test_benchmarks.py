@@ -81,3 +81,22 @@ def test_training_is_timed_again_with_freed_memory_kept(tmp_path, capsys):
                 assert row["speedup_vs_loop_kept"] > 0, where
         else:
             assert not any(key.endswith("_kept") for key in row), where
+
+
+def test_a_failed_comparison_run_leaves_the_first_run_reported(tmp_path, capsys, monkeypatch):
+    import subprocess
+
+    def fail(*args, **kwargs):
+        raise subprocess.CalledProcessError(1, args[0])
+
+    monkeypatch.setattr(subprocess, "run", fail)
+    results = tmp_path / "bench.json"
+    argv = ("--workloads", "mlp-tiny", "--modes", "train", "--no-memory", "--no-plot", "--results-file", str(results))
+    _run(tmp_path, *argv, "--format", "json", compare="--compare-freed-memory")
+    captured = capsys.readouterr()
+    assert "comparison run failed" in captured.err and "x loop, kept" not in captured.out
+    data = json.loads(results.read_text())
+    assert data["setup"]["kept_memory_run"] is None
+    assert all(
+        r["median_ms"] >= 0 and not any(k.endswith("_kept") for k in r) for r in data["rows"] if "median_ms" in r
+    )
