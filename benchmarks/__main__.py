@@ -342,7 +342,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"\n{header}\n`{setup['command']}`\n")
     print(markdown_table(rows))
     print("\nSummary (ms per step; single = one torch.nn model's step):\n")
-    if args.compare_freed_memory:
+    if setup.get("kept_memory_run") is not None:
         print(
             "(`kept`: the training steps run again in a fresh process with `batchlayers.backends.cpu."
             "keep_freed_memory()`, so that large tensors stop page-faulting every step; an opt-in setting)\n"
