@@ -290,18 +290,25 @@ class CpuSettings:
         Returns:
             ``True`` when glibc accepted both settings, ``False`` where there is no glibc ``mallopt``.
         """
-        import ctypes
-        import ctypes.util
-
-        try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            mallopt = libc.mallopt
-        except (OSError, AttributeError):
+        mallopt = _glibc_mallopt()
+        if mallopt is None:
             return False
         m_trim_threshold, m_mmap_threshold = -1, -3
         applied = bool(mallopt(m_mmap_threshold, 1 << 30)) and bool(mallopt(m_trim_threshold, 1 << 31))
         self._keeps_freed_memory = self._keeps_freed_memory or applied
         return applied
+
+
+def _glibc_mallopt() -> Callable[[int, int], int] | None:
+    """glibc's ``mallopt`` through ctypes, or ``None`` where the C library has none (other allocators, macOS,
+    Windows)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return None
 
 
 cpu = CpuSettings()

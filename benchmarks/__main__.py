@@ -22,6 +22,7 @@ import torch
 from .contenders import CONTENDERS, OPTIMIZER_IMPLS, Runner, Unavailable, build_runner
 from .measure import (
     MEMORY_METHOD,
+    can_keep_freed_memory,
     gemm_gflops,
     held_bytes,
     keep_freed_memory,
@@ -93,19 +94,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.budget_s = args.budget_s if args.budget_s is not None else (2.0 if args.quick else 8.0)
     if args.compare_freed_memory is None:
         args.compare_freed_memory = (
-            args.device == "cpu" and not args.keep_freed_memory and "train" in args.modes and _has_mallopt()
+            args.device == "cpu" and not args.keep_freed_memory and "train" in args.modes and can_keep_freed_memory()
         )
     return args
-
-
-def _has_mallopt() -> bool:
-    import ctypes
-    import ctypes.util
-
-    try:
-        return hasattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), "mallopt")
-    except OSError:
-        return False
 
 
 def _kept_memory_run(args: argparse.Namespace) -> tuple[dict, list[dict]]:

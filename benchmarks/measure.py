@@ -143,6 +143,13 @@ def keep_freed_memory() -> bool:
     return batchlayers.backends.cpu.keep_freed_memory()
 
 
+def can_keep_freed_memory() -> bool:
+    """Whether :func:`keep_freed_memory` can apply here (glibc's ``mallopt`` exists), without applying it."""
+    from batchlayers.backends import _glibc_mallopt
+
+    return _glibc_mallopt() is not None
+
+
 def gemm_gflops(device: torch.device, dtype: torch.dtype, size: int = 1024, reps: int = 10) -> float:
     """The machine's dense GEMM rate: median time of a ``size``-cubed matrix multiply, in GFLOP/s."""
     a = torch.randn(size, size, device=device, dtype=dtype)
