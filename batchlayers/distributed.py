@@ -82,6 +82,7 @@ from .population import (
     _check_schedulers,
     _scheduler_lists,
     _scheduler_state,
+    _unlisted_live_schedulers,
     copy_model_,
     index_models_,
     keep_models_,
@@ -533,12 +534,10 @@ def _population_checks(model, optimizer, schedulers, caller: str, copy_hyperpara
     The local tools also carry the optimizer's live ``batchlayers.optim.lr_scheduler`` schedulers found through
     their registry; across ranks that would need every rank to find them in one order, so they must be given:
     one left out would keep each position's old model's state (best metric, bad epochs) without an error."""
-    from .optim.lr_scheduler import live_schedulers  # (the population tools sit above the optimizers)
-
     carried = None if schedulers is None else list(schedulers)
     copy_model_(model, optimizer, 0, 0, copy_hyperparameters=copy_hyperparameters, schedulers=carried)
     if optimizer is not None:
-        missing = [s for s in live_schedulers(optimizer) if not any(s is t for t in carried or ())]
+        missing = _unlisted_live_schedulers(optimizer, carried or ())
         if missing:
             raise ValueError(
                 f"{caller}: the optimizer has {len(missing)} per-model scheduler(s) not in schedulers= "

@@ -262,7 +262,16 @@ def _check_schedulers(
                 f"{caller}: schedulers[{i}] ({type(scheduler).__name__}) schedules another optimizer than the one "
                 "passed"
             )
-    return schedulers + [s for s in live_schedulers(optimizer) if not any(s is t for t in schedulers)]
+    return schedulers + _unlisted_live_schedulers(optimizer, schedulers)
+
+
+def _unlisted_live_schedulers(optimizer: Optimizer, schedulers: Iterable[Any]) -> list[Any]:
+    """The optimizer's live ``batchlayers.optim.lr_scheduler`` schedulers (found through their registry) that
+    ``schedulers`` does not list."""
+    from .optim.lr_scheduler import live_schedulers  # (the population tools sit above the optimizers)
+
+    listed = list(schedulers)
+    return [s for s in live_schedulers(optimizer) if not any(s is t for t in listed)]
 
 
 def _state_tensors(optimizer: Optimizer | None, groups: list[dict[str, Any]], num_models: int):
