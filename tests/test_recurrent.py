@@ -203,6 +203,21 @@ def test_lstm_per_model_kernels_match_loop(
     assert calls == [1]
 
 
+@pytest.mark.parametrize("per_model", [False, True], ids=["batched", "per_model_kernels"])
+@pytest.mark.parametrize("batch_first", [False, True], ids=["time_major", "batch_first"])
+def test_lstm_with_models_batch_and_steps_all_equal(monkeypatch, batch_first, per_model):
+    """M == B == T: nothing may be told apart by size; both paths follow batch_first, against the loop."""
+    calls = _force_per_model_kernels(monkeypatch) if per_model else []
+    if not per_model:
+        monkeypatch.setattr(_recurrent, "_per_model_kernels", lambda *args: False)
+    torch.manual_seed(0)
+    batched, make_torch = build("LSTM", 3, num_layers=2, batch_first=batch_first)
+    modules = unbatch(batched, make_torch)
+    x = torch.randn(3, 3, 3, I, dtype=F64)
+    compare(batched, modules, x, initial_state("LSTM", 3, (2, 3)), shared=False)
+    assert calls == ([1] if per_model else [])
+
+
 @pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
 def test_lstm_per_model_kernels_with_dropout(monkeypatch, training):
     """Dropout in eval mode does nothing, so the per-model path serves it; in training every model draws its
