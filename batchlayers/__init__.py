@@ -17,7 +17,7 @@ from .attention import BatchedMultiheadAttention
 from .batchnorm import BatchedBatchNorm1d, BatchedBatchNorm2d, BatchedBatchNorm3d
 from .checkpoint import load, load_checkpoint, save, stack_checkpoints
 from .clip_grad import clip_grad_norm_, clip_grad_value_, nonfinite_models
-from .container import Folded
+from .container import BatchedSequential, Folded
 from .conv import (
     BatchedConv1d,
     BatchedConv2d,
@@ -84,6 +84,7 @@ __all__ = [
     "BatchedLSTMCell",
     "BatchedGRUCell",
     "Folded",
+    "BatchedSequential",
     # converters
     "stack",
     "unstack",

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 from torch import Tensor, nn
+from torch.nn.modules import module as _module
 
-from ._utils import is_shared, layer_name
+from ._utils import check_input, is_shared, layer_name
+from .functional._mlp import chain_fuses, linear_chain
+from .linear import BatchedLinear
 
-__all__ = ["Folded"]
+__all__ = ["BatchedSequential", "Folded"]
 
 # Modules that draw random numbers in training mode: each model needs its own draw, like a loop would make.
 _RANDOM_MODULES = (nn.modules.dropout._DropoutNd, nn.RReLU)
@@ -102,3 +107,97 @@ class Folded(nn.Module):
                 f"shape {tuple(out.shape)}"
             )
         return out
+
+
+_CHAIN_ACTIVATIONS = {nn.ReLU: "relu", nn.Tanh: "tanh"}
+_GLOBAL_HOOKS = (
+    "_global_forward_pre_hooks",
+    "_global_forward_hooks",
+    "_global_backward_pre_hooks",
+    "_global_backward_hooks",
+)
+
+
+class BatchedSequential(nn.Sequential):
+    r"""A :class:`torch.nn.Sequential` that computes each run of batched linear layers with ReLU or Tanh
+    between them as one autograd node.
+
+    Children, indexing, ``state_dict`` keys and results are ``nn.Sequential``'s. A run is
+    ``BatchedLinear, act, BatchedLinear[, act, BatchedLinear ...]`` with ``act`` an ``nn.ReLU`` or ``nn.Tanh``;
+    while training, its forward is the same ``baddbmm`` and activation kernels, and its backward is
+    written by hand (the activations' own backward kernels, every weight gradient computed directly in the
+    weight's layout). Results equal ``nn.Sequential``'s up to the summation order of the weight gradients.
+    Measured on a 2-core CPU (forward, loss and backward; the table is in ``docs/layers.md``): a 10-20-2 MLP
+    1.01x at M=64 and 1.18x at M=1024, 784-256-256-10 at M=64 1.11x, an SAC critic 17-256-256-1 at M=10
+    1.14x. Runs below ``batchlayers.functional._mlp.CHAIN_MIN_MACS`` multiply-adds a call are not fused.
+
+    Everything else runs module by module, and so does a run whenever fusing could change what happens:
+    a module of the run holds hooks (or global module hooks exist), is a subclass (a parametrized layer
+    is one), or the shapes do not chain (the layers then raise their own errors); under autocast,
+    ``torch.compile``, torch.func transforms and forward-mode AD. A second derivative
+    (``create_graph=True``, e.g. a gradient penalty) recomputes the run with recorded ops, so it is
+    exact too.
+
+    Examples::
+
+        >>> critic = BatchedSequential(
+        ...     BatchedLinear(10, 17, 256), nn.ReLU(), BatchedLinear(10, 256, 256), nn.ReLU(),
+        ...     BatchedLinear(10, 256, 1))
+        >>> critic(torch.randn(10, 32, 17)).shape
+        torch.Size([10, 32, 1])
+        >>> list(critic.state_dict())[:2]
+        ['0.weight', '0.bias']
+    """
+
+    def forward(self, input):
+        modules = list(self._modules.values())
+        i = 0
+        while i < len(modules):
+            end = _run_end(modules, i)
+            if end > i and isinstance(input, Tensor):
+                input = _run_chain(modules[i:end], input)
+                i = end
+            else:
+                input = modules[i](input)
+                i += 1
+        return input
+
+
+def _plain(module: nn.Module | None) -> bool:
+    return module is not None and not (
+        module._forward_pre_hooks or module._forward_hooks or module._backward_pre_hooks or module._backward_hooks
+    )
+
+
+def _run_end(modules: list[nn.Module | None], start: int) -> int:
+    """The end of the longest fusable run ``linear (act linear)+`` from ``start``, or ``start`` if there is none."""
+    if any(getattr(_module, name) for name in _GLOBAL_HOOKS):
+        return start
+    end = start
+    i = start
+    while i < len(modules) and type(modules[i]) is BatchedLinear and _plain(modules[i]):
+        end = i + 1
+        act = modules[i + 1] if i + 1 < len(modules) else None
+        if type(act) not in _CHAIN_ACTIVATIONS or not _plain(act):
+            break
+        i += 2
+    return end if end - start >= 3 else start
+
+
+def _run_chain(run: list[nn.Module], x: Tensor) -> Tensor:
+    layers = cast(list[BatchedLinear], run[0::2])
+    first = layers[0]
+    check_input(first, x, trailing=[("in_features", first.in_features)], layout="(M, *, in_features)")
+    weights: list[Tensor] = [layer.weight for layer in layers]
+    biases: list[Tensor | None] = [layer.bias for layer in layers]
+    chained = all(
+        a.out_features == b.in_features and a.num_models == b.num_models for a, b in zip(layers, layers[1:])
+    ) and all(t.device == x.device and t.dtype == x.dtype for t in (*weights, *biases) if t is not None)
+    x3 = x if x.dim() == 3 else x.reshape(first.num_models, -1, first.in_features)
+    if not (chained and chain_fuses(x3, weights, biases)):  # unchained layers raise their own errors
+        for module in run:
+            x = module(x)
+        return x
+    activations = tuple(_CHAIN_ACTIVATIONS[type(act)] for act in run[1::2])
+    y = linear_chain(x3, weights, biases, activations)
+    return y if x.dim() == 3 else y.view(*x.shape[:-1], layers[-1].out_features)

@@ -167,6 +167,8 @@ def _torch_func(workload: Workload, models, x, y, train, compile, optim_impl) ->
 
 def _batched_model(workload: Workload, models: Sequence[nn.Module]) -> nn.Module:
     if workload.batched == "layers":
+        # An MLP written with the layers: BatchedSequential runs Linear-ReLU-Linear as one autograd node.
+        from batchlayers.container import BatchedSequential
         from batchlayers.linear import BatchedLinear
 
         layers = []
@@ -181,7 +183,7 @@ def _batched_model(workload: Workload, models: Sequence[nn.Module]) -> nn.Module
                 layers.append(layer)
             else:
                 layers.append(copy.deepcopy(module))
-        return nn.Sequential(*layers)
+        return BatchedSequential(*layers)
     try:
         from batchlayers.convert import stack
     except ImportError as exc:

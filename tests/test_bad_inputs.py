@@ -285,6 +285,8 @@ FORWARD = [
     pytest.param(lambda: bl.BatchedGRUCell(M, 4, 5)(r(M, 2, 4), r(2, 5)), ValueError, ("BatchedGRUCell", "(3, 2, 5)", "(2, 5)"), id="grucell-state-without-models"),  # noqa: E501
     pytest.param(lambda: bl.Folded(nn.Flatten())(r(M)), ValueError, ("Folded(Flatten)", "(M, B, *)", "(3,)"), id="folded-1d"),  # noqa: E501
     pytest.param(lambda: nn.Sequential(bl.BatchedLinear(M, 4, 8), nn.ReLU(), bl.BatchedLinear(M, 8, 2))(r(5, M, 4)), ValueError, ("BatchedLinear", "in_features=4", "dimension 0 (models) is 5"), id="sequential-first-layer-blames-input"),  # noqa: E501
+    pytest.param(lambda: bl.BatchedSequential(bl.BatchedLinear(M, 4, 8), nn.ReLU(), bl.BatchedLinear(M, 8, 2))(r(M, 5, 3)), ValueError, ("BatchedLinear", "in_features=4", "is 3", "(3, 5, 3)"), id="batched-sequential-bad-input"),  # noqa: E501
+    pytest.param(lambda: bl.BatchedSequential(bl.BatchedLinear(M, 4, 8), nn.ReLU(), bl.BatchedLinear(M, 9, 2))(r(M, 5, 4)), ValueError, ("BatchedLinear", "in_features=9", "is 8", "(3, 5, 8)"), id="batched-sequential-unchained"),  # noqa: E501
     pytest.param(lambda: stacked_mlp()(r(M, 5, 7)), ValueError, ("BatchedLinear at 'fc1'", "in_features=6", "is 7", "(3, 5, 7)"), id="stacked-first-layer-named-by-path"),  # noqa: E501
     pytest.param(lambda: bl.stack([zoo.CNN() for _ in range(M)])(r(2, 3, 32, 32)), ValueError, ("stacked CNN", "(M, B, *) with M=3", "(2, 3, 32, 32)"), id="stacked-cnn-missing-models"),  # noqa: E501
     pytest.param(lambda: stacked_mlp().load_state_dict(bl.stack_state_dicts([zoo.MLP().state_dict()] * 2)), RuntimeError, ("fc1.weight", "[2, 8, 6]", "[3, 8, 6]"), id="stacked-load-state-dict-of-2-models"),  # noqa: E501

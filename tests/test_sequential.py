@@ -1,0 +1,331 @@
+"""BatchedSequential: runs of batched linear layers and activations computed as one autograd node, against a
+loop of the torch.nn models holding the same slices, and against nn.Sequential wherever it must not fuse."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from harness import assert_close
+from torch import nn
+
+import batchlayers.functional._mlp as mlp_module
+from batchlayers.container import BatchedSequential, Folded
+from batchlayers.linear import BatchedLinear
+
+F64 = torch.float64
+M = 3
+FUSED = "_LinearChainBackward"
+
+# name -> the layers of one model, written with torch.nn modules ("L" marks where a linear goes)
+STRUCTURES = {
+    "relu": [(5, 7), nn.ReLU(), (7, 2)],
+    "relu-tanh-3": [(5, 7), nn.ReLU(), (7, 4), nn.Tanh(), (4, 3)],
+    "nobias": [(5, 7, False), nn.ReLU(inplace=True), (7, 2, False)],
+    "run-in-middle": [
+        Folded(nn.Flatten(-2)),
+        (6, 8),
+        nn.Tanh(),
+        (8, 8),
+        nn.ReLU(),
+        Folded(nn.Dropout(0.0)),
+        (8, 4),
+        nn.ReLU(),
+        (4, 2),
+        nn.ReLU(),
+    ],
+}
+SAMPLE = {"relu": (5,), "relu-tanh-3": (5,), "nobias": (5,), "run-in-middle": (2, 3)}
+
+
+@pytest.fixture(autouse=True)
+def _always_fuse(monkeypatch):
+    # Runs fuse above a work size only; these tests' tiny layers are forced through the fused path.
+    monkeypatch.setattr(mlp_module, "CHAIN_MIN_MACS", 0)
+
+
+def _build(structure, dtype=F64) -> tuple[BatchedSequential, list[nn.Sequential]]:
+    """The batched model and the M torch.nn models holding its slices."""
+    torch.manual_seed(0)
+    batched, loops = [], [[] for _ in range(M)]
+    for item in structure:
+        if isinstance(item, tuple):
+            in_f, out_f, *bias = item
+            layer = BatchedLinear(M, in_f, out_f, *bias, dtype=dtype)
+            batched.append(layer)
+            for m in range(M):
+                single = nn.Linear(in_f, out_f, *bias, dtype=dtype)
+                single.load_state_dict({k: v[m] for k, v in layer.state_dict().items()})
+                loops[m].append(single)
+        else:
+            batched.append(copy.deepcopy(item))
+            for m in range(M):
+                loops[m].append(copy.deepcopy(item.module if isinstance(item, Folded) else item))
+    return BatchedSequential(*batched), [nn.Sequential(*layers) for layers in loops]
+
+
+def _input(structure_name, leading, dtype=F64):
+    return torch.randn(*leading, *SAMPLE[structure_name], dtype=dtype)
+
+
+def _compare(model, loops, base, shared, input_grad, *, fused=True):
+    """Outputs, input gradients and parameter gradients against the loop."""
+    xb = base.clone().requires_grad_(input_grad)
+    xr = base.clone().requires_grad_(input_grad)
+    y = model(xb.expand(M, *xb.shape) if shared else xb)
+    expected = torch.stack([loops[m](xr if shared else xr[m]) for m in range(M)])
+    assert_close(y, expected, msg="output")
+    names = {type(node).__name__ for node in _graph(y.grad_fn)}
+    assert (FUSED in names) == fused, names
+    grad = torch.randn_like(expected)
+    y.backward(grad)
+    expected.backward(grad)
+    if input_grad:
+        assert_close(xb.grad, xr.grad, msg="input gradient")
+    batched = dict(model.named_parameters())
+    for m in range(M):
+        for name, p in loops[m].named_parameters():
+            assert_close(batched[name].grad[m], p.grad, msg=f"{name} gradient of model {m}")
+    return y
+
+
+def _graph(node, seen=None):
+    seen = set() if seen is None else seen
+    if node is None or node in seen:
+        return seen
+    seen.add(node)
+    for next_node, _ in node.next_functions:
+        _graph(next_node, seen)
+    return seen
+
+
+@pytest.mark.parametrize("structure", list(STRUCTURES))
+@pytest.mark.parametrize("shared", [False, True], ids=["per-model", "shared"])
+@pytest.mark.parametrize("input_grad", [False, True], ids=["data", "input-grad"])
+@pytest.mark.parametrize("extra", [(), (2,)], ids=["MB", "MBT"])
+def test_matches_loop(structure, shared, input_grad, extra):
+    model, loops = _build(STRUCTURES[structure])
+    leading = (4, *extra) if shared else (M, 4, *extra)
+    _compare(model, loops, _input(structure, leading), shared, input_grad)
+
+
+def test_float32_matches_loop():
+    model, loops = _build(STRUCTURES["relu-tanh-3"], torch.float32)
+    _compare(model, loops, _input("relu-tanh-3", (M, 64), torch.float32), False, True)
+
+
+def test_state_dict_and_children_are_sequentials():
+    model, _ = _build(STRUCTURES["run-in-middle"])
+    plain = nn.Sequential(*model)
+    assert list(model.state_dict()) == list(plain.state_dict())
+    assert isinstance(model, nn.Sequential) and model[1] is plain[1] and len(model) == len(plain)
+    assert isinstance(model[1:4], BatchedSequential)
+
+
+def _hooked(kind):
+    model, loops = _build(STRUCTURES["relu-tanh-3"])
+    calls = []
+    target = model[2]
+    if kind == "forward":
+        target.register_forward_hook(lambda mod, args, out: calls.append(out.shape))
+    elif kind == "pre":
+        target.register_forward_pre_hook(lambda mod, args: calls.append(args[0].shape))
+    elif kind == "backward":
+        target.register_full_backward_hook(lambda mod, gi, go: calls.append(go[0].shape))
+    return model, loops, calls
+
+
+@pytest.mark.parametrize("kind", ["forward", "pre", "backward"])
+def test_hooks_run_module_by_module(kind):
+    # A hook on a layer of a run sees that layer's call, so the run is not fused.
+    model, loops, calls = _hooked(kind)
+    _compare(model, loops, _input("relu-tanh-3", (M, 4)), False, True, fused=False)
+    assert len(calls) == 1
+
+
+def test_global_hooks_run_module_by_module():
+    model, loops = _build(STRUCTURES["relu"])
+    calls = []
+    handle = nn.modules.module.register_module_forward_hook(lambda mod, args, out: calls.append(type(mod)))
+    try:
+        _compare(model, loops, _input("relu", (M, 4)), False, True, fused=False)
+    finally:
+        handle.remove()
+    assert calls.count(BatchedLinear) == 2
+
+
+def test_subclasses_and_parametrizations_run_module_by_module():
+    # A subclass may override forward, and a parametrized layer computes its weight: neither is fused.
+    class MyLinear(BatchedLinear):
+        pass
+
+    model, loops = _build(STRUCTURES["relu"])
+    subclassed = MyLinear(M, 7, 2, dtype=F64)
+    subclassed.load_state_dict(model[2].state_dict())
+    model[2] = subclassed
+    _compare(model, loops, _input("relu", (M, 4)), False, True, fused=False)
+
+    model, loops = _build(STRUCTURES["relu"])
+    for module in [model[0], *(loop[0] for loop in loops)]:
+        nn.utils.parametrize.register_parametrization(module, "weight", _Double())
+    _compare(model, loops, _input("relu", (M, 4)), False, True, fused=False)
+
+
+class _Double(nn.Module):
+    def forward(self, x):
+        return 2 * x
+
+
+def test_gradient_penalty_matches_loop():
+    # create_graph=True: the run's backward is recomputed with recorded ops, so it differentiates again.
+    model, loops = _build(STRUCTURES["relu-tanh-3"])
+    base = _input("relu-tanh-3", (M, 4))
+    xb = base.clone().requires_grad_()
+    y = model(xb)
+    assert FUSED in {type(n).__name__ for n in _graph(y.grad_fn)}
+    (grad_x,) = torch.autograd.grad(y.sum(), xb, create_graph=True)
+    grad_x.square().sum().backward()
+    for m in range(M):
+        xr = base[m].clone().requires_grad_()
+        (gr,) = torch.autograd.grad(loops[m](xr).sum(), xr, create_graph=True)
+        assert_close(grad_x[m], gr, msg=f"input gradient of model {m}")
+        gr.square().sum().backward()
+        for name, p in loops[m].named_parameters():
+            got = dict(model.named_parameters())[name].grad
+            if p.grad is None:  # the last bias does not reach the input gradient
+                assert got is None, name
+            else:
+                assert_close(got[m], p.grad, msg=f"{name} of model {m}")
+
+
+def test_gradgradcheck():
+    model, _ = _build(STRUCTURES["relu-tanh-3"])
+    x = _input("relu-tanh-3", (M, 3)).requires_grad_()
+    params = list(model.parameters())
+
+    def fn(x, *ps):
+        return torch.func.functional_call(model, dict(zip(dict(model.named_parameters()), ps)), (x,))
+
+    # functional_call swaps in tensors, not Parameters: the run still fuses (checked by the graph) ...
+    assert FUSED in {type(n).__name__ for n in _graph(fn(x, *params).grad_fn)}
+    # ... and its first and second derivatives are the numerical ones.
+    assert torch.autograd.gradcheck(fn, (x, *params))
+    assert torch.autograd.gradgradcheck(fn, (x, *params))
+
+
+def test_inference_matches_loop():
+    model, loops = _build(STRUCTURES["run-in-middle"])
+    x = _input("run-in-middle", (M, 4))
+    with torch.no_grad():
+        y = model(x)
+    assert_close(y, torch.stack([loops[m](x[m]) for m in range(M)]), msg="no_grad output")
+    with torch.inference_mode():
+        assert_close(model(x), y, msg="inference_mode output")
+
+
+def test_autocast_runs_as_the_layers():
+    model, _ = _build(STRUCTURES["relu-tanh-3"], torch.float32)
+    plain = nn.Sequential(*model)
+    x = _input("relu-tanh-3", (M, 8), torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, expected = model(x), plain(x)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, expected)
+    assert FUSED not in {type(n).__name__ for n in _graph(y.grad_fn)}
+
+
+# torch.func.jvp imports torch's jvp decompositions, which call torch.jit.script (deprecated in torch 2.13).
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+def test_torch_func_and_forward_ad():
+    model, _ = _build(STRUCTURES["relu-tanh-3"])
+    plain = nn.Sequential(*model)
+    x = _input("relu-tanh-3", (M, 4))
+    tangent = torch.randn_like(x)
+    params = dict(model.named_parameters())
+
+    def loss(module):
+        return lambda p, x: torch.func.functional_call(module, p, (x,)).square().sum()
+
+    for got, want in zip(
+        torch.func.grad(loss(model))(params, x).values(), torch.func.grad(loss(plain))(params, x).values()
+    ):
+        assert_close(got, want, msg="torch.func.grad")
+    _, jvp = torch.func.jvp(model, (x,), (tangent,))
+    _, expected = torch.func.jvp(plain, (x,), (tangent,))
+    assert_close(jvp, expected, msg="torch.func.jvp")
+    import torch.autograd.forward_ad as fwad
+
+    with fwad.dual_level():
+        out = fwad.unpack_dual(model(fwad.make_dual(x, tangent))).tangent
+    assert_close(out, expected, msg="forward-mode AD")
+
+
+def test_compiled_matches_eager():
+    model, loops = _build(STRUCTURES["relu-tanh-3"])
+    x = _input("relu-tanh-3", (M, 4))
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    y = compiled(x)
+    assert_close(y, torch.stack([loops[m](x[m]) for m in range(M)]), msg="compiled output")
+    y.sum().backward()
+    for m in range(M):
+        loops[m](x[m]).sum().backward()
+        for name, p in loops[m].named_parameters():
+            assert_close(dict(model.named_parameters())[name].grad[m], p.grad, msg=f"compiled {name}, model {m}")
+
+
+@pytest.mark.parametrize(
+    "change, in_features, match",
+    [
+        (lambda model: None, 6, r"in_features"),
+        (lambda model: model.__setitem__(2, BatchedLinear(M, 8, 2, dtype=F64)), 5, r"in_features"),
+        (lambda model: model.__setitem__(2, BatchedLinear(M + 1, 7, 2, dtype=F64)), 5, r"4"),
+        (lambda model: model[2].to(torch.float32), 5, r"float"),
+    ],
+    ids=["bad-input", "unchained", "num-models", "dtype"],
+)
+def test_errors_are_the_layers_own(change, in_features, match):
+    # Bad input and layers that do not chain raise what nn.Sequential of the same layers raises.
+    model, _ = _build(STRUCTURES["relu"])
+    change(model)
+    x = torch.randn(M, 4, in_features, dtype=F64)
+    with pytest.raises((ValueError, RuntimeError, TypeError)) as fused:
+        model(x)
+    with pytest.raises(type(fused.value)) as plain:
+        nn.Sequential(*model)(x)
+    assert str(fused.value) == str(plain.value)
+    assert fused.match(match)
+
+
+def test_weights_changed_in_place_before_backward_raise():
+    model, _ = _build(STRUCTURES["relu"])
+    y = model(_input("relu", (M, 4)))
+    with torch.no_grad():
+        model[2].weight.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_fused_matches_unfused_in_float32_training():
+    # A few Adam steps of the fused and the module-by-module model from the same weights stay together.
+    model, _ = _build(STRUCTURES["relu-tanh-3"], torch.float32)
+    plain = copy.deepcopy(nn.Sequential(*model))
+    x = _input("relu-tanh-3", (M, 32), torch.float32)
+    target = torch.randint(0, 3, (M, 32))
+    for net in (model, plain):
+        optimizer = torch.optim.Adam(net.parameters(), lr=1e-2)
+        for _ in range(5):
+            optimizer.zero_grad()
+            F.cross_entropy(net(x).reshape(-1, 3), target.reshape(-1)).backward()
+            optimizer.step()
+    for (name, got), want in zip(model.named_parameters(), plain.parameters()):
+        assert_close(got, want, msg=name)
+
+
+@pytest.mark.parametrize("num_models, fused", [(2, False), (64, True)])
+def test_small_runs_are_not_fused(num_models, fused, monkeypatch):
+    # The measured rule: a 10-20-2 MLP on 64 samples fuses from M=64 on (983k multiply-adds), not at M=2.
+    monkeypatch.undo()
+    model = BatchedSequential(BatchedLinear(num_models, 10, 20), nn.ReLU(), BatchedLinear(num_models, 20, 2))
+    y = model(torch.randn(num_models, 64, 10))
+    assert (FUSED in {type(n).__name__ for n in _graph(y.grad_fn)}) == fused
