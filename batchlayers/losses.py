@@ -278,11 +278,7 @@ class _TwoClassCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input: Tensor, second: Tensor, counted: Tensor | None) -> Tensor:
-        difference = input[:, :, 1] - input[:, :, 0]
-        z = torch.where(second, -difference, difference)  # the other class's logit minus the target's
-        probability = torch.sigmoid(z)  # of the other class: the gradient of softplus(z)
-        # threshold 50, not softplus' 20: above it log1p(exp(-z)) < 2e-22 is below float64's resolution
-        loss = F.softplus(z, threshold=50.0)
+        z, probability, loss = _two_class_terms(input, second)
         if counted is not None:
             loss = loss.masked_fill(~counted, 0.0)
             probability = probability.masked_fill(~counted, 0.0)
@@ -298,10 +294,46 @@ class _TwoClassCrossEntropy(torch.autograd.Function):
         return torch.stack((-grad_difference, grad_difference), dim=2), None, None
 
 
+def _two_class_terms(input: Tensor, second: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``z`` (the other class's logit minus the target's), ``sigmoid(z)`` (the other class's probability, the
+    gradient of the loss by ``z``) and the unreduced loss ``softplus(z)``."""
+    difference = input[:, :, 1] - input[:, :, 0]
+    z = torch.where(second, -difference, difference)
+    # threshold 50, not softplus' 20: above it log1p(exp(-z)) < 2e-22 is below float64's resolution
+    return z, torch.sigmoid(z), F.softplus(z, threshold=50.0)
+
+
+class _TwoClassCrossEntropyReduced(torch.autograd.Function):
+    """:class:`_TwoClassCrossEntropy` with every target counted, summed per model and divided by ``divisor``
+    (the number of targets per model for ``'mean'``, 1 for ``'sum'``) in the same node: the reduction's
+    reshape, sum and division nodes cost more than the loss itself on a small batch."""
+
+    @staticmethod
+    def forward(ctx, input: Tensor, second: Tensor, divisor: float) -> Tensor:
+        _, probability, loss = _two_class_terms(input, second)
+        ctx.save_for_backward(probability, second)
+        ctx.divisor = divisor
+        total = loss.reshape(input.shape[0], -1).sum(dim=1)
+        return total if divisor == 1 else total / divisor
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
+        probability, second = ctx.saved_tensors
+        scale = grad if ctx.divisor == 1 else grad / ctx.divisor
+        grad_z = probability * scale.view(-1, *[1] * (probability.dim() - 1))
+        grad_difference = torch.where(second, -grad_z, grad_z)
+        return torch.stack((-grad_difference, grad_difference), dim=2), None, None
+
+
 def _two_class_cross_entropy(input: Tensor, target: Tensor, ignore_index: int, reduction: str) -> Tensor | None:
     """Two-class cross entropy of class indices by :class:`_TwoClassCrossEntropy`; ``None`` when a target is
     neither class nor ``ignore_index`` (torch's path then raises its error)."""
     second = target == 1
+    if reduction != "none" and not bool(torch.bitwise_and(target, -2).any()):  # every target is 0 or 1
+        num_models = input.shape[0]
+        divisor = float(target.numel() // num_models) if reduction == "mean" else 1.0
+        return _TwoClassCrossEntropyReduced.apply(input, second, divisor)
     counted = second | (target == 0)
     ignored = not bool(counted.all())
     if ignored and not bool((counted | (target == ignore_index)).all()):
