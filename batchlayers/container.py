@@ -8,7 +8,7 @@ from torch import Tensor, nn
 from torch.nn.modules import module as _module
 
 from ._utils import check_input, is_shared, layer_name
-from .functional._mlp import chain_fuses, linear_chain
+from .functional._mlp import chain_fuses, fused_linear_chain
 from .linear import BatchedLinear
 
 __all__ = ["BatchedSequential", "Folded"]
@@ -128,8 +128,8 @@ class BatchedSequential(nn.Sequential):
     written by hand (the activations' own backward kernels, every weight gradient computed directly in the
     weight's layout). Results equal ``nn.Sequential``'s up to the summation order of the weight gradients.
     Measured on a 2-core CPU (forward, loss and backward; the table is in ``docs/layers.md``): a 10-20-2 MLP
-    1.01x at M=64 and 1.18x at M=1024, 784-256-256-10 at M=64 1.11x, an SAC critic 17-256-256-1 at M=10
-    1.14x. Runs below ``batchlayers.functional._mlp.CHAIN_MIN_MACS`` multiply-adds a call are not fused.
+    1.03-1.09x at M=64 and 1.7-1.8x at M=1024, 784-256-256-10 at M=64 1.19x, an SAC critic 17-256-256-1 at
+    M=10 1.15x. Runs below ``batchlayers.functional._mlp.CHAIN_MIN_MACS`` multiply-adds a call are not fused.
 
     Everything else runs module by module, and so does a run whenever fusing could change what happens:
     a module of the run holds hooks (or global module hooks exist), is a subclass (a parametrized layer
@@ -151,10 +151,11 @@ class BatchedSequential(nn.Sequential):
 
     def forward(self, input):
         modules = list(self._modules.values())
+        hooked = any(getattr(_module, name) for name in _GLOBAL_HOOKS)
         i = 0
         while i < len(modules):
-            end = _run_end(modules, i)
-            if end > i and isinstance(input, Tensor):
+            end = i if hooked or not isinstance(input, Tensor) else _run_end(modules, i)
+            if end > i:
                 input = _run_chain(modules[i:end], input)
                 i = end
             else:
@@ -171,10 +172,7 @@ def _plain(module: nn.Module | None) -> bool:
 
 def _run_end(modules: list[nn.Module | None], start: int) -> int:
     """The end of the longest fusable run ``linear (act linear)+`` from ``start``, or ``start`` if there is none."""
-    if any(getattr(_module, name) for name in _GLOBAL_HOOKS):
-        return start
-    end = start
-    i = start
+    end = i = start
     while i < len(modules) and type(modules[i]) is BatchedLinear and _plain(modules[i]):
         end = i + 1
         act = modules[i + 1] if i + 1 < len(modules) else None
@@ -187,17 +185,25 @@ def _run_end(modules: list[nn.Module | None], start: int) -> int:
 def _run_chain(run: list[nn.Module], x: Tensor) -> Tensor:
     layers = cast(list[BatchedLinear], run[0::2])
     first = layers[0]
+    # Decided from the sizes first, so that a run too small to fuse costs no more than nn.Sequential.
+    macs = x.numel() // first.in_features * sum(layer.in_features * layer.out_features for layer in layers)
+    if not chain_fuses(x, macs):
+        return _one_by_one(run, x)
     check_input(first, x, trailing=[("in_features", first.in_features)], layout="(M, *, in_features)")
     weights: list[Tensor] = [layer.weight for layer in layers]
     biases: list[Tensor | None] = [layer.bias for layer in layers]
     chained = all(
         a.out_features == b.in_features and a.num_models == b.num_models for a, b in zip(layers, layers[1:])
     ) and all(t.device == x.device and t.dtype == x.dtype for t in (*weights, *biases) if t is not None)
+    if not chained:  # the layers raise their own errors
+        return _one_by_one(run, x)
     x3 = x if x.dim() == 3 else x.reshape(first.num_models, -1, first.in_features)
-    if not (chained and chain_fuses(x3, weights, biases)):  # unchained layers raise their own errors
-        for module in run:
-            x = module(x)
-        return x
     activations = tuple(_CHAIN_ACTIVATIONS[type(act)] for act in run[1::2])
-    y = linear_chain(x3, weights, biases, activations)
+    y = fused_linear_chain(x3, weights, biases, activations)
     return y if x.dim() == 3 else y.view(*x.shape[:-1], layers[-1].out_features)
+
+
+def _one_by_one(run: list[nn.Module], x: Tensor) -> Tensor:
+    for module in run:
+        x = module(x)
+    return x

@@ -1,7 +1,7 @@
 """A chain of batched linear layers with ReLU or Tanh between them, computed as one autograd node.
 
 Autograd runs one node per op of ``linear -> activation -> linear``: for a small MLP the per-node cost is
-most of the step. :func:`linear_chain` computes the same ops (``baddbmm``, the activation in place on its
+most of the step. :func:`fused_linear_chain` computes the same ops (``baddbmm``, the activation in place on its
 output) and writes the backward by hand: the activation's backward is torch's own (``threshold_backward``
 for ReLU, ``tanh_backward`` for Tanh, both from the saved output, as autograd computes them) and every
 weight gradient is computed as ``grad^T @ input``, directly in the weight's ``(M, out, in)`` layout, where
@@ -18,15 +18,15 @@ from torch import Tensor
 
 from ._linear import _affine
 
-__all__ = ["ACTIVATIONS", "chain_fuses", "linear_chain"]
+__all__ = ["ACTIVATIONS", "CHAIN_MIN_MACS", "chain_fuses", "fused_linear_chain"]
 
 ACTIVATIONS = ("relu", "tanh")
 
 
 # Below this many multiply-adds a call, the node's Python cost (apply and a Python backward) is about what it
-# saves: measured on a 2-core CPU (forward, two-class loss and backward, old and new alternating, medians of
-# 15-21 rounds), a 10-20-2 MLP with 64 samples ran 0.95-0.99x at M=1 (15k multiply-adds), 0.96-1.00x at M=16
-# (246k), 0.99-1.04x at M=64 (983k), 1.3x at M=256 and 1.12-1.18x at M=1024; 784-256-256-10 at M=16 1.10x.
+# saves: measured on a 2-core CPU (forward, two-class loss and backward against nn.Sequential, alternating,
+# medians of 15 rounds), a 10-20-2 MLP with 64 samples fused ran 0.95x at M=1 (15k multiply-adds), 0.93x at
+# M=4, 0.95x at M=16 (246k) and 1.03-1.09x at M=64 (983k); unfused (below this) 0.96-0.97x.
 CHAIN_MIN_MACS = 1 << 19
 
 
@@ -41,33 +41,23 @@ def _plain_context(x: Tensor) -> bool:
     )
 
 
-def chain_fuses(x: Tensor, weights: list[Tensor], biases: list[Tensor | None]) -> bool:
-    """Whether :func:`linear_chain` computes ``x`` through these layers without one op per layer: in one
-    autograd node while gradients are recorded (above :data:`CHAIN_MIN_MACS`), in place without them; in
-    both cases only in a :func:`_plain_context`. Otherwise the caller runs its layers one by one."""
-    if not _plain_context(x):
-        return False
-    if not torch.is_grad_enabled():
-        return True
-    macs = x.shape[0] * x.shape[1] * sum(w.shape[1] * w.shape[2] for w in weights)
-    return macs >= CHAIN_MIN_MACS and any(t.requires_grad for t in (x, *weights, *biases) if t is not None)
+def chain_fuses(x: Tensor, macs: int) -> bool:
+    """Whether a chain of ``macs`` multiply-adds on input ``x`` runs without one op per layer: as one autograd
+    node while gradients are recorded (from :data:`CHAIN_MIN_MACS` on), in place without them; in both cases
+    only in a :func:`_plain_context`. Otherwise its layers run one by one."""
+    return (not torch.is_grad_enabled() or macs >= CHAIN_MIN_MACS) and _plain_context(x)
 
 
-def linear_chain(x: Tensor, weights: list[Tensor], biases: list[Tensor | None], activations: tuple[str, ...]) -> Tensor:
-    """``linear(act_n(... act_1(linear(x, w0, b0)) ...), w_n, b_n)`` for ``(M, N, in)`` inputs, arguments checked
-    by the caller (shapes chained, one device and dtype); ``activations[i]`` follows linear ``i``.
+def fused_linear_chain(
+    x: Tensor, weights: list[Tensor], biases: list[Tensor | None], activations: tuple[str, ...]
+) -> Tensor:
+    """``linear(act_n(... act_1(linear(x, w0, b0)) ...), w_n, b_n)`` for ``(M, N, in)`` inputs where
+    :func:`chain_fuses`, arguments checked by the caller (shapes chained, one device and dtype);
+    ``activations[i]`` (one of :data:`ACTIVATIONS`) follows linear ``i``.
 
-    Where :func:`chain_fuses`: with gradients recorded, one autograd node (see the module docstring); without,
-    the same forward with each activation applied in place on its linear's output. Elsewhere the
-    composition of the same ops.
-    """
-    if len(activations) != len(weights) - 1 or any(a not in ACTIVATIONS for a in activations):
-        raise ValueError(
-            f"linear_chain: expected {len(weights) - 1} activations, each one of {ACTIVATIONS}, got {activations!r}"
-        )
-    if not chain_fuses(x, weights, biases):
-        return _forward(x, weights, biases, activations, inplace=False)[0]
-    if not torch.is_grad_enabled():
+    One autograd node while gradients are recorded (see the module docstring); without them, the same
+    forward with each activation in place on its linear's output."""
+    if not torch.is_grad_enabled() or not any(t.requires_grad for t in (x, *weights, *biases) if t is not None):
         return _forward(x, weights, biases, activations, inplace=True)[0]
     params = [t for pair in zip(weights, biases) for t in pair]
     return _LinearChain.apply(activations, x, *params)
@@ -119,11 +109,12 @@ class _LinearChain(torch.autograd.Function):
             if biases[i] is not None and needs[3 + 2 * i]:
                 grads[2 * i + 1] = grad.sum(1)
             if i:
-                grad_hidden = torch.bmm(grad, weights[i])
+                # The activation's backward overwrites the product it reads: one buffer, not two.
+                grad = torch.bmm(grad, weights[i])
                 if ctx.activations[i - 1] == "relu":
-                    grad = torch.ops.aten.threshold_backward(grad_hidden, hidden[i - 1], 0)
+                    torch.ops.aten.threshold_backward.grad_input(grad, hidden[i - 1], 0, grad_input=grad)
                 else:
-                    grad = torch.ops.aten.tanh_backward(grad_hidden, hidden[i - 1])
+                    torch.ops.aten.tanh_backward.grad_input(grad, hidden[i - 1], grad_input=grad)
             elif needs[1]:
                 grad_x = torch.bmm(grad, weights[0])
         return (None, grad_x, *grads)
