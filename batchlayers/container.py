@@ -109,7 +109,24 @@ class Folded(nn.Module):
         return out
 
 
-_CHAIN_ACTIVATIONS = {nn.ReLU: "relu", nn.Tanh: "tanh"}
+def _activation(module: nn.Module | None) -> tuple[str, object] | None:
+    """``(name, argument)`` of a torch.nn activation a fused run can hold, or None."""
+    kind = type(module)
+    if kind is nn.ReLU:
+        return ("relu", None)
+    if kind is nn.Tanh:
+        return ("tanh", None)
+    if kind is nn.GELU:
+        return ("gelu", cast(nn.GELU, module).approximate)
+    if kind is nn.SiLU:
+        return ("silu", None)
+    if kind is nn.LeakyReLU:
+        leaky = cast(nn.LeakyReLU, module)
+        # torch refuses the backward of an in-place LeakyReLU with a slope <= 0; module by module, so does this
+        return None if leaky.inplace and leaky.negative_slope <= 0 else ("leaky_relu", leaky.negative_slope)
+    return None
+
+
 _GLOBAL_HOOKS = (
     "_global_forward_pre_hooks",
     "_global_forward_hooks",
@@ -119,17 +136,19 @@ _GLOBAL_HOOKS = (
 
 
 class BatchedSequential(nn.Sequential):
-    r"""A :class:`torch.nn.Sequential` that computes each run of batched linear layers with ReLU or Tanh
-    between them as one autograd node.
+    r"""A :class:`torch.nn.Sequential` that computes each run of batched linear layers with elementwise
+    activations between them as one autograd node.
 
     Children, indexing, ``state_dict`` keys and results are ``nn.Sequential``'s. A run is
-    ``BatchedLinear, act, BatchedLinear[, act, BatchedLinear ...]`` with ``act`` an ``nn.ReLU`` or ``nn.Tanh``;
-    while training, its forward is the same ``baddbmm`` and activation kernels, and its backward is
-    written by hand (the activations' own backward kernels, every weight gradient computed directly in the
-    weight's layout). Results equal ``nn.Sequential``'s up to the summation order of the weight gradients.
+    ``BatchedLinear, act, BatchedLinear[, act, BatchedLinear ...]`` with each ``act`` an ``nn.ReLU``,
+    ``nn.Tanh``, ``nn.GELU``, ``nn.SiLU`` or ``nn.LeakyReLU``; while training, its forward is the same
+    ``baddbmm`` and activation kernels, and its backward is written by hand (the activations' own backward
+    kernels, writing into the gradient they read; every weight gradient computed directly in the weight's
+    layout). Results equal ``nn.Sequential``'s up to the summation order of the weight gradients.
     Measured on a 2-core CPU (forward, loss and backward; the table is in ``docs/layers.md``): a 10-20-2 MLP
     1.03-1.09x at M=64 and 1.7-1.8x at M=1024, 784-256-256-10 at M=64 1.19x, an SAC critic 17-256-256-1 at
-    M=10 1.15x. Runs below ``batchlayers.functional._mlp.CHAIN_MIN_MACS`` multiply-adds a call are not fused.
+    M=10 1.15x (1.05-1.18x with GELU). Runs below ``batchlayers.functional._mlp.CHAIN_MIN_MACS``
+    multiply-adds a call are not fused.
 
     Everything else runs module by module, and so does a run whenever fusing could change what happens:
     a module of the run holds hooks (or global module hooks exist), is a subclass (a parametrized layer
@@ -176,7 +195,7 @@ def _run_end(modules: list[nn.Module | None], start: int) -> int:
     while i < len(modules) and type(modules[i]) is BatchedLinear and _plain(modules[i]):
         end = i + 1
         act = modules[i + 1] if i + 1 < len(modules) else None
-        if type(act) not in _CHAIN_ACTIVATIONS or not _plain(act):
+        if _activation(act) is None or not _plain(act):
             break
         i += 2
     return end if end - start >= 3 else start
@@ -198,7 +217,7 @@ def _run_chain(run: list[nn.Module], x: Tensor) -> Tensor:
     if not chained:  # the layers raise their own errors
         return _one_by_one(run, x)
     x3 = x if x.dim() == 3 else x.reshape(first.num_models, -1, first.in_features)
-    activations = tuple(_CHAIN_ACTIVATIONS[type(act)] for act in run[1::2])
+    activations = tuple(cast(tuple[str, object], _activation(act)) for act in run[1::2])
     y = fused_linear_chain(x3, weights, biases, activations)
     return y if x.dim() == 3 else y.view(*x.shape[:-1], layers[-1].out_features)
 

@@ -24,6 +24,18 @@ STRUCTURES = {
     "relu": [(5, 7), nn.ReLU(), (7, 2)],
     "relu-tanh-3": [(5, 7), nn.ReLU(), (7, 4), nn.Tanh(), (4, 3)],
     "nobias": [(5, 7, False), nn.ReLU(inplace=True), (7, 2, False)],
+    "gelu-silu-leaky": [
+        (5, 7),
+        nn.GELU(),
+        (7, 6),
+        nn.SiLU(),
+        (6, 5),
+        nn.LeakyReLU(0.1),
+        (5, 4),
+        nn.GELU(approximate="tanh"),
+        (4, 2),
+    ],
+    "inplace-silu-leaky": [(5, 7), nn.SiLU(inplace=True), (7, 6), nn.LeakyReLU(0.2, inplace=True), (6, 2)],
     "run-in-middle": [
         Folded(nn.Flatten(-2)),
         (6, 8),
@@ -37,7 +49,7 @@ STRUCTURES = {
         nn.ReLU(),
     ],
 }
-SAMPLE = {"relu": (5,), "relu-tanh-3": (5,), "nobias": (5,), "run-in-middle": (2, 3)}
+SAMPLE = {name: (5,) for name in STRUCTURES} | {"run-in-middle": (2, 3)}
 
 
 @pytest.fixture(autouse=True)
@@ -178,10 +190,20 @@ class _Double(nn.Module):
         return 2 * x
 
 
-def test_gradient_penalty_matches_loop():
+def test_inplace_leaky_relu_with_negative_slope_runs_module_by_module():
+    # torch refuses its backward (the input is gone and the slope's sign hides it): so must the fused run.
+    model, _ = _build([(5, 7), nn.LeakyReLU(-0.1, inplace=True), (7, 2)])
+    y = model(_input("relu", (M, 4)))
+    assert FUSED not in {type(n).__name__ for n in _graph(y.grad_fn)}
+    with pytest.raises(RuntimeError, match="negative slope"):
+        y.sum().backward()
+
+
+@pytest.mark.parametrize("structure", ["relu-tanh-3", "gelu-silu-leaky"])
+def test_gradient_penalty_matches_loop(structure):
     # create_graph=True: the run's backward is recomputed with recorded ops, so it differentiates again.
-    model, loops = _build(STRUCTURES["relu-tanh-3"])
-    base = _input("relu-tanh-3", (M, 4))
+    model, loops = _build(STRUCTURES[structure])
+    base = _input(structure, (M, 4))
     xb = base.clone().requires_grad_()
     y = model(xb)
     assert FUSED in {type(n).__name__ for n in _graph(y.grad_fn)}
@@ -200,9 +222,10 @@ def test_gradient_penalty_matches_loop():
                 assert_close(got[m], p.grad, msg=f"{name} of model {m}")
 
 
-def test_gradgradcheck():
-    model, _ = _build(STRUCTURES["relu-tanh-3"])
-    x = _input("relu-tanh-3", (M, 3)).requires_grad_()
+@pytest.mark.parametrize("structure", ["relu-tanh-3", "gelu-silu-leaky"])
+def test_gradgradcheck(structure):
+    model, _ = _build(STRUCTURES[structure])
+    x = _input(structure, (M, 3)).requires_grad_()
     params = list(model.parameters())
 
     def fn(x, *ps):

@@ -1,9 +1,10 @@
-"""A chain of batched linear layers with ReLU or Tanh between them, computed as one autograd node.
+"""A chain of batched linear layers with elementwise activations between them, computed as one autograd node.
 
 Autograd runs one node per op of ``linear -> activation -> linear``: for a small MLP the per-node cost is
 most of the step. :func:`fused_linear_chain` computes the same ops (``baddbmm``, the activation in place on its
-output) and writes the backward by hand: the activation's backward is torch's own (``threshold_backward``
-for ReLU, ``tanh_backward`` for Tanh, both from the saved output, as autograd computes them) and every
+output) and writes the backward by hand: the activation's backward is torch's own kernel, from what autograd
+would save (``threshold_backward`` and ``tanh_backward`` from the output, ``gelu_backward``, ``silu_backward``
+and ``leaky_relu_backward`` from the input), written into the gradient it reads; and every
 weight gradient is computed as ``grad^T @ input``, directly in the weight's ``(M, out, in)`` layout, where
 autograd computes ``input^T @ grad`` and copies its transpose. Results equal the unfused layers up to that
 summation order (float64 to ~1e-15).
@@ -20,7 +21,9 @@ from ._linear import _affine
 
 __all__ = ["ACTIVATIONS", "CHAIN_MIN_MACS", "chain_fuses", "fused_linear_chain"]
 
-ACTIVATIONS = ("relu", "tanh")
+# An activation is ``(name, argument)``: GELU's ``approximate``, LeakyReLU's ``negative_slope``, else None.
+ACTIVATIONS = ("relu", "tanh", "gelu", "silu", "leaky_relu")
+_FROM_OUTPUT = ("relu", "tanh")  # backward from the output: the forward may overwrite its input
 
 
 # Below this many multiply-adds a call, the node's Python cost (apply and a Python backward) is about what it
@@ -49,11 +52,11 @@ def chain_fuses(x: Tensor, macs: int) -> bool:
 
 
 def fused_linear_chain(
-    x: Tensor, weights: list[Tensor], biases: list[Tensor | None], activations: tuple[str, ...]
+    x: Tensor, weights: list[Tensor], biases: list[Tensor | None], activations: tuple[tuple[str, object], ...]
 ) -> Tensor:
     """``linear(act_n(... act_1(linear(x, w0, b0)) ...), w_n, b_n)`` for ``(M, N, in)`` inputs where
     :func:`chain_fuses`, arguments checked by the caller (shapes chained, one device and dtype);
-    ``activations[i]`` (one of :data:`ACTIVATIONS`) follows linear ``i``.
+    ``activations[i]``, ``(name, argument)`` with a name of :data:`ACTIVATIONS`, follows linear ``i``.
 
     One autograd node while gradients are recorded (see the module docstring); without them, the same
     forward with each activation in place on its linear's output."""
@@ -63,38 +66,66 @@ def fused_linear_chain(
     return _LinearChain.apply(activations, x, *params)
 
 
-def _forward(x: Tensor, weights, biases, activations, *, inplace: bool) -> tuple[Tensor, list[Tensor]]:
-    """The chain's output and the activations' outputs (each layer's input but the first)."""
+def _forward(x: Tensor, weights, biases, activations, *, inplace: bool) -> tuple[Tensor, list, list]:
+    """The chain's output, the activations' outputs (each layer's input but the first) and the inputs of the
+    activations whose backward reads them (None for the others)."""
     hidden: list[Tensor] = []
+    pre: list[Tensor | None] = []
     h = x
     for i, (w, b) in enumerate(zip(weights, biases)):
         h = _affine(h, w, b)
         if i < len(activations):
-            relu = activations[i] == "relu"
-            if inplace:
-                h = h.relu_() if relu else h.tanh_()
-            else:
-                h = F.relu(h) if relu else torch.tanh(h)
+            name, argument = activations[i]
+            pre.append(None if name in _FROM_OUTPUT else h)
+            h = _activate(h, name, argument, inplace)
             hidden.append(h)
-    return h, hidden
+    return h, hidden, pre
+
+
+def _activate(h: Tensor, name: str, argument, inplace: bool) -> Tensor:
+    if name == "relu":
+        return h.relu_() if inplace else F.relu(h)
+    if name == "tanh":
+        return h.tanh_() if inplace else torch.tanh(h)
+    if name == "gelu":
+        return F.gelu(h, approximate=argument)
+    if name == "silu":
+        return F.silu(h)
+    return F.leaky_relu(h, argument)
+
+
+def _activation_backward_(grad: Tensor, name: str, argument, output: Tensor, input: Tensor | None) -> None:
+    """Overwrite ``grad`` (by the activation's output) with the gradient by its input: torch's own kernel."""
+    aten = torch.ops.aten
+    if name == "relu":
+        aten.threshold_backward.grad_input(grad, output, 0, grad_input=grad)
+    elif name == "tanh":
+        aten.tanh_backward.grad_input(grad, output, grad_input=grad)
+    elif name == "gelu":
+        aten.gelu_backward.grad_input(grad, input, approximate=argument, grad_input=grad)
+    elif name == "silu":
+        aten.silu_backward.grad_input(grad, input, grad_input=grad)
+    else:
+        aten.leaky_relu_backward.grad_input(grad, input, argument, False, grad_input=grad)
 
 
 class _LinearChain(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, activations: tuple[str, ...], x: Tensor, *params: Tensor | None) -> Tensor:
+    def forward(ctx, activations: tuple[tuple[str, object], ...], x: Tensor, *params: Tensor | None) -> Tensor:
         weights, biases = list(params[0::2]), list(params[1::2])
-        # Forward runs without gradient recording, so the activations may overwrite their linear's output.
-        y, hidden = _forward(x, weights, biases, activations, inplace=True)
+        # Forward runs without gradient recording, so ReLU and Tanh may overwrite their linear's output.
+        y, hidden, pre = _forward(x, weights, biases, activations, inplace=True)
         ctx.activations = activations
         ctx.num_layers = len(weights)
-        ctx.save_for_backward(x, *weights, *biases, *hidden)
+        ctx.save_for_backward(x, *weights, *biases, *hidden, *pre)
         return y
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         n = ctx.num_layers
         saved = ctx.saved_tensors
-        x, weights, biases, hidden = saved[0], saved[1 : 1 + n], saved[1 + n : 1 + 2 * n], saved[1 + 2 * n :]
+        x, weights, biases = saved[0], saved[1 : 1 + n], saved[1 + n : 1 + 2 * n]
+        hidden, pre = saved[1 + 2 * n : 3 * n], saved[3 * n :]
         needs = ctx.needs_input_grad  # (activations, x, w0, b0, w1, b1, ...)
         if torch.is_grad_enabled():
             # create_graph=True: the saved activations carry no history, so a gradient computed from them could
@@ -111,20 +142,18 @@ class _LinearChain(torch.autograd.Function):
             if i:
                 # The activation's backward overwrites the product it reads: one buffer, not two.
                 grad = torch.bmm(grad, weights[i])
-                if ctx.activations[i - 1] == "relu":
-                    torch.ops.aten.threshold_backward.grad_input(grad, hidden[i - 1], 0, grad_input=grad)
-                else:
-                    torch.ops.aten.tanh_backward.grad_input(grad, hidden[i - 1], grad_input=grad)
+                name, argument = ctx.activations[i - 1]
+                _activation_backward_(grad, name, argument, hidden[i - 1], pre[i - 1])
             elif needs[1]:
                 grad_x = torch.bmm(grad, weights[0])
         return (None, grad_x, *grads)
 
 
-def _recorded_backward(activations: tuple[str, ...], grad: Tensor, x: Tensor, weights, biases, needs) -> tuple:
+def _recorded_backward(activations, grad: Tensor, x: Tensor, weights, biases, needs) -> tuple:
     inputs = [x, *(t for pair in zip(weights, biases) for t in pair)]
     wanted = [i for i, t in enumerate(inputs) if needs[1 + i] and t is not None]
     with torch.enable_grad():
-        y, _ = _forward(x, weights, biases, activations, inplace=False)
+        y = _forward(x, weights, biases, activations, inplace=False)[0]
         found = torch.autograd.grad(y, [inputs[i] for i in wanted], grad, create_graph=True, allow_unused=True)
     out: list[Tensor | None] = [None] * len(inputs)
     for i, g in zip(wanted, found):
