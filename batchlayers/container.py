@@ -205,7 +205,8 @@ def _run_chain(run: list[nn.Module], x: Tensor) -> Tensor:
     layers = cast(list[BatchedLinear], run[0::2])
     first = layers[0]
     # Decided from the sizes first, so that a run too small to fuse costs no more than nn.Sequential.
-    macs = x.numel() // first.in_features * sum(layer.in_features * layer.out_features for layer in layers)
+    rows = x.numel() // max(first.in_features, 1)
+    macs = rows * sum(layer.in_features * layer.out_features for layer in layers)
     if not chain_fuses(x, macs):
         return _one_by_one(run, x)
     check_input(first, x, trailing=[("in_features", first.in_features)], layout="(M, *, in_features)")

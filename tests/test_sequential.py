@@ -352,3 +352,12 @@ def test_small_runs_are_not_fused(num_models, fused, monkeypatch):
     model = BatchedSequential(BatchedLinear(num_models, 10, 20), nn.ReLU(), BatchedLinear(num_models, 20, 2))
     y = model(torch.randn(num_models, 64, 10))
     assert (FUSED in {type(n).__name__ for n in _graph(y.grad_fn)}) == fused
+
+
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors is a no-op:UserWarning")
+@pytest.mark.parametrize("no_grad", [False, True], ids=["train", "no_grad"])
+def test_zero_sizes_give_what_nn_sequential_gives(no_grad):
+    model = BatchedSequential(BatchedLinear(M, 0, 3, dtype=F64), nn.ReLU(), BatchedLinear(M, 3, 2, dtype=F64))
+    for x in [torch.randn(M, 4, 0, dtype=F64), torch.randn(M, 0, 0, dtype=F64)]:
+        with torch.set_grad_enabled(not no_grad):
+            assert torch.equal(model(x), nn.Sequential(*model)(x))
