@@ -361,3 +361,13 @@ def test_zero_sizes_give_what_nn_sequential_gives(no_grad):
     for x in [torch.randn(M, 4, 0, dtype=F64), torch.randn(M, 0, 0, dtype=F64)]:
         with torch.set_grad_enabled(not no_grad):
             assert torch.equal(model(x), nn.Sequential(*model)(x))
+
+
+def test_deepcopy_and_pickle_keep_fusing(tmp_path):
+    model, loops = _build(STRUCTURES["relu-tanh-3"])
+    torch.save(model, tmp_path / "model.pt")
+    for copied in (copy.deepcopy(model), torch.load(tmp_path / "model.pt", weights_only=False)):
+        assert type(copied) is BatchedSequential
+        for loop in loops:
+            loop.zero_grad(set_to_none=True)
+        _compare(copied, loops, _input("relu-tanh-3", (M, 4)), False, True)
