@@ -29,7 +29,8 @@ _FROM_OUTPUT = ("relu", "tanh")  # backward from the output: the forward may ove
 # Below this many multiply-adds a call, the node's Python cost (apply and a Python backward) is about what it
 # saves: measured on a 2-core CPU (forward, two-class loss and backward against nn.Sequential, alternating,
 # medians of 15 rounds), a 10-20-2 MLP with 64 samples fused ran 0.95x at M=1 (15k multiply-adds), 0.93x at
-# M=4, 0.95x at M=16 (246k) and 1.03-1.09x at M=64 (983k); unfused (below this) 0.96-0.97x.
+# M=4, 0.95x at M=16 (246k) and 1.03-1.09x at M=64 (983k); unfused (below this) 0.96-0.97x. CUDA uses the
+# same value, unmeasured (no GPU was available).
 CHAIN_MIN_MACS = 1 << 19
 
 
