@@ -36,6 +36,7 @@ STRUCTURES = {
         (4, 2),
     ],
     "inplace-silu-leaky": [(5, 7), nn.SiLU(inplace=True), (7, 6), nn.LeakyReLU(0.2, inplace=True), (6, 2)],
+    "mixed-bias": [(5, 7, False), nn.Tanh(), (7, 6), nn.ReLU(), (6, 2, False)],
     "run-in-middle": [
         Folded(nn.Flatten(-2)),
         (6, 8),
@@ -99,7 +100,10 @@ def _compare(model, loops, base, shared, input_grad, *, fused=True):
     batched = dict(model.named_parameters())
     for m in range(M):
         for name, p in loops[m].named_parameters():
-            assert_close(batched[name].grad[m], p.grad, msg=f"{name} gradient of model {m}")
+            if p.grad is None:  # frozen
+                assert batched[name].grad is None, name
+            else:
+                assert_close(batched[name].grad[m], p.grad, msg=f"{name} gradient of model {m}")
     return y
 
 
@@ -371,3 +375,31 @@ def test_deepcopy_and_pickle_keep_fusing(tmp_path):
         for loop in loops:
             loop.zero_grad(set_to_none=True)
         _compare(copied, loops, _input("relu-tanh-3", (M, 4)), False, True)
+
+
+@pytest.mark.parametrize("frozen", [(0,), (2,), (0, 2)], ids=["first", "middle", "first-and-middle"])
+def test_frozen_layers_match_loop(frozen):
+    # Fine-tuning some layers: the frozen ones get no gradient, the others the loop's.
+    model, loops = _build(STRUCTURES["relu-tanh-3"])
+    for index in frozen:
+        model[index].requires_grad_(False)
+        for loop in loops:
+            loop[index].requires_grad_(False)
+    _compare(model, loops, _input("relu-tanh-3", (M, 4)), False, False)
+    for index in frozen:
+        assert model[index].weight.grad is None and model[index].bias.grad is None
+
+
+def test_strided_input_matches_loop():
+    # An input that is a transposed view (not contiguous) goes through the batched products as it is.
+    model, loops = _build(STRUCTURES["relu-tanh-3"])
+    base = _input("relu-tanh-3", (M, 4)).transpose(1, 2).contiguous().transpose(1, 2)
+    assert not base.is_contiguous()
+    xb = base.clone().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
+    xr = base.detach().clone().requires_grad_()
+    y = model(xb)
+    expected = torch.stack([loops[m](xr[m]) for m in range(M)])
+    assert_close(y, expected, msg="output")
+    y.sum().backward()
+    expected.sum().backward()
+    assert_close(xb.grad, xr.grad, msg="input gradient")
