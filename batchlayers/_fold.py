@@ -33,6 +33,8 @@ __all__ = [
     "detach_hooks",
     "is_swapped_leaf",
     "map_tensors",
+    "only_fold_hooks",
+    "run_as_one_leaf",
 ]
 
 _local = threading.local()
@@ -428,6 +430,46 @@ class FoldLeafOutput:
             return t
 
         return map_tensors(output, fold)
+
+
+def only_fold_hooks(layer: nn.Module | None) -> bool:
+    """Whether ``layer`` is swapped into a stacked model and holds batchlayers' two leaf hooks, no other."""
+    return (
+        layer is not None
+        and is_swapped_leaf(layer)
+        and all(isinstance(h, UnfoldLeafInputs) for h in layer._forward_pre_hooks.values())
+        and all(isinstance(h, FoldLeafOutput) for h in layer._forward_hooks.values())
+        and not layer._backward_pre_hooks
+        and not layer._backward_hooks
+    )
+
+
+def run_as_one_leaf(
+    first: nn.Module, last: nn.Module, x: Tensor, compute: Callable[[Tensor], Tensor | None]
+) -> Tensor | None:
+    """Compute a chain of swapped-in batched layers, ``first`` to ``last``, as one layer: ``x`` unfolded as
+    ``first``'s pre-hook unfolds it, ``compute``'s ``(M, n, *)`` output folded as ``last``'s hook folds its
+    own. Returns None, having changed nothing, where the layers must run one by one: ``compute`` declines,
+    the input holds no samples (a per-model value), or it holds a stacked call's samples after that call
+    ended (the layers raise). Outside a stacked call the layers are ordinary batched layers: ``compute(x)``."""
+    call = _current_call()
+    if call is None:
+        return None if isinstance(get_tag(x), int) else compute(x)
+    # pauses the tracker until the fold below resumes it; returns the arguments (never None inside a call)
+    args = cast(tuple[tuple, dict], UnfoldLeafInputs()(first, (x,), {}))[0]
+    stack = call.leaves[id(first)]
+    y = None
+    try:
+        if not stack[-1][0]:  # not broadcast: the input carries the models' samples
+            y = compute(args[0])
+    finally:
+        if y is None:
+            stack.pop()
+            call.tracker.resume()
+    if y is None:
+        return None
+    call.leaves.setdefault(id(last), []).append(stack.pop())
+    return cast(Tensor, FoldLeafOutput()(last, args, y))
 
 
 class ExpandSharedBuffers:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import cast
 
 from torch import Tensor, nn
 from torch.nn.modules import module as _module
 
+from . import _fold
 from ._utils import check_input, is_shared, layer_name
-from .functional._mlp import chain_fuses, fused_linear_chain
+from .functional._mlp import chain_fuses, fusable_context, fused_linear_chain
 from .linear import BatchedLinear
 
 __all__ = ["BatchedSequential", "Folded"]
@@ -183,16 +185,27 @@ class BatchedSequential(nn.Sequential):
         return input
 
 
+def fusable_runs(sequential: nn.Sequential) -> bool:
+    """Whether ``sequential`` holds a run that :class:`BatchedSequential` can train as one autograd node."""
+    modules = list(sequential._modules.values())
+    return any(_run_end(modules, i) > i for i in range(len(modules)))
+
+
 def _plain(module: nn.Module | None) -> bool:
     return module is not None and not (
         module._forward_pre_hooks or module._forward_hooks or module._backward_pre_hooks or module._backward_hooks
     )
 
 
-def _run_end(modules: list[nn.Module | None], start: int) -> int:
-    """The end of the longest fusable run ``linear (act linear)+`` from ``start``, or ``start`` if there is none."""
+def _run_end(modules: Sequence[nn.Module | None], start: int) -> int:
+    """The end of the longest fusable run ``linear (act linear)+`` from ``start``, or ``start`` if there is none.
+    Its linears are all plain or all swapped into a stacked model (holding only the folding hooks)."""
+    first = modules[start]
+    if type(first) is not BatchedLinear:
+        return start
+    plain = _plain if _plain(first) else _fold.only_fold_hooks
     end = i = start
-    while i < len(modules) and type(modules[i]) is BatchedLinear and _plain(modules[i]):
+    while i < len(modules) and type(modules[i]) is BatchedLinear and plain(modules[i]):
         end = i + 1
         act = modules[i + 1] if i + 1 < len(modules) else None
         if _activation(act) is None or not _plain(act):
@@ -202,13 +215,25 @@ def _run_end(modules: list[nn.Module | None], start: int) -> int:
 
 
 def _run_chain(run: list[nn.Module], x: Tensor) -> Tensor:
+    if not fusable_context(x):  # decided before a stacked model's folding hook runs
+        return _one_by_one(run, x)
+    if _fold.is_swapped_leaf(run[0]):
+        # In a stacked model: unfolded and folded once for the run, as its first and last layer would
+        y = _fold.run_as_one_leaf(run[0], run[-1], x, lambda unfolded: _fused(run, unfolded))
+    else:
+        y = _fused(run, x)
+    return _one_by_one(run, x) if y is None else y
+
+
+def _fused(run: list[nn.Module], x: Tensor) -> Tensor | None:
+    """The run as one node where :func:`chain_fuses` and the layers chain; None where they must run one by one."""
     layers = cast(list[BatchedLinear], run[0::2])
     first = layers[0]
     # Decided from the sizes first, so that a run too small to fuse costs no more than nn.Sequential.
     rows = x.numel() // max(first.in_features, 1)
     macs = rows * sum(layer.in_features * layer.out_features for layer in layers)
     if not chain_fuses(x, macs):
-        return _one_by_one(run, x)
+        return None
     check_input(first, x, trailing=[("in_features", first.in_features)], layout="(M, *, in_features)")
     weights: list[Tensor] = [layer.weight for layer in layers]
     biases: list[Tensor | None] = [layer.bias for layer in layers]
@@ -216,7 +241,7 @@ def _run_chain(run: list[nn.Module], x: Tensor) -> Tensor:
         a.out_features == b.in_features and a.num_models == b.num_models for a, b in zip(layers, layers[1:])
     ) and all(t.device == x.device and t.dtype == x.dtype for t in (*weights, *biases) if t is not None)
     if not chained:  # the layers raise their own errors
-        return _one_by_one(run, x)
+        return None
     x3 = x if x.dim() == 3 else x.reshape(first.num_models, -1, first.in_features)
     activations = tuple(cast(tuple[str, object], _activation(act)) for act in run[1::2])
     y = fused_linear_chain(x3, weights, biases, activations)

@@ -1,11 +1,13 @@
 """Converters between N ordinary models of one architecture and one stacked model holding all of them.
 
 ``stack(models)`` returns a copy of the architecture (the same class, so its own ``forward`` runs unchanged and
-its ``state_dict()`` keys are the architecture's own) in which every torch.nn leaf with a registered batched
-counterpart is swapped for it, holding all models' weights shaped ``(M, *)``. Every other parameter (and the
-buffers of modules that hold parameters, or that differ between the models) is stored ``(M, *)`` too, in
-its own module, whose code reads it as one model's value (``batchlayers._per_model``): class tokens,
-position tables, layer-scale gammas, subclasses and look-alikes of torch.nn layers, parametrizations.
+its ``state_dict()`` keys are the architecture's own; an ``nn.Sequential`` holding a run ``Linear, activation,
+Linear`` becomes the subclass ``BatchedSequential``, which trains the run as one autograd node) in which every
+torch.nn leaf with a registered batched counterpart is swapped for it, holding all models' weights shaped
+``(M, *)``. Every other parameter (and the buffers of modules that hold parameters, or that differ between
+the models) is stored ``(M, *)`` too, in its own module, whose code reads it as one model's value
+(``batchlayers._per_model``): class tokens, position tables, layer-scale gammas, subclasses and look-alikes
+of torch.nn layers, parametrizations.
 The stacked model is called with every tensor input shaped ``(M, B, *)``; inside, the architecture's
 ``forward`` sees one ordinary batch of ``M * B`` samples, model-major (see ``batchlayers._fold``), and the
 layers that must know the model boundaries (linear, conv, norms) view it back to ``(M, B, *)``.
@@ -283,6 +285,7 @@ def _skeleton(template: nn.Module, num_models: int, differing: frozenset[str] = 
             _set_tensor(copied, name, made[id(t)])
     replaced.update(made)
     root = _swap_in(root, replaced)
+    _fuse_sequentials(root)
     rebind_functions(root, _translator(memo, replaced))
     stacked = {n: t for n, t in tensor_table(root, remove_duplicate=True).items() if n not in shared}
     if not _fold.is_swapped_leaf(root):
@@ -300,13 +303,27 @@ def _skeleton(template: nn.Module, num_models: int, differing: frozenset[str] = 
     return _Stacked(root, stacked, {n: buffers[n] for n in shared}, num_models)
 
 
+def _fuse_sequentials(root: nn.Module) -> None:
+    """Every ``nn.Sequential`` of the stacked model holding a run ``BatchedLinear, activation, BatchedLinear``
+    becomes a :class:`~batchlayers.container.BatchedSequential` (a subclass: same children, keys, results),
+    which trains the run as one autograd node; :func:`unstack` makes it an ``nn.Sequential`` again."""
+    from .container import BatchedSequential, fusable_runs
+
+    for module in root.modules():
+        if type(module) is nn.Sequential and fusable_runs(module):
+            module.__class__ = BatchedSequential
+            module._batchlayers_sequential = True  # type: ignore[assignment]  # stubs allow only tensors, modules
+
+
 def stack(models: Sequence[nn.Module]) -> nn.Module:
     """One stacked model holding the weights and buffers of ``models``, N instances of one architecture.
 
     The result is a copy of the architecture (same class, same ``forward``) in which every torch.nn leaf with a
     batched counterpart is swapped for it, and every other parameter is stored per model in its own module
     (its code sees one model's value); tied weights map to one stacked parameter, functions stored on the
-    modules are rebound to the copy. The input models are not modified.
+    modules are rebound to the copy. An ``nn.Sequential`` (exactly that class) holding a run ``Linear,
+    activation, Linear`` becomes a :class:`~batchlayers.BatchedSequential`, its subclass, which trains the
+    run as one autograd node; :func:`unstack` gives back ``nn.Sequential``. The input models are not modified.
 
     Args:
         models: N modules of one class, structure, configuration, device, dtype and train/eval mode.
@@ -475,6 +492,8 @@ def unstack(batched: nn.Module) -> list[nn.Module]:
         model = _swap_in(model, replaced)
         for module in model.modules():
             _fold.detach_hooks(module)
+            if module.__dict__.pop("_batchlayers_sequential", False):
+                module.__class__ = nn.Sequential
         model.__dict__.pop("num_models", None)
         rebind_functions(model, _translator(memo, replaced))
         models.append(model)

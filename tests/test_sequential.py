@@ -13,6 +13,9 @@ from torch import nn
 
 import batchlayers.functional._mlp as mlp_module
 from batchlayers.container import BatchedSequential, Folded
+from batchlayers.convert import select as bl_select
+from batchlayers.convert import stack as bl_stack
+from batchlayers.convert import unstack as bl_unstack
 from batchlayers.linear import BatchedLinear
 
 F64 = torch.float64
@@ -403,3 +406,80 @@ def test_strided_input_matches_loop():
     y.sum().backward()
     expected.sum().backward()
     assert_close(xb.grad, xr.grad, msg="input gradient")
+
+
+# -- inside stacked models: bl.stack turns an nn.Sequential holding a run into a BatchedSequential -----------
+
+
+class _Block(nn.Module):
+    """A transformer-style MLP on (B, T, C), optionally applied time-major, plus an MLP of a per-model table
+    (no samples: computed once per model, broadcast)."""
+
+    def __init__(self, time_major: bool = False) -> None:
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(6, 12), nn.GELU(), nn.Linear(12, 6))
+        self.table = nn.Parameter(torch.randn(1, 6))
+        self.time_major = time_major
+
+    def forward(self, x):
+        if self.time_major:
+            return self.mlp(x.transpose(0, 1)).transpose(0, 1) + self.mlp(self.table)
+        return self.mlp(x) + self.mlp(self.table)
+
+
+STACKED = {
+    "sequential-root": (
+        lambda: nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3), nn.Tanh(), nn.Linear(3, 2)),
+        (5,),
+    ),
+    "nested-mlp": (_Block, (4, 6)),
+    "nested-time-major": (lambda: _Block(time_major=True), (4, 6)),
+}
+
+
+def _graph_names(y):
+    return {type(n).__name__ for n in _graph(y.grad_fn)}
+
+
+@pytest.mark.parametrize("name", list(STACKED))
+@pytest.mark.parametrize("shared", [False, True], ids=["per-model", "shared"])
+def test_stacked_runs_fuse_and_match_the_originals(name, shared):
+    make, sample = STACKED[name]
+    torch.manual_seed(0)
+    models = [make().double() for _ in range(M)]
+    stacked = bl_stack(models)
+    assert isinstance(stacked.get_submodule("mlp" if name != "sequential-root" else ""), BatchedSequential)
+    base = torch.randn(*(() if shared else (M,)), 3, *sample, dtype=F64)
+    xb = base.clone().requires_grad_()
+    xr = base.clone().requires_grad_()
+    y = stacked(xb.expand(M, *xb.shape) if shared else xb)
+    assert FUSED in _graph_names(y)
+    expected = torch.stack([models[m](xr if shared else xr[m]) for m in range(M)])
+    assert_close(y, expected, msg="output")
+    grad = torch.randn_like(expected)
+    y.backward(grad)
+    expected.backward(grad)
+    assert_close(xb.grad, xr.grad, msg="input gradient")
+    params = dict(stacked.named_parameters())
+    for m in range(M):
+        for pname, p in models[m].named_parameters():
+            assert_close(params[pname].grad[m], p.grad, msg=f"{pname} gradient of model {m}")
+
+
+def test_unstack_gives_back_nn_sequential_and_select_keeps_fusing():
+    torch.manual_seed(0)
+    models = [STACKED["sequential-root"][0]().double() for _ in range(M)]
+    stacked = bl_stack(models)
+    assert type(stacked) is BatchedSequential
+    back = bl_unstack(stacked)
+    assert all(type(b) is nn.Sequential and "_batchlayers_sequential" not in vars(b) for b in back)
+    x = torch.randn(2, 4, 5, dtype=F64)
+    picked = bl_select(stacked, [2, 0])
+    y = picked(x)
+    assert FUSED in _graph_names(y)
+    assert_close(y, torch.stack([models[2](x[0]), models[0](x[1])]), msg="selected models")
+
+
+def test_stacked_sequential_without_a_run_stays_nn_sequential():
+    models = [nn.Sequential(nn.Linear(5, 7), nn.Dropout(0.0), nn.Linear(7, 2)) for _ in range(M)]
+    assert type(bl_stack(models)) is nn.Sequential

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from ._linear import _affine
 
-__all__ = ["ACTIVATIONS", "CHAIN_MIN_MACS", "chain_fuses", "fused_linear_chain"]
+__all__ = ["ACTIVATIONS", "CHAIN_MIN_MACS", "chain_fuses", "fusable_context", "fused_linear_chain"]
 
 # An activation is ``(name, argument)``: GELU's ``approximate``, LeakyReLU's ``negative_slope``, else None.
 ACTIVATIONS = ("relu", "tanh", "gelu", "silu", "leaky_relu")
@@ -34,7 +34,7 @@ _FROM_OUTPUT = ("relu", "tanh")  # backward from the output: the forward may ove
 CHAIN_MIN_MACS = 1 << 19
 
 
-def _plain_context(x: Tensor) -> bool:
+def fusable_context(x: Tensor) -> bool:
     """No machinery that needs the layers' own ops: autocast (whose casts happen per op), compile (the
     compiler fuses by itself), a torch.func transform or forward-mode AD (the node has no vmap or jvp rule)."""
     return (
@@ -48,8 +48,8 @@ def _plain_context(x: Tensor) -> bool:
 def chain_fuses(x: Tensor, macs: int) -> bool:
     """Whether a chain of ``macs`` multiply-adds on input ``x`` runs without one op per layer: as one autograd
     node while gradients are recorded (from :data:`CHAIN_MIN_MACS` on), in place without them; in both cases
-    only in a :func:`_plain_context`. Otherwise its layers run one by one."""
-    return (not torch.is_grad_enabled() or macs >= CHAIN_MIN_MACS) and _plain_context(x)
+    only in a :func:`fusable_context`. Otherwise its layers run one by one."""
+    return (not torch.is_grad_enabled() or macs >= CHAIN_MIN_MACS) and fusable_context(x)
 
 
 def fused_linear_chain(
