@@ -278,7 +278,7 @@ class _TwoClassCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input: Tensor, second: Tensor, counted: Tensor | None) -> Tensor:
-        z, probability, loss = _two_class_terms(input, second)
+        probability, loss = _two_class_terms(input, second)
         if counted is not None:
             loss = loss.masked_fill(~counted, 0.0)
             probability = probability.masked_fill(~counted, 0.0)
@@ -294,13 +294,13 @@ class _TwoClassCrossEntropy(torch.autograd.Function):
         return torch.stack((-grad_difference, grad_difference), dim=2), None, None
 
 
-def _two_class_terms(input: Tensor, second: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """``z`` (the other class's logit minus the target's), ``sigmoid(z)`` (the other class's probability, the
-    gradient of the loss by ``z``) and the unreduced loss ``softplus(z)``."""
+def _two_class_terms(input: Tensor, second: Tensor) -> tuple[Tensor, Tensor]:
+    """With ``z`` the other class's logit minus the target's: ``sigmoid(z)`` (the other class's probability,
+    the gradient of the loss by ``z``) and the unreduced loss ``softplus(z)``."""
     difference = input[:, :, 1] - input[:, :, 0]
     z = torch.where(second, -difference, difference)
     # threshold 50, not softplus' 20: above it log1p(exp(-z)) < 2e-22 is below float64's resolution
-    return z, torch.sigmoid(z), F.softplus(z, threshold=50.0)
+    return torch.sigmoid(z), F.softplus(z, threshold=50.0)
 
 
 class _TwoClassCrossEntropyReduced(torch.autograd.Function):
@@ -310,7 +310,7 @@ class _TwoClassCrossEntropyReduced(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input: Tensor, second: Tensor, divisor: float) -> Tensor:
-        _, probability, loss = _two_class_terms(input, second)
+        probability, loss = _two_class_terms(input, second)
         ctx.save_for_backward(probability, second)
         ctx.divisor = divisor
         total = loss.reshape(input.shape[0], -1).sum(dim=1)
