@@ -232,7 +232,7 @@ def _fused(run: list[nn.Module], x: Tensor) -> Tensor | None:
     # Decided from the sizes first, so that a run too small to fuse costs no more than nn.Sequential.
     rows = x.numel() // max(first.in_features, 1)
     macs = rows * sum(layer.in_features * layer.out_features for layer in layers)
-    if not chain_fuses(x, macs):
+    if not chain_fuses(macs):  # the context was checked by _run_chain
         return None
     check_input(first, x, trailing=[("in_features", first.in_features)], layout="(M, *, in_features)")
     weights: list[Tensor] = [layer.weight for layer in layers]

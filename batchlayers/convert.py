@@ -52,6 +52,7 @@ from ._architecture import (
 from ._copy import rebind_functions
 from ._provenance import PerModel, get_tag, set_tag
 from ._utils import set_num_models_
+from .container import BatchedSequential, fusable_runs
 from .registry import _BY_BATCHED, _Counterpart, counterpart_of, isinstance_torch, load_builtins, register
 
 __all__ = [
@@ -307,8 +308,6 @@ def _fuse_sequentials(root: nn.Module) -> None:
     """Every ``nn.Sequential`` of the stacked model holding a run ``BatchedLinear, activation, BatchedLinear``
     becomes a :class:`~batchlayers.container.BatchedSequential` (a subclass: same children, keys, results),
     which trains the run as one autograd node; :func:`unstack` makes it an ``nn.Sequential`` again."""
-    from .container import BatchedSequential, fusable_runs
-
     for module in root.modules():
         if type(module) is nn.Sequential and fusable_runs(module):
             module.__class__ = BatchedSequential

@@ -289,9 +289,7 @@ class _TwoClassCrossEntropy(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
         probability, second = ctx.saved_tensors
-        grad_z = grad * probability
-        grad_difference = torch.where(second, -grad_z, grad_z)
-        return torch.stack((-grad_difference, grad_difference), dim=2), None, None
+        return _two_class_input_grad(grad * probability, second), None, None
 
 
 def _two_class_terms(input: Tensor, second: Tensor) -> tuple[Tensor, Tensor]:
@@ -301,6 +299,12 @@ def _two_class_terms(input: Tensor, second: Tensor) -> tuple[Tensor, Tensor]:
     z = torch.where(second, -difference, difference)
     # threshold 50, not softplus' 20: above it log1p(exp(-z)) < 2e-22 is below float64's resolution
     return torch.sigmoid(z), F.softplus(z, threshold=50.0)
+
+
+def _two_class_input_grad(grad_z: Tensor, second: Tensor) -> Tensor:
+    """The gradient by the ``(M, B, 2, *d)`` logits from the gradient by ``z`` (other class minus target)."""
+    grad_difference = torch.where(second, -grad_z, grad_z)
+    return torch.stack((-grad_difference, grad_difference), dim=2)
 
 
 class _TwoClassCrossEntropyReduced(torch.autograd.Function):
@@ -322,8 +326,7 @@ class _TwoClassCrossEntropyReduced(torch.autograd.Function):
         probability, second = ctx.saved_tensors
         scale = grad if ctx.divisor == 1 else grad / ctx.divisor
         grad_z = probability * scale.view(-1, *[1] * (probability.dim() - 1))
-        grad_difference = torch.where(second, -grad_z, grad_z)
-        return torch.stack((-grad_difference, grad_difference), dim=2), None, None
+        return _two_class_input_grad(grad_z, second), None, None
 
 
 def _two_class_cross_entropy(input: Tensor, target: Tensor, ignore_index: int, reduction: str) -> Tensor | None:

@@ -45,19 +45,20 @@ def fusable_context(x: Tensor) -> bool:
     )
 
 
-def chain_fuses(x: Tensor, macs: int) -> bool:
-    """Whether a chain of ``macs`` multiply-adds on input ``x`` runs without one op per layer: as one autograd
-    node while gradients are recorded (from :data:`CHAIN_MIN_MACS` on), in place without them; in both cases
-    only in a :func:`fusable_context`. Otherwise its layers run one by one."""
-    return (not torch.is_grad_enabled() or macs >= CHAIN_MIN_MACS) and fusable_context(x)
+def chain_fuses(macs: int) -> bool:
+    """Whether a chain of ``macs`` multiply-adds runs without one op per layer, in a :func:`fusable_context`:
+    as one autograd node while gradients are recorded (from :data:`CHAIN_MIN_MACS` on), in place without
+    them. Otherwise its layers run one by one."""
+    return not torch.is_grad_enabled() or macs >= CHAIN_MIN_MACS
 
 
 def fused_linear_chain(
     x: Tensor, weights: list[Tensor], biases: list[Tensor | None], activations: tuple[tuple[str, object], ...]
 ) -> Tensor:
-    """``linear(act_n(... act_1(linear(x, w0, b0)) ...), w_n, b_n)`` for ``(M, N, in)`` inputs where
-    :func:`chain_fuses`, arguments checked by the caller (shapes chained, one device and dtype);
-    ``activations[i]``, ``(name, argument)`` with a name of :data:`ACTIVATIONS`, follows linear ``i``.
+    """``linear(act_n(... act_1(linear(x, w0, b0)) ...), w_n, b_n)`` for ``(M, N, in)`` inputs in a
+    :func:`fusable_context` where :func:`chain_fuses`, arguments checked by the caller (shapes chained, one
+    device and dtype); ``activations[i]``, ``(name, argument)`` with a name of :data:`ACTIVATIONS`, follows
+    linear ``i``.
 
     One autograd node while gradients are recorded (see the module docstring); without them, the same
     forward with each activation in place on its linear's output."""
