@@ -93,7 +93,7 @@ def _compare(model, loops, base, shared, input_grad, *, fused=True):
     y = model(xb.expand(M, *xb.shape) if shared else xb)
     expected = torch.stack([loops[m](xr if shared else xr[m]) for m in range(M)])
     assert_close(y, expected, msg="output")
-    names = {type(node).__name__ for node in _graph(y.grad_fn)}
+    names = _graph_names(y)
     assert (FUSED in names) == fused, names
     grad = torch.randn_like(expected)
     y.backward(grad)
@@ -108,6 +108,10 @@ def _compare(model, loops, base, shared, input_grad, *, fused=True):
             else:
                 assert_close(batched[name].grad[m], p.grad, msg=f"{name} gradient of model {m}")
     return y
+
+
+def _graph_names(y):
+    return {type(n).__name__ for n in _graph(y.grad_fn)}
 
 
 def _graph(node, seen=None):
@@ -201,7 +205,7 @@ def test_inplace_leaky_relu_with_negative_slope_runs_module_by_module():
     # torch refuses its backward (the input is gone and the slope's sign hides it): so must the fused run.
     model, _ = _build([(5, 7), nn.LeakyReLU(-0.1, inplace=True), (7, 2)])
     y = model(_input("relu", (M, 4)))
-    assert FUSED not in {type(n).__name__ for n in _graph(y.grad_fn)}
+    assert FUSED not in _graph_names(y)
     with pytest.raises(RuntimeError, match="negative slope"):
         y.sum().backward()
 
@@ -213,7 +217,7 @@ def test_gradient_penalty_matches_loop(structure):
     base = _input(structure, (M, 4))
     xb = base.clone().requires_grad_()
     y = model(xb)
-    assert FUSED in {type(n).__name__ for n in _graph(y.grad_fn)}
+    assert FUSED in _graph_names(y)
     (grad_x,) = torch.autograd.grad(y.sum(), xb, create_graph=True)
     grad_x.square().sum().backward()
     for m in range(M):
@@ -239,7 +243,7 @@ def test_gradgradcheck(structure):
         return torch.func.functional_call(model, dict(zip(dict(model.named_parameters()), ps)), (x,))
 
     # functional_call swaps in tensors, not Parameters: the run still fuses (checked by the graph) ...
-    assert FUSED in {type(n).__name__ for n in _graph(fn(x, *params).grad_fn)}
+    assert FUSED in _graph_names(fn(x, *params))
     # ... and its first and second derivatives are the numerical ones.
     assert torch.autograd.gradcheck(fn, (x, *params))
     assert torch.autograd.gradgradcheck(fn, (x, *params))
@@ -262,7 +266,7 @@ def test_autocast_runs_as_the_layers():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y, expected = model(x), plain(x)
     assert y.dtype == torch.bfloat16 and torch.equal(y, expected)
-    assert FUSED not in {type(n).__name__ for n in _graph(y.grad_fn)}
+    assert FUSED not in _graph_names(y)
 
 
 # torch.func.jvp imports torch's jvp decompositions, which call torch.jit.script (deprecated in torch 2.13).
@@ -358,7 +362,7 @@ def test_small_runs_are_not_fused(num_models, fused, monkeypatch):
     monkeypatch.undo()
     model = BatchedSequential(BatchedLinear(num_models, 10, 20), nn.ReLU(), BatchedLinear(num_models, 20, 2))
     y = model(torch.randn(num_models, 64, 10))
-    assert (FUSED in {type(n).__name__ for n in _graph(y.grad_fn)}) == fused
+    assert (FUSED in _graph_names(y)) == fused
 
 
 @pytest.mark.filterwarnings("ignore:Initializing zero-element tensors is a no-op:UserWarning")
@@ -432,24 +436,22 @@ STACKED = {
         lambda: nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3), nn.Tanh(), nn.Linear(3, 2)),
         (5,),
     ),
-    "nested-mlp": (_Block, (4, 6)),
-    "nested-time-major": (lambda: _Block(time_major=True), (4, 6)),
+    "nested-mlp": (_Block, (3, 6)),
+    "nested-time-major": (lambda: _Block(time_major=True), (3, 6)),
 }
-
-
-def _graph_names(y):
-    return {type(n).__name__ for n in _graph(y.grad_fn)}
 
 
 @pytest.mark.parametrize("name", list(STACKED))
 @pytest.mark.parametrize("shared", [False, True], ids=["per-model", "shared"])
-def test_stacked_runs_fuse_and_match_the_originals(name, shared):
+# sizes that coincide: B == M == T (3) and M * B == T (batch 1), where a guess from sizes would mix models
+@pytest.mark.parametrize("batch", [3, 1], ids=["B=M=T", "MxB=T"])
+def test_stacked_runs_fuse_and_match_the_originals(name, shared, batch):
     make, sample = STACKED[name]
     torch.manual_seed(0)
     models = [make().double() for _ in range(M)]
     stacked = bl_stack(models)
     assert isinstance(stacked.get_submodule("mlp" if name != "sequential-root" else ""), BatchedSequential)
-    base = torch.randn(*(() if shared else (M,)), 3, *sample, dtype=F64)
+    base = torch.randn(*(() if shared else (M,)), batch, *sample, dtype=F64)
     xb = base.clone().requires_grad_()
     xr = base.clone().requires_grad_()
     y = stacked(xb.expand(M, *xb.shape) if shared else xb)
