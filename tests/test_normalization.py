@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from batchlayers.batchnorm import BatchedBatchNorm1d, BatchedBatchNorm2d, BatchedBatchNorm3d
+from batchlayers.functional._batchnorm import PER_MODEL_MIN_NUMEL
 from batchlayers.normalization import BatchedGroupNorm, BatchedLayerNorm, BatchedRMSNorm
 
 F64 = torch.float64
@@ -336,3 +338,73 @@ def test_batch_norm_keeps_a_per_model_channels_last_layout(training: bool) -> No
     batched = perturbed(BatchedBatchNorm2d(3, 4, dtype=F64))
     modules = unbatch(batched, lambda: nn.BatchNorm2d(4, dtype=F64))
     compare_with_loop(batched, modules, lambda lead: per_model_channels_last(lead[0], lead[1], 4, 3, 3), shared=False)
+
+
+# From PER_MODEL_MIN_NUMEL elements a model on, a per-model channels-last 2-D/3-D input runs torch's kernel on
+# each model's slice; the sample shapes sit at the threshold (65536 elements with a batch of 4) and just below it,
+# and 1-D (no channels-last format in torch) stays packed.
+PER_MODEL_LAYERS = [
+    pytest.param(
+        lambda: BatchedBatchNorm1d(3, 16, dtype=F64), lambda: nn.BatchNorm1d(16, dtype=F64), (16, 1024), id="1d"
+    ),
+    pytest.param(
+        lambda: BatchedBatchNorm2d(3, 16, dtype=F64), lambda: nn.BatchNorm2d(16, dtype=F64), (16, 32, 32), id="2d"
+    ),
+    pytest.param(
+        lambda: BatchedBatchNorm3d(3, 16, momentum=0.3, dtype=F64),
+        lambda: nn.BatchNorm3d(16, momentum=0.3, dtype=F64),
+        (16, 16, 8, 8),
+        id="3d",
+    ),
+    pytest.param(
+        lambda: BatchedBatchNorm2d(3, 16, affine=False, track_running_stats=False, dtype=F64),
+        lambda: nn.BatchNorm2d(16, affine=False, track_running_stats=False, dtype=F64),
+        (16, 32, 32),
+        id="2d-untracked-noaffine",
+    ),
+    pytest.param(
+        lambda: BatchedBatchNorm2d(3, 16, dtype=F64), lambda: nn.BatchNorm2d(16, dtype=F64), (16, 31, 33), id="2d-below"
+    ),
+]
+
+
+@pytest.mark.parametrize("make_batched,make_torch,sample", PER_MODEL_LAYERS)
+def test_large_per_model_channels_last_input_is_normalised_model_by_model(make_batched, make_torch, sample) -> None:
+    batch = 4
+    by_model = len(sample) > 2 and batch * math.prod(sample) >= PER_MODEL_MIN_NUMEL
+    torch.manual_seed(0)
+    x = per_model_channels_last(3, batch, *sample).requires_grad_()
+    with RecordOps() as ops:
+        y = perturbed(make_batched())(x)
+        y.backward(torch.randn_like(y))
+    kernels = [name for name, _, _ in ops.ops if name.startswith("aten.native_batch_norm")]
+    layout_copies = copies_of_at_least(ops, x[0].numel())
+    if by_model:
+        assert kernels == ["aten.native_batch_norm.default"] * 3 + ["aten.native_batch_norm_backward.default"] * 3
+        assert layout_copies == [], "a per-model channels-last input was copied into another layout"
+        assert y.stride() == x.stride() and x.grad.stride() == x.stride()
+    else:
+        assert len(kernels) == 2, f"below the threshold one packed kernel each way, got {kernels}"
+    batched = perturbed(make_batched())
+    modules = unbatch(batched, make_torch)
+    compare_with_loop(batched, modules, lambda lead: per_model_channels_last(*lead, *sample), shared=False, batch=batch)
+
+
+def test_per_model_batch_norm_second_derivatives_match_the_loop() -> None:
+    """A gradient penalty through the per-model path (create_graph=True) gives the loop's parameter gradients."""
+    torch.manual_seed(0)
+    batched = perturbed(BatchedBatchNorm2d(3, 16, dtype=F64))
+    modules = unbatch(batched, lambda: nn.BatchNorm2d(16, dtype=F64))
+    x = per_model_channels_last(3, 4, 16, 32, 32)
+    weights = torch.randn_like(x)
+
+    def penalty(layer, xs, w):
+        xs = xs.detach().requires_grad_()
+        (grad,) = torch.autograd.grad((layer(xs).tanh() * w).sum(), xs, create_graph=True)
+        grad.square().sum().backward()
+
+    penalty(batched, x, weights)
+    for i, m in enumerate(modules):
+        penalty(m, x[i], weights[i])
+    for name, p in batched.named_parameters():
+        assert_close(p.grad, torch.stack([dict(m.named_parameters())[name].grad for m in modules]), msg=name)

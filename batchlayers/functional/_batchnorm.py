@@ -98,6 +98,9 @@ def batch_norm(
         # per-model channels-last convolution output stays so; packing into (B, M*C, *) and back would copy twice).
         stats = cast(Tensor, running_mean), cast(Tensor, running_var)  # (use_batch_stats is False: both given)
         return running_stats_norm(x, *stats, weight, bias, eps, param_view)
+    if not per_model_momentum and _runs_per_model(x):
+        momentum = cast(float, momentum)  # (not a tensor: checked above)
+        return _per_model_batch_norm(x, running_mean, running_var, weight, bias, use_batch_stats, momentum, eps)
     packed = x.transpose(0, 1).reshape(batch, num_models * num_channels, *spatial)
     flat_weight = None if weight is None else weight.view(-1)
     flat_bias = None if bias is None else bias.view(-1)
@@ -124,6 +127,47 @@ def batch_norm(
         # (1 thread). (Compiled, inductor plans the layouts.)
         out = _in_layout_of(out, x)
     return out
+
+
+# From this many elements per model on, a per-model channels-last input (what the per-model convolution loops
+# return) is normalised model by model (torch's channels-last kernel on each model's own (B, C, *) slice, no
+# layout change) instead of packed into (B, M*C, *), which copies it into another layout and the output and the
+# gradients back. BatchNorm2d forward+backward alone, 2-core CPU, float32, interleaved medians (packed ->
+# per model): 8k elements a model 0.55x (M=16), 32k 0.83x (M=64) and 1.02x (M=8), 65k 1.40-2.37x (M=4-64),
+# 131k-524k 1.48-1.96x; the stacked small ResNet's training step (M=4) 124 -> 96 ms against the loop's 87.
+PER_MODEL_MIN_NUMEL = 1 << 16
+
+
+def _runs_per_model(x: Tensor) -> bool:
+    """Whether ``(M, B, C, H, W)`` or ``(M, B, C, D, H, W)`` ``x`` is normalised model by model: each model's
+    slice is channels-last, ``x`` stored as ``(M, B, *, C)``, with at least :data:`PER_MODEL_MIN_NUMEL` elements a
+    model (eager only: compiled, inductor plans the layouts). Not 1-D: torch has no channels-last format for
+    ``(B, C, L)``, its kernel would copy each slice."""
+    return (
+        x.dim() in (5, 6)
+        and x[0].numel() >= PER_MODEL_MIN_NUMEL
+        and not x.is_contiguous()
+        and x.movedim(2, -1).is_contiguous()
+        and not torch.compiler.is_compiling()
+    )
+
+
+def _per_model_batch_norm(
+    x: Tensor,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    training: bool,
+    momentum: float,
+    eps: float,
+) -> Tensor:
+    """``F.batch_norm`` on each model's slice with its own parameters and running statistics (rows of the
+    ``(M, C)`` buffers, which the kernel updates in place), the outputs stacked in ``x``'s layout."""
+    rows = [[None] * x.shape[0] if t is None else t.unbind(0) for t in (running_mean, running_var, weight, bias)]
+    return torch.stack(
+        [F.batch_norm(xm, mean, var, w, b, training, momentum, eps) for xm, mean, var, w, b in zip(x.unbind(0), *rows)]
+    )
 
 
 def _packs_as_view(x: Tensor) -> bool:
