@@ -29,7 +29,9 @@ def batch_norm(
     Channel packing turns all models into one ``F.batch_norm`` over ``M*C`` channels: ``(M, B, C, *)`` is
     viewed as ``(B, M*C, *)`` (free when ``x`` is a transposed view of a packed tensor, as a batched
     convolution returns; otherwise one copy) and the ``(M, C)`` running statistics are viewed flat, so the
-    kernel updates them in place. The output is the transposed view of the packed result. Normalising by the
+    kernel updates them in place. The output is the transposed view of the packed result. A large input whose
+    models are each channels-last (as the per-model convolution loops return it) is instead normalised model by
+    model in its own layout (see :data:`PER_MODEL_MIN_NUMEL`), where packing would copy it. Normalising by the
     running statistics (eval mode) needs no packing: one per-model scale and shift, ``x * scale + shift`` as
     torch's kernel computes it, in ``x``'s own memory format.
 
