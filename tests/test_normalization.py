@@ -408,3 +408,20 @@ def test_per_model_batch_norm_second_derivatives_match_the_loop() -> None:
         penalty(m, x[i], weights[i])
     for name, p in batched.named_parameters():
         assert_close(p.grad, torch.stack([dict(m.named_parameters())[name].grad for m in modules]), msg=name)
+
+
+def test_per_model_batch_norm_of_bfloat16_input_with_float32_statistics() -> None:
+    """Mixed precision on the per-model path: a bfloat16 input, float32 parameters and statistics, as torch's
+    kernel takes them; the same kernel per model, so the loop's numbers exactly."""
+    torch.manual_seed(0)
+    batched = perturbed(BatchedBatchNorm2d(3, 16))
+    modules = unbatch(batched, lambda: nn.BatchNorm2d(16))
+    x = per_model_channels_last(3, 4, 16, 32, 32).to(torch.bfloat16).requires_grad_()
+    y = batched(x)
+    y.backward(torch.ones_like(y))
+    for i, m in enumerate(modules):
+        xi = x[i].detach().requires_grad_()
+        yi = m(xi)
+        yi.backward(torch.ones_like(yi))
+        assert torch.equal(y[i], yi) and torch.equal(x.grad[i], xi.grad), f"model {i}"
+        assert torch.equal(batched.running_var[i], m.running_var) and torch.equal(batched.weight.grad[i], m.weight.grad)
