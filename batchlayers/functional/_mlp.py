@@ -1,13 +1,14 @@
 """A chain of batched linear layers with elementwise activations between them, computed as one autograd node.
 
 Autograd runs one node per op of ``linear -> activation -> linear``: for a small MLP the per-node cost is
-most of the step. :func:`fused_linear_chain` computes the same ops (``baddbmm``, the activation in place on its
+most of the step. :func:`fused_linear_chain` computes the same ops (``baddbmm``, or on CPU for small layers
+``bmm`` and an in-place bias add, see :data:`PRODUCT_THEN_BIAS_MAX_OUTPUTS`; the activation in place on its
 output) and writes the backward by hand: the activation's backward is torch's own kernel, from what autograd
 would save (``threshold_backward`` and ``tanh_backward`` from the output, ``gelu_backward``, ``silu_backward``
 and ``leaky_relu_backward`` from the input), written into the gradient it reads; and every
 weight gradient is computed as ``grad^T @ input``, directly in the weight's ``(M, out, in)`` layout, where
 autograd computes ``input^T @ grad`` and copies its transpose. Results equal the unfused layers up to that
-summation order (float64 to ~1e-15).
+summation order and the bias's rounding (float64 to ~1e-15).
 """
 
 from __future__ import annotations
