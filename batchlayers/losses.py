@@ -304,7 +304,10 @@ def _two_class_sign(target: Tensor, dtype: torch.dtype) -> Tensor:
     """``+1`` where ``target`` is class 0, ``-1`` where it is class 1 (every target is one of them), as
     ``dtype``: the sign that turns ``x_1 - x_0`` into the other class's logit minus the target's."""
     table = torch.tensor([1.0, -1.0], dtype=dtype, device=target.device)
-    return table.index_select(0, target.reshape(-1)).view(target.shape)
+    index = target.reshape(-1)
+    if index.dtype not in (torch.int32, torch.int64):  # uint8 targets (torch takes them), a boolean mask
+        index = index.long()
+    return table.index_select(0, index).view(target.shape)
 
 
 def _two_class_terms(input: Tensor, sign: Tensor) -> tuple[Tensor, Tensor]:
@@ -359,7 +362,7 @@ def _two_class_cross_entropy(input: Tensor, target: Tensor, ignore_index: int, r
     ignored = not bool(counted.all())
     if ignored and not bool((counted | (target == ignore_index)).all()):
         return None
-    sign = _two_class_sign(second.to(target.dtype), input.dtype)  # (ignored targets: +1, masked out)
+    sign = _two_class_sign(second, input.dtype)  # (ignored targets: +1, masked out)
     unreduced = _TwoClassCrossEntropy.apply(input, sign, counted if ignored else None)
     if reduction == "none":
         return unreduced

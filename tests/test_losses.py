@@ -213,15 +213,20 @@ def test_random_cross_entropy_matches_loop(num_models, batch, classes, spatial, 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("ignore", [False, True], ids=["all-counted", "ignore_index"])
-@pytest.mark.parametrize("spatial", [(), (3,)], ids=["flat", "spatial"])
-def test_two_class_cross_entropy_formula_matches_loop(reduction, ignore, spatial) -> None:
+@pytest.mark.parametrize(
+    "spatial,dtype",
+    [((), torch.long), ((3,), torch.long), ((), torch.uint8)],  # torch takes uint8 targets without spatial dims
+    ids=["flat", "spatial", "flat-uint8"],
+)
+def test_two_class_cross_entropy_formula_matches_loop(reduction, ignore, spatial, dtype) -> None:
     """Two classes take a direct formula on CPU (logaddexp - picked logit): same values and gradients."""
     torch.manual_seed(0)
     input = logits(M, B, 2, *spatial)
-    target = torch.randint(0, 2, (M, B, *spatial))
+    target = torch.randint(0, 2, (M, B, *spatial)).to(dtype)
+    ignore_index = -100 if dtype == torch.long else 255
     if ignore:
-        target[0, :2] = -100
-    check_against_loop(BL.cross_entropy, F.cross_entropy, input, target, reduction=reduction)
+        target[0, :2] = ignore_index
+    check_against_loop(BL.cross_entropy, F.cross_entropy, input, target, reduction=reduction, ignore_index=ignore_index)
 
 
 @pytest.mark.parametrize("bad", [2, -1])
