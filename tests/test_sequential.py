@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import assert_close
+from harness import RecordOps, assert_close
 from torch import nn
 
 import batchlayers.functional._mlp as mlp_module
@@ -485,3 +485,25 @@ def test_unstack_gives_back_nn_sequential_and_select_keeps_fusing():
 def test_stacked_sequential_without_a_run_stays_nn_sequential():
     models = [nn.Sequential(nn.Linear(5, 7), nn.Dropout(0.0), nn.Linear(7, 2)) for _ in range(M)]
     assert type(bl_stack(models)) is nn.Sequential
+
+
+@pytest.mark.parametrize("limit", [0, 4 * 4, 1 << 20], ids=["all-baddbmm", "mixed", "all-bmm-add"])
+@pytest.mark.parametrize("no_grad", [False, True], ids=["train", "no_grad"])
+@pytest.mark.parametrize("structure", ["relu-tanh-3", "mixed-bias"])
+def test_bias_after_bmm_matches_loop_on_both_sides_of_its_limit(limit, no_grad, structure, monkeypatch):
+    """Layers with at most PRODUCT_THEN_BIAS_MAX_OUTPUTS outputs a model add the bias after ``bmm``, the others
+    through ``baddbmm``; either way (and mixed in one run) the loop's numbers."""
+    monkeypatch.setattr(mlp_module, "PRODUCT_THEN_BIAS_MAX_OUTPUTS", limit)
+    model, loops = _build(STRUCTURES[structure])
+    x = _input(structure, (M, 4))
+    widths = [layer.out_features for layer in model if isinstance(layer, BatchedLinear) and layer.bias is not None]
+    expected_baddbmm = sum(4 * width > limit for width in widths)
+    with RecordOps() as ops, torch.set_grad_enabled(not no_grad):
+        y = model(x)
+    names = [name for name, _, _ in ops.ops]
+    assert names.count("aten.baddbmm.default") == expected_baddbmm, names
+    assert names.count("aten.add_.Tensor") == len(widths) - expected_baddbmm, names
+    if no_grad:
+        assert_close(y, torch.stack([loops[m](x[m]) for m in range(M)]), msg="no_grad output")
+    else:
+        _compare(model, loops, x, False, True)
