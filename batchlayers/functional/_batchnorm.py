@@ -144,9 +144,11 @@ def _runs_per_model(x: Tensor) -> bool:
     """Whether ``(M, B, C, H, W)`` or ``(M, B, C, D, H, W)`` ``x`` is normalised model by model: each model's
     slice is channels-last, ``x`` stored as ``(M, B, *, C)``, with at least :data:`PER_MODEL_MIN_NUMEL` elements a
     model (eager only: compiled, inductor plans the layouts). Not 1-D: torch has no channels-last format for
-    ``(B, C, L)``, its kernel would copy each slice."""
+    ``(B, C, L)``, its kernel would copy each slice. CPU only: measured there; on a GPU M kernel launches each way
+    against two cheap copies are unmeasured (no GPU was available), so packing stays."""
     return (
-        x.dim() in (5, 6)
+        x.device.type == "cpu"
+        and x.dim() in (5, 6)
         and x[0].numel() >= PER_MODEL_MIN_NUMEL
         and not x.is_contiguous()
         and x.movedim(2, -1).is_contiguous()
