@@ -122,6 +122,21 @@ class BatchedMultiheadAttention(nn.Module):
             self.bias_k = self.bias_v = None
         self._reset_parameters()
 
+    def torch_kwargs(self) -> dict[str, object]:
+        """The arguments of the ``nn.MultiheadAttention`` that one model of this layer is (``unstack``);
+        ``bias`` and ``add_bias_kv`` are kept as tensors, as in torch."""
+        return {
+            "embed_dim": self.embed_dim,
+            "num_heads": self.num_heads,
+            "dropout": self.dropout,
+            "bias": self.in_proj_bias is not None,
+            "add_bias_kv": self.bias_k is not None,
+            "add_zero_attn": self.add_zero_attn,
+            "kdim": self.kdim,
+            "vdim": self.vdim,
+            "batch_first": self.batch_first,
+        }
+
     def _reset_parameters(self) -> None:
         # torch.nn.MultiheadAttention._reset_parameters, one model's slice at a time; out_proj.weight keeps
         # its Linear init, as in torch.

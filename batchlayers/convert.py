@@ -51,9 +51,18 @@ from ._architecture import (
 )
 from ._copy import rebind_functions
 from ._provenance import PerModel, get_tag, set_tag
-from ._utils import set_num_models_
-from .container import BatchedSequential, fusable_runs
-from .registry import _BY_BATCHED, _Counterpart, counterpart_of, isinstance_torch, load_builtins, register
+from ._utils import model_count_holders, set_num_models_
+from .container import BatchedSequential, Folded, fusable_runs
+from .population import _model_tensors
+from .registry import (
+    _BY_BATCHED,
+    _Counterpart,
+    constructor_kwargs,
+    counterpart_of,
+    isinstance_torch,
+    load_builtins,
+    register,
+)
 
 __all__ = [
     "concat",
@@ -434,10 +443,122 @@ def _made(factory: Callable[[], nn.Module], i: int) -> nn.Module:
 
 
 def _require_stacked(module: nn.Module, what: str) -> int:
-    num_models = getattr(module, "num_models", None)
-    if not isinstance(module, nn.Module) or not isinstance(num_models, int):
+    """The number of models of a stacked model (its ``num_models``) or of a model built from batched layers
+    by hand, in which every parameter and buffer belongs to a batched layer and all hold the same ``M``."""
+    if not isinstance(module, nn.Module):
         raise TypeError(f"{what}: expected a stacked model (from batchlayers.stack), got {type(module).__name__}")
-    return num_models
+    num_models = getattr(module, "num_models", None)
+    if isinstance(num_models, int) and not isinstance(num_models, bool):
+        return num_models
+    holders = {id(m) for m in model_count_holders(module)}
+    for path, owner in module.named_modules():
+        for name, t in [*owner._parameters.items(), *owner._buffers.items()]:
+            if t is not None and id(owner) not in holders:
+                # Only a batched layer says that dimension 0 counts models: an nn.Linear(4, 4) would pass for 4.
+                raise TypeError(
+                    f"{what}: expected a stacked model (from batchlayers.stack) or one built from batched layers, "
+                    f"but '{_join(path, name)}' belongs to {type(owner).__name__}, which holds one model (it has no "
+                    "num_models). Stack ordinary models with batchlayers.stack"
+                )
+    return _model_tensors(module, what)[1]  # raises unless every tensor holds the same number of models
+
+
+# Parameter-free torch.nn modules that compute each element on its own: in a model built from batched layers
+# they see all models' ``(M, B, *)`` tensors, in an unstacked model one model's ``(B, *)``, with the same
+# result. Exact types only: a subclass may compute something else.
+_ELEMENTWISE = frozenset(
+    {
+        nn.Identity,
+        nn.ReLU,
+        nn.ReLU6,
+        nn.LeakyReLU,
+        nn.RReLU,
+        nn.ELU,
+        nn.SELU,
+        nn.CELU,
+        nn.GELU,
+        nn.SiLU,
+        nn.Mish,
+        nn.Sigmoid,
+        nn.Tanh,
+        nn.Softplus,
+        nn.Softsign,
+        nn.Hardtanh,
+        nn.Hardswish,
+        nn.Hardsigmoid,
+        nn.Hardshrink,
+        nn.Softshrink,
+        nn.Tanhshrink,
+        nn.LogSigmoid,
+        nn.Threshold,
+        nn.Dropout,
+        nn.AlphaDropout,
+    }
+)
+_CONTAINERS = {BatchedSequential: nn.Sequential, nn.Sequential: nn.Sequential, nn.ModuleList: nn.ModuleList}
+
+
+def _torch_counterpart(kind: type) -> Callable[[nn.Module], nn.Module] | None:
+    """How to build the torch.nn module a batched layer type stands for: its registered ``to_torch``, else
+    (recurrent and attention layers, which ``stack`` leaves to per-model code) from its ``torch_module``."""
+    registered = _BY_BATCHED.get(kind)
+    if registered is not None:
+        return registered.to_torch
+    torch_type = vars(kind).get("torch_module")  # the class's own: a subclass may compute something else
+    if not (isinstance(torch_type, type) and issubclass(torch_type, nn.Module)):
+        return None
+
+    def to_torch(module: nn.Module) -> nn.Module:
+        # The batched constructor's arguments are torch's, after num_models (nn.LSTM's own signature is *args);
+        # a layer that keeps some only as tensors (attention's bias) says what they were.
+        torch_kwargs = getattr(module, "torch_kwargs", None)
+        kwargs = torch_kwargs() if callable(torch_kwargs) else constructor_kwargs(module, kind)
+        kwargs.pop("num_models", None)
+        return torch_type(**kwargs, device="meta")
+
+    return to_torch
+
+
+def _one_model(module: nn.Module, path: str, index: int, made: dict[int, Tensor]) -> nn.Module:
+    """Model ``index`` of a module built from batched layers, as ordinary torch.nn modules (``made``: the
+    tensors sliced so far, so that tied weights stay tied)."""
+    where = repr(path) if path else "the model itself"
+    kind = type(module)
+    if module._forward_pre_hooks or module._forward_hooks or module._backward_pre_hooks or module._backward_hooks:
+        raise TypeError(
+            f"unstack: {where} ({kind.__name__}) has hooks, written for the (M, B, *) tensors of all models; "
+            "remove them, unstack, and register them on the unstacked models"
+        )
+    to_torch = _torch_counterpart(kind)
+    if to_torch is not None:
+        for t in tensor_table(module, remove_duplicate=True).values():
+            if id(t) not in made:
+                made[id(t)] = _rebuilt(t, t.detach()[index].clone())
+        one = copy.deepcopy(module, {**made})  # (a copy of the memo: deepcopy adds its own entries)
+        plain = to_torch(one)
+        _adopt(plain, one, {}, f"unstack: the torch counterpart of {where} ({kind.__name__})", lambda t: t)
+        plain.train(module.training)
+        return plain
+    if kind is Folded:
+        return copy.deepcopy(cast(Folded, module).module)
+    if kind in _CONTAINERS or kind is nn.ModuleDict:
+        children = {
+            name: None if child is None else _one_model(child, _join(path, name), index, made)
+            for name, child in module._modules.items()
+        }
+        result = nn.ModuleDict() if kind is nn.ModuleDict else _CONTAINERS[kind]()
+        for name, child in children.items():
+            result.add_module(name, child)
+        result.training = module.training
+        return result
+    if kind in _ELEMENTWISE:
+        return copy.deepcopy(module)
+    raise TypeError(
+        f"unstack: cannot rebuild {where} ({kind.__name__}) as one model: its forward was written for (M, B, *) "
+        "tensors of all models. unstack rebuilds models built from batched layers, nn.Sequential, nn.ModuleList, "
+        "nn.ModuleDict, Folded modules and elementwise activations and dropout; for others, load each model's "
+        "state dict (batchlayers.unstack_state_dict(model.state_dict())) into your own torch.nn model"
+    )
 
 
 def shared_buffers(batched: nn.Module) -> list[str]:
@@ -469,9 +590,16 @@ def _copy_with(batched: nn.Module, memo: dict[int, object]) -> nn.Module:
 def unstack(batched: nn.Module) -> list[nn.Module]:
     """The N ordinary models inside a stacked model: instances of the original class with the current
     weights, buffers, ``requires_grad``, train/eval mode, device and dtype; tied weights stay tied. They share
-    no memory with ``batched``."""
+    no memory with ``batched``.
+
+    A model built by hand from batched layers gives the torch.nn modules it stands for: each batched layer
+    its torch.nn layer, ``BatchedSequential`` an ``nn.Sequential``, ``Folded(m)`` ``m``; ``nn.Sequential``,
+    ``nn.ModuleList``, ``nn.ModuleDict`` and elementwise activations and dropout stay as they are. Any other
+    module is refused (its ``forward`` was written for all models' ``(M, B, *)`` tensors), and so are hooks."""
     num_models = _require_stacked(batched, "unstack")
     load_builtins()
+    if not isinstance(getattr(batched, "num_models", None), int):  # built from batched layers by hand
+        return [_one_model(batched, "", i, {}) for i in range(num_models)]
     stacked = _stacked_tensors(batched)
     models = []
     for i in range(num_models):
@@ -518,8 +646,8 @@ def _indices(indices: object, num_models: int) -> list[int]:
 
 
 def select(batched: nn.Module, indices: Sequence[int] | Tensor) -> nn.Module:
-    """A stacked model with the models ``indices`` of ``batched``, in that order (repeats allowed), sharing
-    nothing mutable with it (gradients are not copied)."""
+    """A stacked model (or one built from batched layers) with the models ``indices`` of ``batched``, in that
+    order (repeats allowed), sharing nothing mutable with it (gradients are not copied)."""
     num_models = _require_stacked(batched, "select")
     index = torch.tensor(_indices(indices, num_models), dtype=torch.long)
     memo: dict[int, object] = {}
@@ -533,10 +661,10 @@ def select(batched: nn.Module, indices: Sequence[int] | Tensor) -> nn.Module:
 
 
 def concat(models: Sequence[nn.Module]) -> nn.Module:
-    """One stacked model holding the models of several stacked models of the same architecture, in order."""
+    """One stacked model holding the models of several stacked models (or models built from batched layers)
+    of the same architecture, in order."""
     models = check_models(models, "concat")
-    for m in models:
-        _require_stacked(m, "concat")
+    total = sum(_require_stacked(m, "concat") for m in models)
     check_same_architecture(models, "concat", model_dim=True)
     shared = set(_fold.root_shared_buffers(models[0]))
     tables = [tensor_table(m, remove_duplicate=True) for m in models]
@@ -556,7 +684,7 @@ def concat(models: Sequence[nn.Module]) -> nn.Module:
             set_tag(joined, PerModel)
             memo[id(t)] = joined
     result = _copy_with(models[0], memo)
-    set_num_models_(result, sum(cast(int, m.num_models) for m in models))  # ints: _require_stacked checked them
+    set_num_models_(result, total)
     _fold.tag_per_model(result)
     return result
 
