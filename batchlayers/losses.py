@@ -310,6 +310,19 @@ def _two_class_sign(target: Tensor, dtype: torch.dtype) -> Tensor:
     return table.index_select(0, index).view(target.shape)
 
 
+def _two_class_sign_if_counted(target: Tensor, dtype: torch.dtype) -> Tensor | None:
+    """:func:`_two_class_sign` when every target is 0 or 1, else None. On CPU (this path's only device)
+    ``index_select`` checks every index itself, raising ``IndexError`` for any other value: a separate check
+    of the targets cost 3% of the 10-20-2 MLP's training step at M=64 (interleaved medians, 60 rounds). On a
+    GPU an index out of range would be a device-side assert instead."""
+    if target.device.type != "cpu":
+        return None  # torch's path raises its own error for targets on another device than the logits
+    try:
+        return _two_class_sign(target, dtype)
+    except IndexError:
+        return None
+
+
 def _two_class_terms(input: Tensor, sign: Tensor) -> tuple[Tensor, Tensor]:
     """With ``z = sign * (x_1 - x_0)``, the other class's logit minus the target's: ``sign * sigmoid(z)``
     (the gradient of the loss by ``x_1 - x_0``) and the unreduced loss ``softplus(z)``."""
@@ -353,10 +366,11 @@ class _TwoClassCrossEntropyReduced(torch.autograd.Function):
 def _two_class_cross_entropy(input: Tensor, target: Tensor, ignore_index: int, reduction: str) -> Tensor | None:
     """Two-class cross entropy of class indices by :class:`_TwoClassCrossEntropy`; ``None`` when a target is
     neither class nor ``ignore_index`` (torch's path then raises its error)."""
-    if reduction != "none" and not bool(torch.bitwise_and(target, -2).any()):  # every target is 0 or 1
+    sign = _two_class_sign_if_counted(target, input.dtype) if reduction != "none" else None
+    if sign is not None:
         num_models = input.shape[0]
         divisor = float(target.numel() // num_models) if reduction == "mean" else 1.0
-        return _TwoClassCrossEntropyReduced.apply(input, _two_class_sign(target, input.dtype), divisor)
+        return _TwoClassCrossEntropyReduced.apply(input, sign, divisor)
     second = target == 1
     counted = second | (target == 0)
     ignored = not bool(counted.all())

@@ -229,6 +229,23 @@ def test_two_class_cross_entropy_formula_matches_loop(reduction, ignore, spatial
     check_against_loop(BL.cross_entropy, F.cross_entropy, input, target, reduction=reduction, ignore_index=ignore_index)
 
 
+@pytest.mark.parametrize("dtype", [torch.long, torch.int32, torch.uint8])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_two_class_cross_entropy_reduces_in_one_node_exactly_when_every_target_counts(dtype, reduction) -> None:
+    """All targets 0 or 1: one node computes and reduces the loss. Any other target (an ignored one, one
+    out of range) takes the general path, which masks or raises."""
+    torch.manual_seed(0)
+    input = logits(M, B, 2).requires_grad_(True)
+    target = torch.randint(0, 2, (M, B)).to(dtype)
+    counted = BL.cross_entropy(input, target, reduction=reduction)
+    assert type(counted.grad_fn).__name__ == "_TwoClassCrossEntropyReducedBackward"
+    target[1, 0] = 7
+    ignored = BL.cross_entropy(input, target, reduction=reduction, ignore_index=7)
+    assert type(ignored.grad_fn).__name__ != "_TwoClassCrossEntropyReducedBackward"
+    expected = F.cross_entropy(input[1], target[1].long(), reduction=reduction, ignore_index=7)
+    assert_close(ignored[1], expected, msg="model 1, one target ignored")
+
+
 @pytest.mark.parametrize("bad", [2, -1])
 def test_two_class_cross_entropy_refuses_targets_out_of_range(bad) -> None:
     input, target = logits(M, B, 2), torch.zeros(M, B, dtype=torch.long)
