@@ -61,7 +61,15 @@ def _params_and_grads(params: Sequence[Tensor]) -> list[Tensor]:
 
 
 def _maybe_compile(fn: Callable, enabled: bool) -> Callable:
-    return torch.compile(fn) if enabled else fn
+    """``fn`` compiled when ``enabled``: a module with ``nn.Module.compile`` (its hooks, a stacked model's
+    folding hooks, compiled in the same frame as its forward; docs/conversion.md), a function with
+    ``torch.compile``."""
+    if not enabled:
+        return fn
+    if isinstance(fn, torch.nn.Module):
+        fn.compile()
+        return fn
+    return torch.compile(fn)
 
 
 def batchlayers_loss(logits: Tensor, target: Tensor) -> Tensor:

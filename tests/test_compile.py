@@ -61,11 +61,14 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
-# Each case compiles a forward, a backward and a step with inductor (10-30 s each on 2 CPU cores): SGD on one.
+# Each case compiles a forward, a backward and a step with inductor (10-30 s each on 2 CPU cores): SGD on one,
+# and one compiled with nn.Module.compile, which runs a stacked root's folding hooks inside its compiled frame.
 @pytest.mark.parametrize(
-    ("case", "optimizer"), [(case, "Adam") for case in CASES] + [("stacked-ResNet-BatchNorm", "SGD")]
+    ("case", "optimizer", "how"),
+    [(case, "Adam", "torch.compile") for case in CASES]
+    + [("stacked-ResNet-BatchNorm", "SGD", "torch.compile"), ("stacked-GPT", "Adam", "module.compile")],
 )
-def test_inductor_fullgraph_training_equals_the_original_models(case: str, optimizer: str) -> None:
+def test_inductor_fullgraph_training_equals_the_original_models(case: str, optimizer: str, how: str) -> None:
     make, sample_shape, kind = CASES[case]
     originals, batched = make()  # the reference trains the originals themselves, each with torch.optim
     gen = torch.Generator().manual_seed(0)
@@ -92,7 +95,11 @@ def test_inductor_fullgraph_training_equals_the_original_models(case: str, optim
         expected_outputs.append(torch.stack(outs))
 
     opt = getattr(bl.optim, optimizer)(batched.parameters(), lr=torch.tensor(LRS, dtype=torch.float64), **options)
-    forward = torch.compile(batched, fullgraph=True)
+    if how == "module.compile":
+        batched.compile(fullgraph=True)
+        forward = batched
+    else:
+        forward = torch.compile(batched, fullgraph=True)
     step_fn = torch.compile(opt.step, fullgraph=True)
     for step in range(STEPS):
         out = forward(xs[step])

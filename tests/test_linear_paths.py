@@ -115,3 +115,20 @@ def test_shared_gemm_reads_the_batch_once():
 def test_unknown_shared_path_raises():
     with pytest.raises(ValueError, match="shared must be"):
         linear(torch.randn(3, 4).expand(2, 3, 4), torch.randn(2, 5, 4), shared="loop")
+
+
+@pytest.mark.parametrize("compiling", [False, True], ids=["eager", "compiling"])
+def test_bias_is_added_apart_only_under_compile(compiling, monkeypatch):
+    """Eager: one ``baddbmm``. While torch.compile traces (CPU): ``bmm`` and an add, which inductor fuses into
+    the next elementwise kernel instead of its library ``baddbmm``. The same numbers either way."""
+    from harness import RecordOps
+
+    torch.manual_seed(0)
+    x, weight = torch.randn(3, 5, 4, dtype=torch.float64), torch.randn(3, 2, 4, dtype=torch.float64)
+    bias = torch.randn(3, 2, dtype=torch.float64)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiling)
+    with RecordOps() as ops:
+        y = linear_module._affine(x, weight, bias)
+    names = [name for name, is_view, _ in ops.ops if not is_view]
+    assert names == (["aten.bmm.default", "aten.add.Tensor"] if compiling else ["aten.baddbmm.default"]), names
+    assert_close(y, _loop(x, weight, bias), msg="output")
