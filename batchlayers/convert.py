@@ -457,8 +457,8 @@ def _require_stacked(module: nn.Module, what: str) -> int:
                 # Only a batched layer says that dimension 0 counts models: an nn.Linear(4, 4) would pass for 4.
                 raise TypeError(
                     f"{what}: expected a stacked model (from batchlayers.stack) or one built from batched layers, "
-                    f"but '{_join(path, name)}' belongs to {type(owner).__name__}, which holds one model (it has no "
-                    "num_models). Stack ordinary models with batchlayers.stack"
+                    f"got {type(module).__name__}, whose '{_join(path, name)}' belongs to {type(owner).__name__}, "
+                    "which holds one model (it has no num_models). Stack ordinary models with batchlayers.stack"
                 )
     return _model_tensors(module, what)[1]  # raises unless every tensor holds the same number of models
 
