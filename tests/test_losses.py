@@ -246,6 +246,29 @@ def test_two_class_cross_entropy_reduces_in_one_node_exactly_when_every_target_c
     assert_close(ignored[1], expected, msg="model 1, one target ignored")
 
 
+@pytest.mark.parametrize("spatial", [(), (3,)], ids=["flat", "spatial"])
+def test_two_class_cross_entropy_reads_a_shared_target_once(spatial) -> None:
+    """Targets shared by every model (a stride-0 expand) are looked up once, never copied M times; the
+    losses and gradients equal those of M copies."""
+    from harness import RecordOps
+
+    torch.manual_seed(0)
+    input = logits(M, B, 2, *spatial)
+    shared = torch.randint(0, 2, (B, *spatial)).expand(M, B, *spatial)
+    results = []
+    for target in (shared, shared.contiguous()):
+        x = input.clone().requires_grad_(True)
+        with RecordOps() as ops:
+            loss = BL.cross_entropy(x, target)
+        loss.sum().backward()
+        results.append((loss, x.grad, ops.ops))
+    assert_close(results[0][0], results[1][0], msg="losses")
+    assert_close(results[0][1], results[1][1], msg="gradients")
+    copies = [(name, numel) for name, _, numel in results[0][2] if name in ("aten.clone.default", "aten.copy_.default")]
+    assert not copies, copies
+    check_against_loop(BL.cross_entropy, F.cross_entropy, input, shared)
+
+
 @pytest.mark.parametrize("bad", [2, -1])
 def test_two_class_cross_entropy_refuses_targets_out_of_range(bad) -> None:
     input, target = logits(M, B, 2), torch.zeros(M, B, dtype=torch.long)
