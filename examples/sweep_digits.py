@@ -4,7 +4,8 @@ Every model of the sweep is one slice of a batched MLP. They train together on s
 digits dataset (8x8 images, 10 classes, no download), each on its own shuffled minibatches and with its
 own AdamW hyperparameters drawn log-uniformly. Successive halving keeps the better half on validation
 accuracy after each rung (and doubles the training budget of the survivors) until the best few remain.
-Prints a results table and writes a plot of validation accuracy per learning rate.
+Prints a results table, writes a plot of validation accuracy per learning rate, and saves the best model
+as an ordinary ``nn.Sequential`` (``batchlayers.unstack``), loadable without batchlayers.
 
     python examples/sweep_digits.py                  # 64 models, about half a minute on 2 CPU cores
     python examples/sweep_digits.py --quick          # 16 models, a few seconds
@@ -23,6 +24,8 @@ import torch
 from digits_common import load_digits_split, predict_shared, save_figure, train_epochs
 from torch import Tensor, nn
 
+from batchlayers.container import BatchedSequential
+from batchlayers.convert import unstack
 from batchlayers.data import ModelTensorLoader
 from batchlayers.linear import BatchedLinear
 from batchlayers.optim import AdamW
@@ -30,7 +33,8 @@ from batchlayers.population import keep_models_
 
 
 def make_mlp(num_models: int, hidden: int) -> nn.Sequential:
-    return nn.Sequential(
+    # BatchedSequential: an nn.Sequential that trains the Linear-ReLU-Linear run as one autograd node.
+    return BatchedSequential(
         BatchedLinear(num_models, 64, hidden),
         nn.ReLU(),
         BatchedLinear(num_models, hidden, hidden),
@@ -59,6 +63,7 @@ class SweepResult:
     final_ids: list[int] = field(default_factory=list)
     final_val: list[float] = field(default_factory=list)
     final_test: list[float] = field(default_factory=list)
+    best_model: nn.Sequential | None = None  # the best model as an ordinary nn.Sequential of nn.Linear
     seconds: float = 0.0
 
 
@@ -108,6 +113,7 @@ def run_sweep(
     result.final_ids = model_ids[order].tolist()
     result.final_val = val[order].tolist()
     result.final_test = test[order].tolist()
+    result.best_model = unstack(model)[int(order[0])]
     result.seconds = time.perf_counter() - start
     return result
 
@@ -174,7 +180,9 @@ def main(argv: list[str] | None = None) -> SweepResult:
     print_table(result)
     path = args.out / "sweep_digits.png"
     plot(result, path)
-    print(f"\n{args.num_models} models in {result.seconds:.1f} s; plot written to {path}")
+    best_path = args.out / "best_mlp.pt"
+    torch.save(result.best_model.state_dict(), best_path)  # an ordinary nn.Sequential's state dict
+    print(f"\n{args.num_models} models in {result.seconds:.1f} s; plot written to {path}; best model to {best_path}")
     return result
 
 

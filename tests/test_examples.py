@@ -9,6 +9,7 @@ import types
 
 import pytest
 import torch
+from torch import nn
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
 
@@ -38,6 +39,14 @@ def test_sweep_digits(load_example, tmp_path: pathlib.Path, capsys: pytest.Captu
     assert 1e-3 <= best_lr <= 1e-1, f"AdamW's sensible learning rates are 1e-3..1e-1, the sweep chose {best_lr}"
     assert (tmp_path / "sweep_digits.png").stat().st_size > 10_000
     assert "weight_decay" in capsys.readouterr().out
+    # The best model, unstacked and saved, is an ordinary MLP with the batched model's test accuracy.
+    plain = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+    plain.load_state_dict(torch.load(tmp_path / "best_mlp.pt", weights_only=True))
+    assert [type(m) for m in result.best_model] == [type(m) for m in plain]
+    x_test, y_test = sweep.load_digits_split(0)["test"]
+    with torch.no_grad():
+        accuracy = (plain(x_test).argmax(-1) == y_test).double().mean().item()
+    assert accuracy == pytest.approx(result.final_test[0], abs=1e-12)
 
 
 def test_checkpoints(load_example, tmp_path: pathlib.Path) -> None:
