@@ -495,7 +495,13 @@ _ELEMENTWISE = frozenset(
         nn.AlphaDropout,
     }
 )
-_CONTAINERS = {BatchedSequential: nn.Sequential, nn.Sequential: nn.Sequential, nn.ModuleList: nn.ModuleList}
+# Containers, and what each becomes in an unstacked model.
+_CONTAINERS: dict[type, type[nn.Module]] = {
+    BatchedSequential: nn.Sequential,
+    nn.Sequential: nn.Sequential,
+    nn.ModuleList: nn.ModuleList,
+    nn.ModuleDict: nn.ModuleDict,
+}
 
 
 def _torch_counterpart(kind: type) -> Callable[[nn.Module], nn.Module] | None:
@@ -541,14 +547,10 @@ def _one_model(module: nn.Module, path: str, index: int, made: dict[int, Tensor]
         return plain
     if kind is Folded:
         return copy.deepcopy(cast(Folded, module).module)
-    if kind in _CONTAINERS or kind is nn.ModuleDict:
-        children = {
-            name: None if child is None else _one_model(child, _join(path, name), index, made)
-            for name, child in module._modules.items()
-        }
-        result = nn.ModuleDict() if kind is nn.ModuleDict else _CONTAINERS[kind]()
-        for name, child in children.items():
-            result.add_module(name, child)
+    if kind in _CONTAINERS:
+        result = _CONTAINERS[kind]()
+        for name, child in module._modules.items():
+            result.add_module(name, None if child is None else _one_model(child, _join(path, name), index, made))
         result.training = module.training
         return result
     if kind in _ELEMENTWISE:
