@@ -7,7 +7,7 @@ accuracy after each rung (and doubles the training budget of the survivors) unti
 Prints a results table, writes a plot of validation accuracy per learning rate, and saves the best model
 as an ordinary ``nn.Sequential`` (``batchlayers.unstack``), loadable without batchlayers.
 
-    python examples/sweep_digits.py                  # 64 models, about half a minute on 2 CPU cores
+    python examples/sweep_digits.py                  # 64 models, about 10 s on 2 CPU cores
     python examples/sweep_digits.py --quick          # 16 models, a few seconds
     python examples/sweep_digits.py --out results/   # where the plot goes
 """

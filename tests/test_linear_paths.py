@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import assert_close
+from harness import RecordOps, assert_close
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -121,8 +121,6 @@ def test_unknown_shared_path_raises():
 def test_bias_is_added_apart_only_under_compile(compiling, monkeypatch):
     """Eager: one ``baddbmm``. While torch.compile traces (CPU): ``bmm`` and an add, which inductor fuses into
     the next elementwise kernel instead of its library ``baddbmm``. The same numbers either way."""
-    from harness import RecordOps
-
     torch.manual_seed(0)
     x, weight = torch.randn(3, 5, 4, dtype=torch.float64), torch.randn(3, 2, 4, dtype=torch.float64)
     bias = torch.randn(3, 2, dtype=torch.float64)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import assert_close
+from harness import RecordOps, assert_close
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -232,8 +232,8 @@ def test_two_class_cross_entropy_formula_matches_loop(reduction, ignore, spatial
 @pytest.mark.parametrize("dtype", [torch.long, torch.int32, torch.uint8])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_two_class_cross_entropy_reduces_in_one_node_exactly_when_every_target_counts(dtype, reduction) -> None:
-    """All targets 0 or 1: one node computes and reduces the loss. Any other target (an ignored one, one
-    out of range) takes the general path, which masks or raises."""
+    """All targets 0 or 1: one node computes and reduces the loss. An ignored target takes the general path,
+    which masks it (a target out of range: see the test below)."""
     torch.manual_seed(0)
     input = logits(M, B, 2).requires_grad_(True)
     target = torch.randint(0, 2, (M, B)).to(dtype)
@@ -250,8 +250,6 @@ def test_two_class_cross_entropy_reduces_in_one_node_exactly_when_every_target_c
 def test_two_class_cross_entropy_reads_a_shared_target_once(spatial) -> None:
     """Targets shared by every model (a stride-0 expand) are looked up once, never copied M times; the
     losses and gradients equal those of M copies."""
-    from harness import RecordOps
-
     torch.manual_seed(0)
     input = logits(M, B, 2, *spatial)
     shared = torch.randint(0, 2, (B, *spatial)).expand(M, B, *spatial)
