@@ -530,10 +530,10 @@ def _one_model(module: nn.Module, path: str, index: int, made: dict[int, Tensor]
     tensors sliced so far, so that tied weights stay tied)."""
     where = repr(path) if path else "the model itself"
     kind = type(module)
-    if module._forward_pre_hooks or module._forward_hooks or module._backward_pre_hooks or module._backward_hooks:
+    if any(getattr(module, hooks) for hooks in _HOOK_DICTS):
         raise TypeError(
-            f"unstack: {where} ({kind.__name__}) has hooks, written for the (M, B, *) tensors of all models; "
-            "remove them, unstack, and register them on the unstacked models"
+            f"unstack: {where} ({kind.__name__}) has hooks, written for the tensors of all models; remove them, "
+            "unstack, and register them on the unstacked models"
         )
     to_torch = _torch_counterpart(kind)
     if to_torch is not None:

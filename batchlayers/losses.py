@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ._utils import is_shared
+
 __all__ = [
     "binary_cross_entropy",
     "binary_cross_entropy_with_logits",
@@ -303,7 +305,7 @@ class _TwoClassCrossEntropy(torch.autograd.Function):
 def _two_class_sign(target: Tensor, dtype: torch.dtype) -> Tensor:
     """``+1`` where ``target`` is class 0, ``-1`` where it is class 1 (every target is one of them), as
     ``dtype``: the sign that turns ``x_1 - x_0`` into the other class's logit minus the target's."""
-    if target.dim() > 1 and target.shape[0] > 1 and target.stride(0) == 0:
+    if is_shared(target):
         # Targets shared by every model (a stride-0 expand): one model's signs, expanded, never M copies.
         return _two_class_sign(target[0], dtype).expand(target.shape)
     table = torch.tensor([1.0, -1.0], dtype=dtype, device=target.device)

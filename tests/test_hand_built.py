@@ -208,6 +208,13 @@ def _hooked():
     return model
 
 
+def _state_dict_hooked():
+    """A hook the torch.nn layer that unstack builds would not carry."""
+    model = nn.Sequential(bl.BatchedLinear(M, 4, 4))
+    model[0].register_state_dict_post_hook(lambda module, state_dict, prefix, local_metadata: None)
+    return model
+
+
 class _OwnParameter(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -229,13 +236,14 @@ class _OwnParameter(nn.Module):
             r"unstack: cannot rebuild '1' \(Softmax\)",
         ),
         (_hooked, TypeError, r"unstack: '1' \(ReLU\) has hooks"),
+        (_state_dict_hooked, TypeError, r"unstack: '0' \(BatchedLinear\) has hooks"),
         (
             lambda: nn.Sequential(bl.BatchedLinear(M, 4, 4), bl.BatchedLinear(M + 1, 4, 4)),
             ValueError,
             r"unstack: every parameter and buffer must hold the same number of models",
         ),
     ],
-    ids=["custom-class", "not-elementwise", "hooks", "different-M"],
+    ids=["custom-class", "not-elementwise", "hooks", "state-dict-hook", "different-M"],
 )
 def test_unstack_refuses_what_it_cannot_rebuild(make, error, match) -> None:
     with pytest.raises(error, match=match):
