@@ -33,6 +33,7 @@ Never is model 0's value used for all models: a call that cannot be done per mod
 from __future__ import annotations
 
 import inspect
+import string
 from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 from typing import cast
@@ -52,6 +53,9 @@ from ._provenance import (
     _norm,
     _outputs,
     _tagged,
+    einsum_labels,
+    einsum_operands,
+    einsum_tag,
     get_tag,
     loss_arguments,
     set_tag,
@@ -410,6 +414,37 @@ def _addmm(ctx, func, args, kwargs):
     return _result(out, 0 if tag == 0 else None)
 
 
+def _einsum(ctx, func, args, kwargs):
+    """``torch.einsum`` with per-model operands: one einsum over all models, with a model subscript in front
+    of every per-model operand, every operand holding samples (viewed ``(M, n, ...)``) and the output."""
+    operands = einsum_operands(args)
+    if kwargs or not args or not isinstance(args[0], str) or not all(isinstance(t, Tensor) for t in operands):
+        return NotImplemented
+    m = ctx.num_models
+    shapes = [single_shape(t, m) for t in operands]
+    parsed = einsum_labels(args[0], [len(s) for s in shapes])
+    model = next((c for c in string.ascii_letters if c not in args[0]), None)
+    if parsed is None or model is None:
+        return NotImplemented
+    labels, out_labels = parsed
+    d = None
+    if any(isinstance(get_tag(t), int) for t in operands):
+        d = einsum_tag("torch.einsum", operands, labels, out_labels)
+        if not isinstance(d, int):
+            return NotImplemented  # per model, where the one model's rule decides or refuses
+    lhs, arrow, rhs = args[0].replace(" ", "").partition("->")
+    if not arrow:
+        rhs = ("..." if "..." in lhs else "") + "".join(x for x in out_labels if isinstance(x, str))
+    own = [get_tag(t) is PerModel or isinstance(get_tag(t), int) for t in operands]
+    terms = [model + term if o else term for term, o in zip(lhs.split(","), own)]
+    r = torch.einsum(",".join(terms) + "->" + model + rhs, *[explicit(t, m) if o else t for t, o in zip(operands, own)])
+    if d is not None:
+        rows = next(s[tag] for t, s in zip(operands, shapes) if isinstance(tag := get_tag(t), int))
+        if r.shape[d + 1] != rows:
+            return NotImplemented  # another operand stretched one sample (B = 1) to the folded size: per model
+    return _result(r, d)
+
+
 def _affine_norm(norm: Callable, names: tuple[str, ...], channel_dim: int | None) -> Callable:
     """Normalisations with per-model ``weight``/``bias`` (arguments 2 and 3: layer_norm, rms_norm,
     group_norm): normalise without them (no model dimension involved), then scale and shift each model by
@@ -549,6 +584,27 @@ def _multi_head_attention(ctx, func: Callable, args: tuple, kwargs: dict) -> obj
 _RECURRENT_MODES = {"lstm": "LSTM", "gru": "GRU", "rnn_tanh": "RNN_TANH", "rnn_relu": "RNN_RELU"}
 
 
+def _state_of_samples(h: Tensor, rows: int) -> Tensor | None:
+    """An RNN state ``(layers * directions, rows, H)`` as one holding the samples on dimension 1, where the
+    input holds ``rows`` samples; None where that is not proven. torch.nn's RNNs make their initial state with
+    ``zeros(layers * directions, x.size(batch), H)``: tagged 1 when the batch is the folded one, untagged when
+    the input folds more than the models' samples into its batch (``x.reshape(-1, T, C)`` of a feature map),
+    tagged 0 when ``layers * directions`` equals the folded size. A state the same for every sample along
+    dimension 1 (untagged) or everywhere (tagged elsewhere) gives every model's block of rows exactly the
+    value its own model would build."""
+    tag = get_tag(h)
+    if tag == 1:
+        return h
+    if tag is PerModel or isinstance(tag, Lost) or h.dim() != 3 or h.shape[1] != rows:
+        return None
+    same = h[:, :1] if tag is None else h.reshape(-1)[:1].view(1, 1, 1)
+    if h.shape[1] > 1 and h.stride(1) != 0 and not torch.equal(h, same.expand_as(h)):
+        return None
+    state = h.view(h.shape)
+    set_tag(state, 1)
+    return state
+
+
 def _recurrent(ctx, func, args, kwargs):
     """``torch.lstm/gru/rnn_tanh/rnn_relu`` (every torch.nn.RNN/LSTM/GRU) with per-model weights:
     ``batchlayers.functional.rnn``, the input projection of all steps one batched GEMM and the recurrence one
@@ -557,8 +613,10 @@ def _recurrent(ctx, func, args, kwargs):
         return NotImplemented
     x, hx, params, bias, num_layers, dropout, training, bidirectional, batch_first = args
     m, d = ctx.num_models, 0 if batch_first else 1
-    states = list(hx) if isinstance(hx, (list, tuple)) else [hx]
-    if get_tag(x) != d or x.dim() != 3 or any(get_tag(h) != 1 for h in states):
+    if get_tag(x) != d or x.dim() != 3:
+        return NotImplemented
+    states = [_state_of_samples(h, x.shape[d]) for h in (hx if isinstance(hx, (list, tuple)) else [hx])]
+    if any(h is None for h in states):
         return NotImplemented
     if not params or any(get_tag(p) is not PerModel for p in params):
         return NotImplemented
@@ -742,6 +800,7 @@ _FAST[_getter("mT")] = _on_stored(lambda t, s: t.mT if len(s) >= 2 else NotImple
 _FAST[_getter("T")] = _on_stored(lambda t, s: t.permute(0, *range(t.dim() - 1, 0, -1)))
 _FAST[F.linear] = _linear
 _FAST[torch.addmm] = _addmm
+_FAST[torch.einsum] = _einsum
 _FAST[F.layer_norm] = _affine_norm(F.layer_norm, ("weight", "bias"), None)
 _FAST[F.rms_norm] = _affine_norm(F.rms_norm, ("weight",), None)
 _FAST[F.group_norm] = _affine_norm(F.group_norm, ("weight", "bias"), 1)

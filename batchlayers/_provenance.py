@@ -55,6 +55,7 @@ from __future__ import annotations
 import inspect
 import math
 import os
+import string
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -578,6 +579,96 @@ def _matmul(ctx, name, args, kwargs, out, tagged) -> None:
     _tag_all(out, dim)
 
 
+_ELLIPSIS = "..."
+# One dimension's subscript in an einsum equation: a letter, or ("...", k) for the ellipsis dimension k places
+# from the right (ellipsis dimensions broadcast like elementwise operands, aligned from the right).
+_Label = str | tuple[str, int]
+
+
+def einsum_operands(args: Sequence) -> list:
+    """The operands of ``torch.einsum(equation, *operands)`` or of the older ``einsum(equation, [operands])``
+    (the sublist form reaches the mode already turned into an equation by ``torch.functional.einsum``)."""
+    operands = list(args[1:])
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = list(operands[0])
+    return operands
+
+
+def einsum_labels(equation: str, ndims: Sequence[int]) -> tuple[list[list[_Label]], list[_Label]] | None:
+    """Each operand's subscript per dimension and the output's, for operands of ``ndims`` dimensions; None for
+    an equation this does not read (torch raises for most of those itself). Without ``->`` the output is the
+    ellipsis dimensions, then the letters used once in ASCII order (torch's implicit output)."""
+    lhs, arrow, rhs = equation.replace(" ", "").partition("->")
+    terms = lhs.split(",")
+    if len(terms) != len(ndims):
+        return None
+
+    def expand(term: str, ndim: int) -> list[_Label] | None:
+        head, dots, tail = term.partition(_ELLIPSIS)
+        if any(c not in string.ascii_letters for c in head + tail):
+            return None
+        if not dots:
+            return list(term) if len(term) == ndim else None
+        k = ndim - len(head) - len(tail)
+        return None if k < 0 else [*head, *((_ELLIPSIS, k - i) for i in range(k)), *tail]
+
+    labels = [expand(term, n) for term, n in zip(terms, ndims)]
+    if any(ls is None for ls in labels):
+        return None
+    inputs = cast(list[list[_Label]], labels)
+    broadcast = max([0, *(sum(isinstance(x, tuple) for x in ls) for ls in inputs)])  # (max(default=): not traced)
+    if arrow:
+        out = expand(rhs, len(rhs.replace(_ELLIPSIS, "")) + (broadcast if _ELLIPSIS in rhs else 0))
+        return None if out is None else (inputs, out)
+    letters = [x for ls in inputs for x in ls if isinstance(x, str)]
+    once = sorted(c for c in set(letters) if letters.count(c) == 1)
+    return inputs, [*((_ELLIPSIS, broadcast - i) for i in range(broadcast)), *once]
+
+
+def einsum_tag(name: str, operands: Sequence[Tensor], labels: Sequence[list[_Label]], out: list[_Label]) -> Tag:
+    """Where the models' samples are in einsum's output. Model-major on output dimension ``d`` exactly when
+    every operand holding samples holds them on one subscript ``L``, once, ``L`` is output dimension ``d``
+    (so no sum runs over it), and every operand without samples that spans ``L`` is the same all along it:
+    then output element ``l`` along ``d`` reads model ``l // n``'s samples at their own row on ``L``, and
+    everything else it reads is that model's own or the same for every model. Per-model operands are
+    ``batchlayers._per_model``'s (it calls this with one model's view)."""
+    model: set[_Label] = set()
+    for t, ls in zip(operands, labels):
+        tag = get_tag(t)
+        if tag is None or tag is PerModel:
+            continue
+        if isinstance(tag, Lost):
+            return tag
+        label = ls[cast(int, tag)]
+        if ls.count(label) > 1:
+            return Lost(f"{name} takes a diagonal along the dimension that holds the models' samples")
+        model.add(label)
+    if not model:
+        return None
+    if len(model) > 1:
+        return Lost(f"{name} combines the models' samples along two different dimensions")
+    (label,) = model
+    if label not in out:
+        return Lost(f"{name} sums over the dimension that holds the models' samples")
+    for t, ls in zip(operands, labels):
+        if get_tag(t) is None and any(x == label and _differs_along(t, k) for k, x in enumerate(ls)):
+            return Lost(f"{name} combines the models' samples with a value that differs along them")
+    return out.index(label)
+
+
+def _einsum(ctx, name, args, kwargs, out, tagged) -> None:
+    lost = _first_lost(tagged)
+    if lost is not None:
+        return _tag_all(out, lost)
+    operands = einsum_operands(args)
+    parsed = None
+    if args and isinstance(args[0], str) and not kwargs and all(isinstance(t, Tensor) for t in operands):
+        parsed = einsum_labels(args[0], [t.dim() for t in operands])
+    if parsed is None:
+        return _tag_all(out, Lost(f"{name} (batchlayers has no rule for this form)"))
+    _tag_all(out, einsum_tag(name, operands, *parsed))
+
+
 class _Probe:
     """Stands for an intermediate result with a known tag in :func:`_broadcast_tag`."""
 
@@ -1063,6 +1154,7 @@ _add(_embedding_bag, "embedding_bag", method=False, torch_=False)
 _add(_like_self, "prelu", method=False)
 _add(_matmul, "matmul mm bmm addmm baddbmm __matmul__ mv addmv")
 _add(_sdpa, "scaled_dot_product_attention")
+_RULES[torch.einsum] = _Rule(_einsum, "torch.einsum")
 _add(_reshape, "view reshape flatten unflatten view_as reshape_as squeeze unsqueeze squeeze_ unsqueeze_ ravel")
 _add(_permutation(_transpose_perm), "transpose swapaxes swapdims transpose_")
 _add(_permutation(_permute_perm), "permute")

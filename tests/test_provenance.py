@@ -4,6 +4,7 @@ wrong result (batchlayers._provenance knows which tensors carry samples instead 
 
 from __future__ import annotations
 
+import random
 import threading
 
 import models as zoo
@@ -608,3 +609,161 @@ def test_in_forward_token_loss_when_sizes_coincide(batch: int) -> None:
     expected.sum().backward()
     for key, p in batched.named_parameters():
         assert_close(p.grad, torch.stack([dict(r.named_parameters())[key].grad for r in references]), msg=key)
+
+
+class _Einsum(nn.Module):
+    """``torch.einsum`` as torchvision and timm write it (found by ``scripts/survey_real_models.py``)."""
+
+    def __init__(self, form: str, seq: int = 6, features: int = 4) -> None:
+        super().__init__()
+        self.form = form
+        self.fc = nn.Linear(features, 3 * features)
+        if form == "attention":
+            self.bias = nn.Parameter(torch.randn(seq, seq))
+        if form == "relative positions":
+            self.rel = nn.Parameter(torch.randn(2 * seq - 1, features))
+            index = torch.arange(seq)[:, None] - torch.arange(seq)[None, :] + seq - 1
+            self.register_buffer("rel_index", index, persistent=False)
+        if form == "ellipsis with a parameter":
+            self.heads = nn.Parameter(torch.randn(2, 3, features))
+        if form in ("list form, implicit output", "sublist form"):
+            self.w = nn.Parameter(torch.randn(features, 5))
+
+    def forward(self, x):  # x: (B, T, features)
+        q, k, v = self.fc(x).chunk(3, -1)
+        if self.form == "attention":  # MaxViT: spaces in the equation, a per-model bias on the scores
+            scores = torch.einsum("b i d, b j d -> b i j", q, k) + self.bias
+            return torch.einsum("bij,bjd->bid", scores.softmax(-1), v)
+        if self.form == "relative positions":  # MViTv2, SAM: the queries against a looked-up per-model table
+            return torch.einsum("btc,tkc->btk", q, self.rel[self.rel_index])
+        if self.form == "ellipsis with a parameter":  # MultiQueryAttentionV2
+            return torch.einsum("...d,hkd->...hk", q, self.heads).flatten(-2)
+        if self.form == "list form, implicit output":  # convit: operands in a list; output 'dnt', samples second
+            return torch.einsum("ntc,cd", [q, self.w]).permute(1, 2, 0)
+        if self.form == "sublist form":
+            return torch.einsum(q, [0, 1, 2], self.w, [2, 3], [0, 1, 3])
+        if self.form == "samples only":  # no per-model operand: the rule alone
+            return torch.einsum("bij->bji", torch.einsum("bid,bjd->bij", q, k))
+        raise AssertionError(self.form)
+
+
+EINSUM_FORMS = ["attention", "relative positions", "ellipsis with a parameter", "list form, implicit output",
+                "sublist form", "samples only"]  # fmt: skip
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3], ids=["B=1", "T != M*B", "T == M*B"])
+@pytest.mark.parametrize("form", EINSUM_FORMS)
+def test_einsum_is_exact(form: str, batch: int) -> None:
+    factory = lambda: _Einsum(form)  # noqa: E731
+    references = [seeded(factory, i) for i in range(2)]
+    compare_training(stack(references), [seeded(factory, i) for i in range(2)], _sequences(6), batch=batch)
+
+
+@pytest.mark.parametrize(
+    "equation, match",
+    [
+        ("btc,btd->cd", "torch.einsum sums over the dimension that holds the models' samples"),
+        ("btc,stc->bs", "torch.einsum combines the models' samples along two different dimensions"),
+        ("bbc->bc", "torch.einsum takes a diagonal along the dimension that holds the models' samples"),
+    ],
+    ids=["sum over the samples", "samples on two dimensions", "diagonal"],
+)
+def test_einsum_mixing_the_models_is_refused(equation: str, match: str) -> None:
+    class Mixes(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(3, 4)
+
+        def forward(self, x):  # (B, 3, 3): a diagonal over 'b' needs a (B, B, 3) operand
+            operands = (x.unsqueeze(1).expand(-1, x.shape[0], -1, -1)[:, :, 0],) if equation == "bbc->bc" else (x, x)
+            return self.fc(torch.einsum(equation, *operands))
+
+    _refused(stack([Mixes(), Mixes()]), torch.randn(2, 3, 3, 3), f"fc.*{match}")
+
+
+def test_einsum_rule_never_names_a_wrong_dimension() -> None:
+    """Random equations (1-3 operands, ellipses, repeated and implicit subscripts) over operands that hold the
+    samples of M models on a random dimension, or are shared: wherever the rule names an output dimension, its
+    blocks are each model's own einsum."""
+    from batchlayers._provenance import einsum_labels, einsum_tag, set_tag
+
+    rng = random.Random(0)
+    named = 0
+    for _ in range(3000):
+        m, n = rng.choice([2, 3]), rng.choice([1, 2, 3])
+        size = {c: rng.choice([1, 2, 3]) for c in "abcd"}
+        terms = []
+        for _ in range(rng.choice([1, 2, 2, 3])):
+            term = "".join(rng.choice("abcd") for _ in range(rng.randint(1, 3)))
+            if rng.random() < 0.25:
+                cut = rng.randint(0, len(term))
+                term = term[:cut] + "..." + term[cut:]
+            terms.append(term)
+        letters = sorted(set("".join(terms)) - {"."})
+        equation = ",".join(terms)
+        if rng.random() < 0.7:
+            out = "".join(rng.sample(letters, rng.randint(0, len(letters))))
+            equation += "->" + ("..." + out if "..." in equation else out)
+        folded, per_model = [], []
+        for term in terms:
+            shape = [size[c] for c in term.replace("...", "")]
+            if "..." in term:
+                cut = term.index("...")
+                shape[cut:cut] = [2]
+            if rng.random() < 0.6:
+                d = rng.randrange(len(shape))
+                blocks = [torch.randn([n if k == d else s for k, s in enumerate(shape)], dtype=torch.float64)
+                          for _ in range(m)]  # fmt: skip
+                t = torch.cat(blocks, d)
+                set_tag(t, d)
+                folded.append(t)
+                per_model.append(blocks)
+            else:
+                t = torch.randn(shape, dtype=torch.float64)
+                folded.append(t)
+                per_model.append([t] * m)
+        if not any(isinstance(getattr(t, "_batchlayers_models", None), int) for t in folded):
+            continue
+        try:
+            out = torch.einsum(equation, *folded)
+            expected = [torch.einsum(equation, *[ops[i] for ops in per_model]) for i in range(m)]
+        except RuntimeError:  # an equation torch refuses (shapes that do not broadcast, ...)
+            continue
+        labels = einsum_labels(equation, [t.dim() for t in folded])
+        assert labels is not None and len(labels[1]) == out.dim(), equation
+        d = einsum_tag("torch.einsum", folded, *labels)
+        if isinstance(d, int):
+            named += 1
+            assert_close(out, torch.cat(expected, d), msg=f"{equation} {[tuple(t.shape) for t in folded]}")
+    assert named > 300  # the rule proved a layout often enough for this to test something
+
+
+class _RowLSTM(nn.Module):
+    """timm's Sequencer: an LSTM over the rows of a feature map, every row of every sample one sequence, so
+    the LSTM's own initial state is sized ``M * B * W``, not the folded batch ``M * B``."""
+
+    def __init__(self, layers: int) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(4, 3, num_layers=layers, batch_first=True, bidirectional=True)
+        self.fc = nn.Linear(6, 4)
+
+    def forward(self, x):  # (B, H, W, C)
+        b, h, w, c = x.shape
+        rows, _ = self.rnn(x.permute(0, 2, 1, 3).reshape(-1, h, c))
+        return self.fc(rows.reshape(b, w, h, -1).permute(0, 2, 1, 3))
+
+
+@pytest.mark.parametrize(
+    "num_models, batch, layers", [(2, 3, 1), (2, 1, 1), (3, 2, 3)], ids=["M*B*W rows", "B=1", "2*layers == M*B"]
+)
+def test_recurrent_state_sized_from_more_than_the_samples_is_exact(num_models: int, batch: int, layers: int) -> None:
+    models = [seeded(lambda: _RowLSTM(layers), i) for i in range(num_models)]
+    batched = stack([seeded(lambda: _RowLSTM(layers), i) for i in range(num_models)])
+    x = torch.randn(num_models, batch, 5, 2, 4, dtype=torch.float64)
+    out = batched(x)
+    expected = torch.stack([m(x[i]) for i, m in enumerate(models)])
+    assert_close(out, expected, msg="output")
+    out.sum().backward()
+    expected.sum().backward()
+    for key, p in batched.named_parameters():
+        assert_close(p.grad, torch.stack([dict(m.named_parameters())[key].grad for m in models]), msg=key)
