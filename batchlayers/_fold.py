@@ -52,6 +52,8 @@ class _Call:
     # per swapped layer being called: (broadcast, model dimension of its inputs, whether an input without samples
     # has a leading 1, None when it has samples), a stack for re-entry
     leaves: dict[int, list[tuple[bool, int, bool | None]]] = field(default_factory=dict)
+    # (module, name, tensor) of every per-model parameter and buffer at the start of the call (see UnfoldOutputs)
+    per_model_slots: list[tuple[nn.Module, str, Tensor]] = field(default_factory=list)
 
 
 def _calls() -> list[_Call]:
@@ -149,7 +151,7 @@ class FoldInputs:
 
         # map_tensors keeps the container types: a tuple and a dict
         args, kwargs = cast(tuple, map_tensors(args, fold)), cast(dict, map_tensors(kwargs, fold))
-        self.tag_per_model(root)
+        slots = self.tag_per_model(root)
         # Under torch.compile version counters are not traceable: it runs without the shared-buffer check.
         compiling = torch.compiler.is_compiling()
         buffers = [] if compiling else [(n, _tensor(root, n)) for n in self.shared_buffers]
@@ -163,15 +165,17 @@ class FoldInputs:
                 batch=batch,
                 tracker=tracker,
                 shared_buffer_versions=[(n, b, b._version) for n, b in buffers],
+                per_model_slots=slots,
             )
         )
         tracker.__enter__()
         return args, kwargs
 
-    def tag_per_model(self, root: nn.Module) -> None:
+    def tag_per_model(self, root: nn.Module) -> list[tuple[nn.Module, str, Tensor]]:
         """Tag the ``(M, *)`` tensors as per-model: the architecture's code reads them as one model's (see
         ``batchlayers._per_model``). Checked on every call, as ``.to()`` and ``load_state_dict(assign=True)``
-        replace tensors; torch.compile cannot trace the tagging of a parameter, so there it only checks."""
+        replace tensors; torch.compile cannot trace the tagging of a parameter, so there it only checks.
+        Returns every such tensor with its module and name."""
         compiling = torch.compiler.is_compiling()
         if compiling and getattr(self, "own_code", None):  # None, not (): mypy checks a () default against the bool
             # torch.compile does not pass size reads (x.shape) to the tracker: the architecture's own code
@@ -181,6 +185,8 @@ class FoldInputs:
                 f"stacked {type(root).__name__}: its own code uses per-model tensors such as '{self.own_code[0]}'; "
                 "it runs without compiling"
             )
+        slots = []
+        num_models = cast(int, root.num_models)
         for path, leaves in getattr(self, "per_model_by_module", ()):
             module = root
             for atom in path:
@@ -189,8 +195,14 @@ class FoldInputs:
                 t: Tensor | None = module._parameters.get(leaf)
                 if t is None:
                     t = cast(Tensor, module._buffers[leaf])  # a registered buffer (a None one is not listed)
+                slots.append((module, leaf, t))
                 if getattr(t, "_batchlayers_models", None) is PerModel:
                     continue
+                if t.dim() == 0 or t.shape[0] != num_models:
+                    raise ValueError(
+                        f"stacked {type(root).__name__}: '{'.'.join((*path, leaf))}' holds every model's value, "
+                        f"stored (M, *) with M={num_models}, but was replaced by a tensor of shape {tuple(t.shape)}"
+                    )
                 if compiling:
                     raise RuntimeError(
                         f"stacked {type(root).__name__}: '{'.'.join((*path, leaf))}' was replaced since the model "
@@ -198,6 +210,40 @@ class FoldInputs:
                         "without torch.compile before compiling it"
                     )
                 set_tag(t, PerModel)
+        return slots
+
+
+def _keep_replaced_per_model(root: nn.Module, call: _Call) -> None:
+    """A per-model buffer that the architecture's forward assigned anew (a cache: ``self.rel_indices =
+    self.get_rel_indices(N)``) is stored per model again, as each original model would hold it: a per-model
+    value as it is, a value without the samples (the same for every model) copied for each. A value computed
+    from the samples is each model's part of the batch, which batchlayers does not store: the old tensor is put
+    back and the call refused, as it is for a replaced parameter."""
+    name = f"stacked {type(root).__name__}"
+    for module, leaf, before in call.per_model_slots:
+        now = module._parameters.get(leaf) if leaf in module._parameters else module._buffers.get(leaf)
+        if now is before or now is None:
+            continue
+        tag = get_tag(now)
+        if tag is PerModel:
+            continue  # stored (M, *) already
+        if leaf in module._parameters or tag is not None:
+            if leaf in module._parameters:
+                module._parameters[leaf] = cast(nn.Parameter, before)
+                what = "a parameter"
+            else:
+                module._buffers[leaf] = before
+                what = "a value computed from the models' samples" + (
+                    f" by {tag.reason}" if isinstance(tag, Lost) else ""
+                )
+            raise ValueError(
+                f"{name}: forward assigned {what} (shape {tuple(now.shape)}) to '{leaf}' of {type(module).__name__}, "
+                "which the stacked model stores per model (M, *); it keeps only values without the samples "
+                "there (a cache of constants or of values computed from parameters)"
+            )
+        stored = now.unsqueeze(0).expand(call.num_models, *now.shape).clone()
+        set_tag(stored, PerModel)
+        module._buffers[leaf] = stored
 
 
 def _unwind_stale_calls(root: nn.Module) -> None:
@@ -236,6 +282,7 @@ class UnfoldOutputs:
             return None  # the pre-hook refused the input; nothing to unwind
         call = calls.pop()
         call.tracker.__exit__(None, None, None)
+        _keep_replaced_per_model(root, call)
         call.tracker.check_copied_views()
         if output is None:
             return None

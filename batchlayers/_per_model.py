@@ -365,21 +365,38 @@ def _reduce(method: str) -> Callable:
     return transform
 
 
-def _expand(ctx):
+def _expand(ctx, method: str = "expand"):
+    """``expand``/``broadcast_to``, ``repeat`` or ``tile`` of a per-model value to one model's sizes. A size-1
+    dimension brought to the folded batch size read from the inputs (``pos.expand(B, -1, -1)``,
+    ``pos.repeat(B, 1, 1)`` with ``B = x.size(0)``) holds copies of each model's value: every model gets ``B``
+    of them, as its own samples."""
+
     def transform(t, s, *sizes):
         sizes = _sizes(sizes)
+        if method == "tile" and len(sizes) < len(s):
+            sizes = [1] * (len(s) - len(sizes)) + sizes  # tile repeats the trailing dimensions
         if len(sizes) < len(s):
             return NotImplemented
         t = t[(slice(None),) + (None,) * (len(sizes) - len(s))]
         folded = None
-        if ctx.size_read and ctx.num_models > 1:  # expand(B, -1, -1) with B read from the folded batch
+        if ctx.size_read and ctx.num_models > 1:
             folded = next((k for k, v in enumerate(sizes) if v == ctx.folded and t.shape[k + 1] == 1), None)
-        if folded is None:
-            return t.expand(t.shape[0], *sizes)
-        sizes[folded] = ctx.folded // ctx.num_models
-        return refold(t.expand(t.shape[0], *sizes), folded)
+        if folded is not None:
+            sizes[folded] = ctx.folded // ctx.num_models
+        out = t.expand(t.shape[0], *sizes) if method == "expand" else t.repeat(1, *sizes)
+        return out if folded is None else refold(out, folded)
 
     return transform
+
+
+def _new_tensor(ctx, func, args, kwargs):
+    """``w.new_zeros(size)`` and friends on a per-model ``w``: a new tensor with ``w``'s dtype and device only,
+    the same for every model (batch-sized as the tracker's ``_new_creator`` decides)."""
+    if _flat(args[1:], kwargs):
+        return NotImplemented
+    out = func(*args, **kwargs)
+    _RULES[func].rule(ctx, _RULES[func].name, args, kwargs, out, [])
+    return out
 
 
 def _linear(ctx, func, args, kwargs):
@@ -814,10 +831,18 @@ _FAST[F.binary_cross_entropy] = _FAST[F.binary_cross_entropy_with_logits] = _ele
 del _method, _name_
 
 
+_EXPANDS: dict[Callable, str] = {Tensor.expand: "expand", Tensor.broadcast_to: "expand", torch.broadcast_to: "expand",
+            Tensor.repeat: "repeat", Tensor.tile: "tile", torch.tile: "tile"}  # fmt: skip
+
+
 def _expand_fast(ctx, func, args, kwargs):
-    return _on_stored(_expand(ctx))(ctx, func, args, kwargs)
+    if kwargs:
+        return NotImplemented
+    return _on_stored(_expand(ctx, _EXPANDS[func]))(ctx, func, args, kwargs)
 
 
-for _fn in (Tensor.expand, Tensor.broadcast_to, torch.broadcast_to):
+for _fn in _EXPANDS:
     _FAST[_fn] = _expand_fast
+for _fn in (Tensor.new_zeros, Tensor.new_ones, Tensor.new_full, Tensor.new_empty):
+    _FAST[_fn] = _new_tensor
 del _fn

@@ -1042,9 +1042,10 @@ for _fn in (Tensor.repeat, torch.tile, Tensor.tile):
 
 
 def _new_creator(ctx, name, args, kwargs, out, tagged) -> None:
-    """``x.new_zeros(size)`` and friends: a new tensor, not x's samples (batch-sized ones as above)."""
+    """``x.new_zeros(size)`` and friends: a new tensor, not x's samples (batch-sized ones as above; not
+    ``new_tensor(data)``, whose values may be per-sample: ``x.new_tensor(range(B))``)."""
     set_tag(out, None)
-    if ctx.size_read:
+    if ctx.size_read and not name.endswith("new_tensor"):
         _uniform_creator(ctx, out)
 
 

@@ -108,14 +108,22 @@ def verify(
     map_tensors(dict(kwargs), lambda t, where: check(t, f"kwargs{where}"))
     stacked_in = map_tensors((inputs, kwargs), leaf)
     own_in = [map_tensors(stacked_in, model_leaf(i)) for i in range(len(models))]
-    saved = [{n: b.detach().clone() for n, b in m.named_buffers()} for m in (stacked, *models)]
+    # Every buffer's module, name, tensor and value: forward may update a buffer in place (BatchNorm statistics)
+    # or assign a new tensor to it (a cache), and both are undone.
+    saved = [
+        (owner, key, buffer, buffer.detach().clone())
+        for module in (stacked, *models)
+        for owner in module.modules()
+        for key, buffer in owner._buffers.items()
+        if buffer is not None
+    ]
     try:
         result = _measure(models, stacked, stacked_in, own_in, rtol, atol, seed)
     finally:  # (after the gradients: autograd may have saved a buffer, and checks its version)
-        for module, buffers in zip((stacked, *models), saved):
-            with torch.no_grad():
-                for name, buffer in module.named_buffers():
-                    buffer.copy_(buffers[name])
+        with torch.no_grad():
+            for owner, key, buffer, before in saved:
+                owner._buffers[key] = buffer
+                buffer.copy_(before)
     return result
 
 

@@ -767,3 +767,112 @@ def test_recurrent_state_sized_from_more_than_the_samples_is_exact(num_models: i
     expected.sum().backward()
     for key, p in batched.named_parameters():
         assert_close(p.grad, torch.stack([dict(m.named_parameters())[key].grad for m in models]), msg=key)
+
+
+class _PerModelFromBatchSize(nn.Module):
+    """A per-model value brought to the folded batch size read from the input: XCiT's Fourier position encoding
+    (a per-model convolution of constants, ``.repeat(B, 1, 1, 1)``), and its twins."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.proj = nn.Conv2d(2, 4, 1)
+        if how.endswith("summed"):
+            self.w = nn.Parameter(torch.randn(1, 4))
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):  # (B, T, 4), T = 6 = 2 * 3 positions
+        b = x.shape[0]
+        grid = torch.linspace(0, 1, 12, dtype=x.dtype).view(1, 2, 2, 3)
+        pos = self.proj(grid)  # (1, 4, 2, 3): per model, no samples
+        if self.how == "repeat":
+            pos = pos.repeat(b, 1, 1, 1)
+        elif self.how == "tile":
+            pos = pos.tile(b, 1, 1, 1)
+        elif self.how == "expand":
+            pos = pos.expand(b, -1, -1, -1)
+        elif self.how == "repeat, summed":  # B * w per model; M * B * w if the repeat were not per model
+            return self.fc(x + self.w.repeat(b, 1).sum(0))
+        elif self.how == "new_ones, summed":
+            return self.fc(x + self.w.new_ones(b, 4).sum(0))
+        return self.fc(x + pos.reshape(b, 4, -1).transpose(1, 2))
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3], ids=["B == 1", "T != M*B", "T == M*B"])
+@pytest.mark.parametrize("how", ["repeat", "tile", "expand"])
+def test_per_model_value_repeated_to_the_batch_is_exact(how: str, batch: int) -> None:
+    factory = lambda: _PerModelFromBatchSize(how)  # noqa: E731
+    references = [seeded(factory, i) for i in range(2)]
+    compare_training(stack(references), [seeded(factory, i) for i in range(2)], _sequences(6), batch=batch)
+
+
+@pytest.mark.parametrize("how", ["repeat, summed", "new_ones, summed"])
+def test_sums_of_batch_sized_per_model_values_are_refused(how: str) -> None:
+    """Summed over the folded batch size, each model would get M times its own value: refused (these gave wrong
+    numbers without an error before repeat and new_ones of per-model values had rules)."""
+    batched = stack([seeded(lambda: _PerModelFromBatchSize(how), i) for i in range(2)])
+    _refused(batched, torch.randn(2, 3, 6, 4, dtype=torch.float64), r"fc.*Tensor.sum over the models' samples")
+
+
+def test_new_tensor_of_per_sample_values_is_refused() -> None:
+    """``x.new_tensor(range(B))`` holds per-sample values of the folded batch, not one value for every sample
+    (it was tagged as the samples, giving each model the positions of its block of the folded batch)."""
+
+    class Positions(_Pattern):
+        def forward(self, x):
+            return self.fc(x + x.new_tensor([float(i) for i in range(x.shape[0])])[:, None])
+
+    batched = stack([seeded(lambda: Positions(""), i) for i in range(2)])
+    _refused(batched, torch.randn(2, 3, 4, dtype=torch.float64), r"fc.*differs along the models")
+
+
+class _CachedInForward(nn.Module):
+    """A cache that forward assigns to a registered buffer of a module with parameters of its own, so the
+    stacked model stores the buffer per model: ConViT's ``rel_indices`` (constants), an ALiBi-style bias with
+    as many heads as models (its leading dimension M), and a cache of the samples themselves (refused)."""
+
+    def __init__(self, what: str, heads: int = 2) -> None:
+        super().__init__()
+        self.what = what
+        self.heads = heads
+        self.qk = nn.Linear(8, 8)
+        if what == "relative indices":
+            self.pos_proj = nn.Linear(3, heads)
+        self.gate = nn.Parameter(torch.ones(heads, 1, 1))
+        self.register_buffer("cache", torch.zeros(1, 1, 1, 3), persistent=False)
+
+    def forward(self, x):  # (B, N, 8)
+        b, n, _ = x.shape
+        if self.what == "samples":
+            self.cache = x.detach().clone()
+            return self.qk(x)
+        if self.cache.shape[1] != n:
+            i = torch.arange(n, dtype=x.dtype)
+            d = i[None, :] - i[:, None]
+            if self.what == "relative indices":
+                self.cache = torch.stack([d, i[:, None] + 0 * d, d**2], -1).unsqueeze(0)
+            else:  # (heads, N, N) with heads == M
+                self.cache = -torch.arange(1, self.heads + 1, dtype=x.dtype).view(-1, 1, 1) * d.abs()
+        if self.what == "relative indices":
+            scores = self.pos_proj(self.cache.expand(b, -1, -1, -1)).permute(0, 3, 1, 2)
+        else:
+            scores = self.cache.expand(b, -1, -1, -1)
+        attention = (scores * self.gate).softmax(-1)
+        return (attention @ self.qk(x).view(b, n, self.heads, -1).transpose(1, 2)).transpose(1, 2).reshape(b, n, -1)
+
+
+@pytest.mark.parametrize("what", ["relative indices", "ALiBi heads == M"])
+def test_caches_that_forward_assigns_are_each_models_own(what: str) -> None:
+    """Exact on the call that fills the cache and on the calls that read it (they read it as one model's)."""
+    factory = lambda: _CachedInForward(what)  # noqa: E731
+    references = [seeded(factory, i) for i in range(2)]
+    make_input = lambda lead: torch.randn(*lead, 5, 8, dtype=torch.float64)  # noqa: E731
+    compare_training(stack(references), [seeded(factory, i) for i in range(2)], make_input, batch=3, steps=3)
+
+
+def test_a_cache_of_the_samples_is_refused_and_the_buffer_kept() -> None:
+    batched = stack([seeded(lambda: _CachedInForward("samples"), i) for i in range(2)])
+    kept = batched.cache
+    with pytest.raises(ValueError, match=r"forward assigned a value computed from the models' samples .*'cache'"):
+        batched(torch.randn(2, 3, 5, 8, dtype=torch.float64))
+    assert batched.cache is kept

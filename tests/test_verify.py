@@ -56,3 +56,33 @@ def test_outputs_of_another_shape_are_refused() -> None:
         ValueError, match=r"verify: output of the stacked model has shape \(2, 5, 2\), model 0's \(5, 3\)"
     ):
         verify(models, other, torch.randn(2, 5, 4, dtype=torch.float64))
+
+
+class _GrowingCache(torch.nn.Module):
+    """A rotary-style cache that forward replaces when the sequence grows (transformers' ``cos_cached``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+        self.register_buffer("cos_cached", torch.ones(1, 4), persistent=False)
+
+    def forward(self, x):
+        if x.shape[1] > self.cos_cached.shape[0]:
+            steps = torch.arange(x.shape[1], dtype=x.dtype)[:, None] * torch.arange(1, 5, dtype=x.dtype)
+            self.cos_cached = steps.cos()
+        return self.fc(x) * self.cos_cached[: x.shape[1]]
+
+
+def test_buffers_that_forward_replaces_are_put_back() -> None:
+    """verify restores the buffer objects themselves (forward assigned new ones), then their values."""
+    models = [seeded(_GrowingCache, i) for i in range(2)]
+    batched = stack(models)
+    before = [(m.cos_cached, m.cos_cached.clone()) for m in models]
+    x = torch.randn(2, 3, 5, 4, dtype=torch.float64)
+    assert verify(models, batched, x).passed.all()
+    for m, (buffer, value) in zip(models, before):
+        assert m.cos_cached is buffer and torch.equal(buffer, value)
+    fresh = [seeded(_GrowingCache, i) for i in range(2)]
+    expected = torch.stack([m(x[i]) for i, m in enumerate(fresh)])
+    assert torch.equal(torch.stack([m(x[i]) for i, m in enumerate(models)]), expected)
+    torch.testing.assert_close(batched(x), expected)
