@@ -53,7 +53,7 @@ class _Call:
     # has a leading 1, None when it has samples), a stack for re-entry
     leaves: dict[int, list[tuple[bool, int, bool | None]]] = field(default_factory=dict)
     # (module, name, tensor) of every per-model parameter and buffer at the start of the call (see UnfoldOutputs)
-    per_model_slots: list[tuple[nn.Module, str, Tensor]] = field(default_factory=list)
+    per_model_slots: list[tuple[nn.Module, str, Tensor | None]] = field(default_factory=list)
 
 
 def _calls() -> list[_Call]:
@@ -171,7 +171,7 @@ class FoldInputs:
         tracker.__enter__()
         return args, kwargs
 
-    def tag_per_model(self, root: nn.Module) -> list[tuple[nn.Module, str, Tensor]]:
+    def tag_per_model(self, root: nn.Module) -> list[tuple[nn.Module, str, Tensor | None]]:
         """Tag the ``(M, *)`` tensors as per-model: the architecture's code reads them as one model's (see
         ``batchlayers._per_model``). Checked on every call, as ``.to()`` and ``load_state_dict(assign=True)``
         replace tensors; torch.compile cannot trace the tagging of a parameter, so there it only checks.
@@ -194,9 +194,9 @@ class FoldInputs:
             for leaf in leaves:
                 t: Tensor | None = module._parameters.get(leaf)
                 if t is None:
-                    t = cast(Tensor, module._buffers[leaf])  # a registered buffer (a None one is not listed)
+                    t = module._buffers[leaf]  # a registered buffer, None where forward set it so
                 slots.append((module, leaf, t))
-                if getattr(t, "_batchlayers_models", None) is PerModel:
+                if t is None or getattr(t, "_batchlayers_models", None) is PerModel:
                     continue
                 if t.dim() == 0 or t.shape[0] != num_models:
                     raise ValueError(

@@ -876,3 +876,25 @@ def test_a_cache_of_the_samples_is_refused_and_the_buffer_kept() -> None:
     with pytest.raises(ValueError, match=r"forward assigned a value computed from the models' samples .*'cache'"):
         batched(torch.randn(2, 3, 5, 8, dtype=torch.float64))
     assert batched.cache is kept
+
+
+def test_a_per_model_buffer_that_forward_sets_to_none_stays_none() -> None:
+    class UsedOnce(nn.Module):  # a one-shot offset, dropped after the first call
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.register_buffer("offset", torch.randn(4), persistent=False)
+
+        def forward(self, x):
+            if self.offset is None:
+                return self.fc(x)
+            out = self.fc(x) + self.offset
+            self.offset = None
+            return out
+
+    models = [seeded(UsedOnce, i) for i in range(2)]
+    batched = stack([seeded(UsedOnce, i) for i in range(2)])
+    x = torch.randn(2, 3, 4, dtype=torch.float64)
+    for call in range(3):
+        assert_close(batched(x), torch.stack([m(x[i]) for i, m in enumerate(models)]), msg=f"call {call}")
+    assert batched.offset is None
