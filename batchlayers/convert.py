@@ -265,6 +265,27 @@ class _Stacked:
                 )
 
 
+def _non_leaf_attributes(model: nn.Module) -> list[str]:
+    """Plain attributes of ``model``'s modules (not parameters, buffers or submodules) that hold a tensor with
+    an autograd history, in containers too: what ``copy.deepcopy`` refuses to copy."""
+    return [
+        f"{path}.{name}" if path else name
+        for path, module in model.named_modules()
+        for name, value in vars(module).items()
+        if not name.startswith("_") and _has_history(value)
+    ]
+
+
+def _has_history(value: object) -> bool:
+    if isinstance(value, Tensor):
+        return value.grad_fn is not None
+    if isinstance(value, dict):
+        return any(_has_history(v) for v in value.values())
+    if isinstance(value, (list, tuple, set)):
+        return any(_has_history(v) for v in value)
+    return False
+
+
 def _skeleton(template: nn.Module, num_models: int, differing: frozenset[str] = frozenset()) -> _Stacked:
     """The stacked architecture with empty ``(M, *)`` tensors, from one instance of it (``differing``: names
     of buffers that are not equal in all models)."""
@@ -277,7 +298,17 @@ def _skeleton(template: nn.Module, num_models: int, differing: frozenset[str] = 
     for _, tensors in own_tensors:
         for t in tensors.values():
             memo[id(t)] = t
-    root = copy.deepcopy(template, memo)
+    try:
+        root = copy.deepcopy(template, memo)
+    except RuntimeError as exc:
+        caches = _non_leaf_attributes(template)
+        if not caches:
+            raise
+        raise ValueError(
+            f"stack: {', '.join(repr(c) for c in caches)} of the models hold{'s' if len(caches) == 1 else ''} a "
+            "tensor computed with gradients (a cache filled by a forward run with gradients enabled), which "
+            "cannot be copied. Clear it before stacking, or fill such caches under torch.no_grad()"
+        ) from exc
     replaced: dict[int, object] = {}
     made: dict[int, Tensor] = {}
     for path, leaf, counterpart in swaps:

@@ -138,6 +138,29 @@ def test_different_configuration() -> None:
         stack([zoo.CNN(), c])
 
 
+def test_a_cache_with_an_autograd_history_is_named() -> None:
+    """timm's EfficientFormer caches its attention biases in a dict on the first eval-mode forward; run with
+    gradients enabled, the cached tensor has a history and deepcopy cannot copy it."""
+
+    class Cached(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.biases = nn.Parameter(torch.ones(4))
+            self.bias_cache: dict[str, torch.Tensor] = {}
+
+        def forward(self, x):
+            if "all" not in self.bias_cache:
+                self.bias_cache["all"] = self.biases * 2
+            return self.fc(x) + self.bias_cache["all"]
+
+    models = [seeded(lambda: nn.Sequential(Cached()), 0) for _ in range(2)]
+    for m in models:
+        m(torch.randn(3, 4, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"stack: '0.bias_cache' of the models holds a tensor computed with gradients"):
+        stack(models)
+
+
 def test_mixed_dtypes_and_devices() -> None:
     with pytest.raises(ValueError, match=r"'fc1.weight' is torch.float64 on cpu in model 1 but torch.float32"):
         stack([zoo.MLP(), zoo.MLP().double()])
