@@ -1127,6 +1127,7 @@ _add(_dim_rule(2, "dim", -1), "topk kthvalue")
 _add(_dim_rule(2, "dim", 1), "normalize")
 _add(_dim_rule(1, "dim", -1), "glu")
 _add(_dim_rule(2, "dims", None), "roll")
+_add(_dim_rule(1, "dimension", None), "unfold", torch_=False, functional=False)  # sliding windows: a new last dim
 _add(_dim_rule(4, "dim", -1), "gumbel_softmax")
 _add(_trailing(lambda a, k: 1), "linear")
 _add(_trailing(lambda a, k: len(_arg(a, k, 1, "normalized_shape"))), "layer_norm rms_norm")
@@ -1141,7 +1142,7 @@ avg_pool1d avg_pool2d avg_pool3d adaptive_avg_pool1d adaptive_avg_pool2d adaptiv
 adaptive_max_pool2d adaptive_max_pool3d lp_pool1d lp_pool2d lp_pool3d max_pool1d_with_indices
 max_pool2d_with_indices max_pool3d_with_indices adaptive_max_pool1d_with_indices adaptive_max_pool2d_with_indices
 interpolate upsample upsample_nearest upsample_bilinear grid_sample affine_grid pixel_shuffle pixel_unshuffle
-channel_shuffle native_channel_shuffle fold group_norm instance_norm local_response_norm dropout1d
+channel_shuffle native_channel_shuffle fold unfold group_norm instance_norm local_response_norm dropout1d
 dropout2d dropout3d
 """,
     method=False,

@@ -898,3 +898,43 @@ def test_a_per_model_buffer_that_forward_sets_to_none_stays_none() -> None:
     for call in range(3):
         assert_close(batched(x), torch.stack([m(x[i]) for i, m in enumerate(models)]), msg=f"call {call}")
     assert batched.offset is None
+
+
+class _Windows(nn.Module):
+    """Sliding windows as timm writes them: ``Tensor.unfold`` on the spatial dimensions (HaloNet),
+    ``nn.Unfold`` into per-patch images (TNT), ``F.unfold`` then ``F.fold`` (VOLO's outlook attention)."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.form = form
+        self.conv = nn.Conv2d(3, 3, 1)
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x):  # (B, 3, 8, 8)
+        b, c, h, w = x.shape
+        x = self.conv(x)
+        if self.form == "Tensor.unfold":
+            windows = F.pad(x, [1, 1, 1, 1]).unfold(2, 4, 2).unfold(3, 4, 2)  # (B, C, 4, 4, 4, 4)
+            x = windows.reshape(b, c, -1, 16).mean(-1).reshape(b, c, h // 2, w // 2)
+        elif self.form == "nn.Unfold":
+            patches = nn.functional.unfold(x, kernel_size=4, stride=4)  # (B, C*16, L)
+            x = patches.transpose(1, 2).reshape(b * 4, c, 4, 4)
+        elif self.form == "unfold and fold":
+            x = F.fold(F.unfold(x, kernel_size=3, padding=1), output_size=(h, w), kernel_size=3, padding=1)
+        elif self.form == "Tensor.unfold over the batch":
+            x = x.unfold(0, 2, 1).mean(-1)
+        return self.fc(x.flatten(2).transpose(1, 2))
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("form", ["Tensor.unfold", "nn.Unfold", "unfold and fold"])
+def test_sliding_windows_are_exact(form: str, batch: int) -> None:
+    factory = lambda: _Windows(form)  # noqa: E731
+    make_input = lambda lead: torch.randn(*lead, 3, 8, 8, dtype=torch.float64)  # noqa: E731
+    compare_training(stack([seeded(factory, i) for i in range(2)]), [seeded(factory, i) for i in range(2)],
+                     make_input, batch=batch)  # fmt: skip
+
+
+def test_sliding_windows_over_the_batch_are_refused() -> None:
+    batched = stack([seeded(lambda: _Windows("Tensor.unfold over the batch"), i) for i in range(2)])
+    _refused(batched, torch.randn(2, 3, 3, 8, 8, dtype=torch.float64), r"fc.*Tensor.unfold along the dimension")
