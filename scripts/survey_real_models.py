@@ -39,13 +39,13 @@ import batchlayers as bl
 M = 2
 
 
-def _cases() -> dict[str, tuple[Callable[[], nn.Module], int]]:
-    """name -> (a model factory, image size). ``tv.``: torchvision, ``tm.``: timm."""
+def _cases() -> dict[str, tuple[Callable[[], nn.Module], int | tuple[int, ...]]]:
+    """name -> (a model factory, image size or one sample's input shape). ``tv.``: torchvision, ``tm.``: timm."""
     import timm
     import torchvision.models as tvm
     from timm.models import mlp_mixer
     from torchvision.models.convnext import CNBlockConfig
-    from torchvision.models.segmentation import lraspp_mobilenet_v3_large
+    from torchvision.models.segmentation import deeplabv3_mobilenet_v3_large, lraspp_mobilenet_v3_large
 
     def tv(name: str, **kw) -> Callable[[], nn.Module]:
         return lambda: getattr(tvm, name)(weights=None, num_classes=3, **kw)
@@ -156,6 +156,37 @@ def _cases() -> dict[str, tuple[Callable[[], nn.Module], int]]:
         "tm.hiera": (tm("hiera_tiny_224", img_size=64), 64),
         "tm.tiny_vit": (tm("tiny_vit_5m_224"), 224),
         "tm.sequencer": (tm("sequencer2d_s"), 64),
+        # found by a broader sweep (one or two models per timm module); the first three needed new rules
+        "tm.halonet": (tm("halonet26t"), 256),
+        "tm.tnt": (tm("tnt_s_patch16_224", img_size=64, depth=2), 64),
+        "tm.volo": (tm("volo_d1_224", img_size=64), 64),
+        "tm.botnet": (tm("botnet26t_256", img_size=64), 64),
+        "tm.lambda_resnet": (tm("lambda_resnet26t", img_size=64), 64),
+        "tm.nest": (tm("nest_tiny", img_size=64), 64),
+        "tm.swinv2_cr": (tm("swinv2_cr_tiny_ns_224", img_size=64), 64),
+        "tm.samvit": (tm("samvit_base_patch16", img_size=64, depth=2), 64),
+        "tm.vit_relpos": (tm("vit_relpos_small_patch16_224", img_size=64, depth=2), 64),
+        "tm.vit_rope": (tm("vit_betwixt_patch16_rope_reg4_gap_256", img_size=64, depth=2), 64),
+        "tm.siglip": (tm("vit_base_patch16_siglip_224", img_size=64, depth=2), 64),
+        "tm.vitamin": (tm("vitamin_small_224", img_size=64, depth=2), 64),
+        "tm.coatnet": (tm("coatnet_0_rw_224", img_size=64), 64),
+        "tm.maxxvit": (tm("maxxvit_rmlp_nano_rw_256", img_size=64), 64),
+        "tm.mambaout": (tm("mambaout_femto"), 64),
+        "tm.inception_next": (tm("inception_next_atto"), 64),
+        "tm.nextvit": (tm("nextvit_small"), 64),
+        "tm.convnextv2": (tm("convnextv2_atto"), 64),
+        "tm.mobilenetv4_hybrid": (tm("mobilenetv4_hybrid_medium"), 64),
+        "tm.efficientvim": (tm("efficientvim_m1"), 64),
+        "tm.fasternet": (tm("fasternet_t0"), 64),
+        "tm.starnet": (tm("starnet_s050"), 64),
+        "tm.swiftformer": (tm("swiftformer_xs", img_size=64), 64),
+        "tm.visformer": (tm("visformer_tiny", img_size=64, depth=2), 64),
+        "tm.hgnetv2": (tm("hgnetv2_b0"), 64),
+        "tm.shvit": (tm("shvit_s1"), 64),
+        "tm.tresnet": (tm("tresnet_m"), 64),
+        "tv.deeplabv3": (lambda: deeplabv3_mobilenet_v3_large(weights=None, weights_backbone=None, num_classes=3),
+                         64),
+        "tv.r3d_18": (lambda: tvm.video.r3d_18(weights=None, num_classes=3), (3, 4, 32, 32)),
         "tm.mixer": (lambda: mlp_mixer.MlpMixer(num_classes=3, img_size=32, patch_size=8, num_blocks=2,
                                                 embed_dim=16), 32),
         "tm.resmlp": (lambda: mlp_mixer.MlpMixer(num_classes=3, img_size=32, patch_size=8, num_blocks=2, embed_dim=16,
@@ -198,19 +229,24 @@ def _sensitivity(model: nn.Module, x: torch.Tensor) -> float:
     return (a - b).abs().max().item()
 
 
-def _check(models: list[nn.Module], stacked: nn.Module, size: int, train: bool) -> str:
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).splitlines() or [""])[0][:160]
+
+
+def _check(models: list[nn.Module], stacked: nn.Module, size: int | tuple[int, ...], train: bool) -> str:
     for model in (*models, stacked):
         model.train(train)
     batch = 8 if train else 3
-    x = torch.randn(M, batch, 3, size, size, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    shape = (3, size, size) if isinstance(size, int) else size
+    x = torch.randn(M, batch, *shape, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
     try:
         result = bl.verify(models, stacked, x)
     except (ValueError, TypeError) as exc:
         if "batchlayers" in str(exc) or "stacked" in str(exc):
-            return f"refused: {str(exc).splitlines()[0][:160]}"
-        return f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+            return f"refused: {_first_line(exc)}"
+        return f"error: {type(exc).__name__}: {_first_line(exc)}"
     except Exception as exc:
-        return f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+        return f"error: {type(exc).__name__}: {_first_line(exc)}"
     largest = max(result.outputs.max().item(), result.gradients.max().item())
     if bool(result.passed.all()):
         return f"exact ({largest:.0e})"
@@ -243,14 +279,14 @@ def main(names: list[str]) -> None:
                 torch.manual_seed(i)
                 models.append(_no_randomness(make()).double())
         except Exception as exc:  # a configuration this version of the library does not take
-            print(f"| {name} | not built: {type(exc).__name__}: {str(exc).splitlines()[0][:160]} | | |", flush=True)
+            print(f"| {name} | not built: {type(exc).__name__}: {_first_line(exc)} | | |", flush=True)
             continue
         with torch.no_grad():
             _distinct_statistics(models)
         try:
             stacked = bl.stack(models)
         except (ValueError, TypeError) as exc:
-            verdict = f"refused by stack: {str(exc).splitlines()[0][:160]}"
+            verdict = f"refused by stack: {_first_line(exc)}"
             print(f"| {name} | {verdict} | | {time.perf_counter() - start:.1f} |", flush=True)
             continue
         eval_result = _check(models, stacked, size, train=False)
