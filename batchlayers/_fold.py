@@ -241,6 +241,13 @@ def _keep_replaced_per_model(root: nn.Module, call: _Call) -> None:
                 "which the stacked model stores per model (M, *); it keeps only values without the samples "
                 "there (a cache of constants or of values computed from parameters)"
             )
+        try:  # (sized from the folded batch, it would hold M*B values where each model holds B)
+            _refuse_batch_sized(
+                name, f"the tensor forward assigned to '{leaf}' of {type(module).__name__}", now, call, True
+            )
+        except ValueError:
+            module._buffers[leaf] = before
+            raise
         stored = now.unsqueeze(0).expand(call.num_models, *now.shape).clone()
         set_tag(stored, PerModel)
         module._buffers[leaf] = stored

@@ -846,6 +846,9 @@ class _CachedInForward(nn.Module):
         if self.what == "samples":
             self.cache = x.detach().clone()
             return self.qk(x)
+        if self.what == "positions of the batch":
+            self.cache = torch.arange(b, dtype=x.dtype)
+            return self.qk(x)
         if self.cache.shape[1] != n:
             i = torch.arange(n, dtype=x.dtype)
             d = i[None, :] - i[:, None]
@@ -870,10 +873,17 @@ def test_caches_that_forward_assigns_are_each_models_own(what: str) -> None:
     compare_training(stack(references), [seeded(factory, i) for i in range(2)], make_input, batch=3, steps=3)
 
 
-def test_a_cache_of_the_samples_is_refused_and_the_buffer_kept() -> None:
-    batched = stack([seeded(lambda: _CachedInForward("samples"), i) for i in range(2)])
+@pytest.mark.parametrize(
+    "what, match",
+    [
+        ("samples", r"forward assigned a value computed from the models' samples .*'cache'"),
+        ("positions of the batch", r"the tensor forward assigned to 'cache' .* is ambiguous: it has shape \(6,\)"),
+    ],
+)
+def test_a_cache_of_the_samples_is_refused_and_the_buffer_kept(what: str, match: str) -> None:
+    batched = stack([seeded(lambda: _CachedInForward(what), i) for i in range(2)])
     kept = batched.cache
-    with pytest.raises(ValueError, match=r"forward assigned a value computed from the models' samples .*'cache'"):
+    with pytest.raises(ValueError, match=match):
         batched(torch.randn(2, 3, 5, 8, dtype=torch.float64))
     assert batched.cache is kept
 
