@@ -18,8 +18,9 @@ are not computed from a handful of values; dropout and stochastic depth are set 
 - ``exact``: every output and gradient within float64 tolerances (``verify``'s: rtol 1e-7, atol 1e-7).
 - ``refused``: ``stack`` or the stacked forward raised a ``ValueError``/``TypeError`` of batchlayers'.
 - ``error``: anything else raised (a bug, or a model that does not run at that size).
-- ``ill-conditioned``: outside tolerance, but the original model itself changes by as much when its input
-  changes by one part in 1e15 (BatchNorm over a near-constant channel amplifies rounding): no verdict.
+- ``ill-conditioned``: outside tolerance, but the original model itself moves by at least a tenth as much
+  from rounding alone (its input changed by one part in 1e15, or its batch reversed: BatchNorm over a
+  near-constant channel amplifies rounding): no verdict.
 - ``WRONG``: outside tolerance for no such reason. A silent wrong result: the worst bug batchlayers can have.
 """
 
@@ -221,12 +222,13 @@ def _distinct_statistics(models: list[nn.Module]) -> None:
 
 
 def _sensitivity(model: nn.Module, x: torch.Tensor) -> float:
-    """How much the model's output moves when its input changes by one part in 1e15."""
+    """How much the model's output moves from rounding alone: its input changed by one part in 1e15, or its
+    batch in the reverse order (BatchNorm then sums its statistics in another order), whichever moves it more."""
     twin = copy.deepcopy(model)
     with torch.no_grad():
-        a, b = model(x), twin(x * (1 + 1e-15))
-    a, b = (a["out"], b["out"]) if isinstance(a, dict) else (a, b)
-    return (a - b).abs().max().item()
+        a, b, c = model(x), twin(x * (1 + 1e-15)), copy.deepcopy(model)(x.flip(0))
+    a, b, c = (a["out"], b["out"], c["out"]) if isinstance(a, dict) else (a, b, c)
+    return max((a - b).abs().max().item(), (a - c.flip(0)).abs().max().item())
 
 
 def _first_line(exc: BaseException) -> str:
