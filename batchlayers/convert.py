@@ -272,18 +272,8 @@ def _non_leaf_attributes(model: nn.Module) -> list[str]:
         f"{path}.{name}" if path else name
         for path, module in model.named_modules()
         for name, value in vars(module).items()
-        if not name.startswith("_") and _has_history(value)
+        if not name.startswith("_") and any(t.grad_fn is not None for _, t in _fold._tensors(value, name))
     ]
-
-
-def _has_history(value: object) -> bool:
-    if isinstance(value, Tensor):
-        return value.grad_fn is not None
-    if isinstance(value, dict):
-        return any(_has_history(v) for v in value.values())
-    if isinstance(value, (list, tuple, set)):
-        return any(_has_history(v) for v in value)
-    return False
 
 
 def _skeleton(template: nn.Module, num_models: int, differing: frozenset[str] = frozenset()) -> _Stacked:
