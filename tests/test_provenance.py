@@ -757,16 +757,10 @@ class _RowLSTM(nn.Module):
     "num_models, batch, layers", [(2, 3, 1), (2, 1, 1), (3, 2, 3)], ids=["M*B*W rows", "B=1", "2*layers == M*B"]
 )
 def test_recurrent_state_sized_from_more_than_the_samples_is_exact(num_models: int, batch: int, layers: int) -> None:
-    models = [seeded(lambda: _RowLSTM(layers), i) for i in range(num_models)]
-    batched = stack([seeded(lambda: _RowLSTM(layers), i) for i in range(num_models)])
-    x = torch.randn(num_models, batch, 5, 2, 4, dtype=torch.float64)
-    out = batched(x)
-    expected = torch.stack([m(x[i]) for i, m in enumerate(models)])
-    assert_close(out, expected, msg="output")
-    out.sum().backward()
-    expected.sum().backward()
-    for key, p in batched.named_parameters():
-        assert_close(p.grad, torch.stack([dict(m.named_parameters())[key].grad for m in models]), msg=key)
+    factory = lambda: _RowLSTM(layers)  # noqa: E731
+    make_input = lambda lead: torch.randn(*lead, 5, 2, 4, dtype=torch.float64)  # noqa: E731
+    references = [seeded(factory, i) for i in range(num_models)]
+    compare_training(stack([seeded(factory, i) for i in range(num_models)]), references, make_input, batch=batch)
 
 
 class _PerModelFromBatchSize(nn.Module):
@@ -874,17 +868,19 @@ def test_caches_that_forward_assigns_are_each_models_own(what: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "what, match",
+    "what, seq, match",
     [
-        ("samples", r"forward assigned a value computed from the models' samples .*'cache'"),
-        ("positions of the batch", r"the tensor forward assigned to 'cache' .* is ambiguous: it has shape \(6,\)"),
+        ("samples", 5, r"forward assigned a value computed from the models' samples .*'cache'"),
+        ("positions of the batch", 5, r"the tensor forward assigned to 'cache' .* is ambiguous: it has shape \(6,\)"),
+        ("relative indices", 6, r"'cache' .* is ambiguous: it has shape \(1, 6, 6, 3\)"),  # N == M*B
+        ("ALiBi heads == M", 6, r"'cache' .* is ambiguous: it has shape \(2, 6, 6\)"),
     ],
 )
-def test_a_cache_of_the_samples_is_refused_and_the_buffer_kept(what: str, match: str) -> None:
+def test_a_cache_of_the_samples_is_refused_and_the_buffer_kept(what: str, seq: int, match: str) -> None:
     batched = stack([seeded(lambda: _CachedInForward(what), i) for i in range(2)])
     kept = batched.cache
     with pytest.raises(ValueError, match=match):
-        batched(torch.randn(2, 3, 5, 8, dtype=torch.float64))
+        batched(torch.randn(2, 3, seq, 8, dtype=torch.float64))
     assert batched.cache is kept
 
 
@@ -936,7 +932,7 @@ class _Windows(nn.Module):
         return self.fc(x.flatten(2).transpose(1, 2))
 
 
-@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("batch", [1, 3, 4], ids=["B=1", "B=3", "H == M*B"])
 @pytest.mark.parametrize("form", ["Tensor.unfold", "nn.Unfold", "unfold and fold"])
 def test_sliding_windows_are_exact(form: str, batch: int) -> None:
     factory = lambda: _Windows(form)  # noqa: E731
