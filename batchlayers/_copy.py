@@ -24,7 +24,8 @@ _MODULE_INTERNALS = frozenset(vars(nn.Module()))
 
 def rebind_functions(root: nn.Module, translate: Callable[[object], object]) -> None:
     """Rebind the functions stored on every module of ``root`` (attributes, also inside lists, tuples and
-    dicts) so that each captured object ``x`` becomes ``translate(x)``."""
+    dicts) so that each captured object ``x`` becomes ``translate(x)``; each item ``x`` of such a list, tuple
+    or dict becomes ``translate(x)`` too."""
     for module in root.modules():
         for key, value in list(vars(module).items()):
             if key in _MODULE_INTERNALS:
@@ -46,13 +47,15 @@ def _rebind(value: object, translate: Callable[[object], object], depth: int) ->
         if func is value.func and all(a is b for a, b in zip(args, value.args)) and keywords == value.keywords:
             return value
         return functools.partial(cast(Callable, func), *args, **keywords)
+    # The items of a plain list, tuple or dict (``self.layers = [self.fc1, self.fc2]``, which nn.Module does not
+    # register) are translated themselves too: a module or tensor in it is the copy's own, or what replaced it.
     if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        items = [_rebind(v, translate, depth + 1) for v in value]
+        items = [_rebind(translate(v), translate, depth + 1) for v in value]
         if all(a is b for a, b in zip(items, value)):
             return value
         return type(value)(items)
     if isinstance(value, dict) and type(value) is dict:
-        entries = {k: _rebind(v, translate, depth + 1) for k, v in value.items()}
+        entries = {k: _rebind(translate(v), translate, depth + 1) for k, v in value.items()}
         return value if all(entries[k] is v for k, v in value.items()) else entries
     return value
 

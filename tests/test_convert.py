@@ -203,6 +203,37 @@ def test_gpt_lambda_is_rebound_to_the_stacked_modules() -> None:
     assert back[1].transformer.h[0].mlpf.__closure__[0].cell_contents is back[1].transformer.h[0].mlp
 
 
+class _PlainContainers(nn.Module):
+    """Layers and a parameter also held in a plain list and dict, which nn.Module does not register."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(4, 5), nn.Linear(5, 3)
+        self.layers = [self.fc1, nn.Tanh(), self.fc2]
+        self.named = {"scale": self.fc2.bias}
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x * self.named["scale"]
+
+
+def test_layers_held_in_plain_lists_and_dicts_are_the_stacked_ones() -> None:
+    """Such a list in the copy held the first model's own layers (and tensors): every model computed with
+    model 0's weights (0.9 off, no error) and training changed the user's model 0."""
+    models = [seeded(_PlainContainers, i) for i in range(3)]
+    before = [snapshot(m) for m in models]
+    batched = stack(models)
+    assert batched.layers[0] is batched.fc1 and batched.layers[2] is batched.fc2
+    assert batched.named["scale"] is batched.fc2.bias
+    references = [seeded(_PlainContainers, i) for i in range(3)]
+    compare_training(batched, references, lambda lead: torch.randn(*lead, 4, dtype=torch.float64))
+    for m, b in zip(models, before):
+        assert_unchanged(m, b)
+    back = unstack(batched)
+    assert back[1].layers[0] is back[1].fc1 and back[1].named["scale"] is back[1].fc2.bias
+
+
 def test_gpt_causal_mask_is_one_shared_buffer() -> None:
     models = [seeded(zoo.GPT, i) for i in range(3)]
     batched = stack(models)
