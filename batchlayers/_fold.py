@@ -100,6 +100,38 @@ def _tensors(obj: object, where: str) -> list[tuple[str, Tensor]]:
     return found
 
 
+def runs_model_by_model(root: nn.Module) -> bool:
+    """Whether ``root`` was stacked with ``execution="model_by_model"`` and runs so now (not while compiling)."""
+    return getattr(root.__dict__.get("forward"), "model_by_model", False) and not torch.compiler.is_compiling()
+
+
+def check_inputs(root: nn.Module, args: tuple, kwargs: dict) -> int:
+    """The batch size ``B`` of a stacked root's tensor inputs, each ``(M, B, *)``; a clear error otherwise."""
+    num_models = cast(int, root.num_models)  # set by stack(); torch's stubs type module attributes as tensors
+    name = type(root).__name__
+    found = _tensors(args, "args") + _tensors(kwargs, "kwargs")
+    if not found:
+        raise ValueError(
+            f"stacked {name} (M={num_models}): needs at least one tensor input shaped (M, B, *) to know the "
+            "batch size, got none"
+        )
+    batch: int | None = None
+    for where, t in found:
+        if t.dim() < 2 or t.shape[0] != num_models:
+            raise ValueError(
+                f"stacked {name}: expected every tensor input shaped (M, B, *) with M={num_models}, but "
+                f"{where} has shape {tuple(t.shape)}"
+            )
+        if batch is None:
+            batch = t.shape[1]
+        elif t.shape[1] != batch:
+            raise ValueError(
+                f"stacked {name}: every tensor input needs the same (M, B) = ({num_models}, {batch}), but "
+                f"{where} has shape {tuple(t.shape)}"
+            )
+    return cast(int, batch)  # set by the loop: found is not empty
+
+
 class FoldInputs:
     """Forward pre-hook of the stacked root: ``(M, B, *)`` tensor inputs become ``(M * B, *)``."""
 
@@ -116,30 +148,11 @@ class FoldInputs:
         self.per_model_by_module = list(by_module.items())
         self.own_code = list(own_code)  # those of them that the architecture's own code uses (not a batched layer)
 
-    def __call__(self, root: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def __call__(self, root: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if runs_model_by_model(root):
+            return None  # its forward runs the architecture once per model, on (B, *) inputs
         num_models = cast(int, root.num_models)  # set by stack(); torch's stubs type module attributes as tensors
-        name = type(root).__name__
-        found = _tensors(args, "args") + _tensors(kwargs, "kwargs")
-        if not found:
-            raise ValueError(
-                f"stacked {name} (M={num_models}): needs at least one tensor input shaped (M, B, *) to know the "
-                "batch size, got none"
-            )
-        batch: int | None = None
-        for where, t in found:
-            if t.dim() < 2 or t.shape[0] != num_models:
-                raise ValueError(
-                    f"stacked {name}: expected every tensor input shaped (M, B, *) with M={num_models}, but "
-                    f"{where} has shape {tuple(t.shape)}"
-                )
-            if batch is None:
-                batch = t.shape[1]
-            elif t.shape[1] != batch:
-                raise ValueError(
-                    f"stacked {name}: every tensor input needs the same (M, B) = ({num_models}, {batch}), but "
-                    f"{where} has shape {tuple(t.shape)}"
-                )
-        batch = cast(int, batch)  # set by the loop: found is not empty
+        batch = check_inputs(root, args, kwargs)
 
         # A shared input (stride-0 expand) is copied here: the user's forward needs one ordinary batch.
         def fold(t: Tensor, where: str) -> Tensor:
@@ -359,6 +372,13 @@ class UnfoldLeafInputs:
     def __call__(self, layer: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         call = _current_call()
         if call is None:
+            if getattr(_local, "model_by_model", 0):
+                raise ValueError(
+                    f"{layer_name(layer)} was called while its stacked model runs model by model, through a "
+                    "reference that is not a submodule of the model (a list or a function holding the layer); "
+                    "batchlayers swaps each model's torch.nn layer in for it only where the module tree holds it. "
+                    "Reach the layer through its parent module, or stack with execution='batched'"
+                )
             if any(isinstance(get_tag(t), int) for t in (*args, *kwargs.values()) if isinstance(t, Tensor)):
                 raise ValueError(
                     f"{layer_name(layer)} was called with a stacked model's folded samples after that model's call "

@@ -50,6 +50,7 @@ from ._architecture import (
     tensor_table,
 )
 from ._copy import rebind_functions
+from ._model_by_model import ModelByModel
 from ._provenance import PerModel, get_tag, set_tag
 from ._utils import model_count_holders, set_num_models_
 from .container import BatchedSequential, Folded, fusable_runs
@@ -344,7 +345,10 @@ def _fuse_sequentials(root: nn.Module) -> None:
             module._batchlayers_sequential = True  # type: ignore[assignment]  # stubs allow only tensors, modules
 
 
-def stack(models: Sequence[nn.Module]) -> nn.Module:
+_EXECUTIONS = ("batched", "model_by_model")
+
+
+def stack(models: Sequence[nn.Module], *, execution: str = "batched") -> nn.Module:
     """One stacked model holding the weights and buffers of ``models``, N instances of one architecture.
 
     The result is a copy of the architecture (same class, same ``forward``) in which every torch.nn leaf with a
@@ -356,6 +360,13 @@ def stack(models: Sequence[nn.Module]) -> nn.Module:
 
     Args:
         models: N modules of one class, structure, configuration, device, dtype and train/eval mode.
+        execution: how ``forward`` computes the models. ``"batched"`` (default): once, for all models' samples
+            folded into one batch, every batched layer computing all models at once. ``"model_by_model"``: the
+            architecture's ``forward`` once per model, each batched layer replaced for that pass by its torch.nn
+            layer holding the model's slices (views of the stacked tensors), convolutions on the CPU
+            channels-last; exactly the original models' computation, whatever the sizes, and faster for
+            convolutional networks on a CPU (see the performance guide). Parameters, buffers, optimizers and
+            ``state_dict`` are the same in both; under ``torch.compile`` the model runs batched.
 
     Returns:
         The stacked model. It has ``num_models`` (N) set, parameters and buffers under the architecture's own
@@ -382,6 +393,8 @@ def stack(models: Sequence[nn.Module]) -> nn.Module:
         torch.Size([4, 32, 10])
         >>> models = batchlayers.unstack(batched)          # 4 ordinary MyNet again
     """
+    if execution not in _EXECUTIONS:
+        raise ValueError(f"stack: execution must be one of {_EXECUTIONS}, got {execution!r}")
     models = check_models(models, "stack")
     check_same_architecture(models)
     buffers = [dict(m.named_buffers()) for m in models]
@@ -392,6 +405,13 @@ def stack(models: Sequence[nn.Module]) -> nn.Module:
     for i, model in enumerate(models):
         result.fill(i, tensor_table(model), f"model {i}")
     _stack_tensor_attributes(result.module, models)
+    if execution == "model_by_model" and not _fold.is_swapped_leaf(result.module):  # (a layer is batched math)
+        if "forward" in vars(result.module):
+            raise ValueError(
+                f"stack: {type(models[0]).__name__} stores its own 'forward' attribute; execution='model_by_model' "
+                "replaces it. Stack with execution='batched'"
+            )
+        result.module.forward = ModelByModel(result.module)
     return result.module
 
 
@@ -640,6 +660,8 @@ def unstack(batched: nn.Module) -> list[nn.Module]:
             plain.train(module.training)
             replaced[id(module)] = plain
         model = _swap_in(model, replaced)
+        if isinstance(vars(model).get("forward"), ModelByModel):
+            del model.forward  # the class's own forward
         for module in model.modules():
             _fold.detach_hooks(module)
             if module.__dict__.pop("_batchlayers_sequential", False):

@@ -1,0 +1,294 @@
+"""stack(models, execution="model_by_model"): the architecture's forward once per model, against the N
+original models."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import models as zoo
+import pytest
+import torch
+import torch.nn.functional as F
+from convert_harness import assert_unchanged, compare_training, seeded, snapshot
+from harness import assert_close
+from torch import nn
+
+import batchlayers as bl
+from batchlayers import backends
+from batchlayers._model_by_model import ModelByModel
+
+
+def _images(lead, size: int = 8):
+    return torch.randn(*lead, 3, size, size, dtype=torch.float64)
+
+
+def _tokens(lead):
+    return torch.randint(0, 11, (*lead, 8))
+
+
+# name: (factory, make_input, logits)
+ARCHITECTURES = {
+    "MLP": (zoo.MLP, lambda lead: torch.randn(*lead, 6, dtype=torch.float64), None),
+    "CNN-BN-residual": (zoo.CNN, _images, None),
+    "SE": (zoo.SENet, _images, None),
+    "depthwise-grouped": (zoo.DepthwiseNet, _images, None),
+    "GroupNorm": (zoo.GroupNormNet, _images, None),
+    "U-Net": (zoo.TinyUNet, lambda lead: _images(lead, 10), None),
+    "GPT": (zoo.GPT, _tokens, lambda out: out.logits),
+    "LSTM-LM": (zoo.LSTMLanguageModel, _tokens, None),
+}
+
+
+def _stacked(factory, num_models: int, **kwargs) -> tuple[nn.Module, list[nn.Module]]:
+    batched = bl.stack([seeded(factory, i) for i in range(num_models)], execution="model_by_model", **kwargs)
+    return batched, [seeded(factory, i) for i in range(num_models)]
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+@pytest.mark.parametrize("num_models", [1, 3])
+def test_matches_original_models(arch: str, num_models: int) -> None:
+    factory, make_input, logits = ARCHITECTURES[arch]
+    models = [seeded(factory, i) for i in range(num_models)]
+    before = [snapshot(m) for m in models]
+    batched = bl.stack(models, execution="model_by_model")
+    assert type(batched) is factory and isinstance(vars(batched)["forward"], ModelByModel)
+    references = [seeded(factory, i) for i in range(num_models)]
+    compare_training(batched, references, make_input, logits=logits or (lambda out: out))
+    for m, b in zip(models, before):
+        assert_unchanged(m, b)
+
+
+@pytest.mark.parametrize("arch", ["MLP", "CNN-BN-residual"])
+def test_shared_input(arch: str) -> None:
+    factory, make_input, _ = ARCHITECTURES[arch]
+    batched, references = _stacked(factory, 3)
+    compare_training(batched, references, make_input, shared=True)
+
+
+@pytest.mark.parametrize("strategy", ["auto", "loop"])
+def test_convolutions_run_channels_last_on_the_cpu_by_default(strategy: str) -> None:
+    """The conv strategy setting decides the layout: channels-last for "auto" (and the *_channels_last
+    strategies), torch.nn's own for the plain ones. Either way the results are the originals'."""
+    batched, references = _stacked(zoo.CNN, 2)
+    seen = []
+    batched.layer1[0].register_forward_hook(lambda module, args, out: seen.append(out))  # a non-leaf block
+    old = backends.conv.strategy
+    backends.conv.strategy = strategy
+    try:
+        compare_training(batched, references, _images, steps=1)
+    finally:
+        backends.conv.strategy = old
+    assert len(seen) == 2 * 2  # one train and one eval pass, once per model
+    channels_last = seen[0].is_contiguous(memory_format=torch.channels_last) and not seen[0].is_contiguous()
+    assert channels_last == (strategy == "auto")
+
+
+def test_a_layer_changed_after_a_call_is_used_as_changed() -> None:
+    """Each batched layer's torch.nn layer is kept between calls: a changed momentum, stride or padding mode
+    builds it again."""
+    batched, references = _stacked(zoo.CNN, 2)
+    x = _images((2, 3))
+    batched(x)
+    for i, r in enumerate(references):
+        r(x[i])
+    for model in (batched, *references):
+        model.bn1.momentum = 0.5
+        model.layer2.conv1.padding_mode = "circular"
+    compare_training(batched, references, _images)
+
+
+# ------------------------------------------------------------------------------------------------------
+# What the batched forward must refuse is exact here: every model runs on its own samples.
+
+
+class _MixesSamples(nn.Module):
+    """Code that mixes a model's samples (or reads sizes that hold all models' in the batched forward)."""
+
+    def __init__(self, pattern: str) -> None:
+        super().__init__()
+        self.pattern = pattern
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):  # (B, 4)
+        if self.pattern == "roll over the batch":
+            return self.fc(torch.roll(x, 1, 0))
+        if self.pattern == "per-sample arange":
+            return self.fc(x + torch.arange(x.size(0), dtype=x.dtype)[:, None])
+        if self.pattern == "x / x.norm()":
+            return self.fc(x / x.norm())
+        if self.pattern == "unknown op":
+            return self.fc(torch.fft.fft(x).real)
+        raise AssertionError(self.pattern)
+
+
+@pytest.mark.parametrize("pattern", ["roll over the batch", "per-sample arange", "x / x.norm()", "unknown op"])
+def test_patterns_the_batched_forward_refuses_are_exact(pattern: str) -> None:
+    x = torch.randn(2, 3, 4, dtype=torch.float64)
+    with pytest.raises(ValueError):
+        bl.stack([seeded(lambda: _MixesSamples(pattern), i) for i in range(2)])(x)
+    batched, references = _stacked(lambda: _MixesSamples(pattern), 2)
+    compare_training(batched, references, lambda lead: torch.randn(*lead, 4, dtype=torch.float64), batch=3)
+
+
+class _PerModelOwnCode(nn.Module):
+    """A parameter and a buffer outside any layer (a ViT's cls token, a cache the forward fills)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.token = nn.Parameter(torch.randn(1, 1, 4))
+        self.proj = nn.Linear(4, 4)
+        self.register_buffer("cache", torch.zeros(4))
+
+    def forward(self, x):  # (B, T, 4)
+        h = torch.cat([self.token.expand(x.size(0), -1, -1), self.proj(x)], dim=1)
+        self.cache = self.proj.weight.detach().sum(0)  # assigned anew: each model's own
+        return h * self.cache
+
+
+def test_per_model_tensors_of_the_architectures_own_code() -> None:
+    batched, references = _stacked(_PerModelOwnCode, 3)
+    compare_training(batched, references, lambda lead: torch.randn(*lead, 5, 4, dtype=torch.float64))
+    assert batched.cache.shape == (3, 4)
+    assert_close(batched.cache, torch.stack([r.cache for r in references]), msg="cache")
+
+
+class _LeNet(nn.Module):
+    def __init__(self, write: bool = False) -> None:
+        super().__init__()
+        self.write = write
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.fc = nn.Linear(4 * 3 * 3, 2)
+
+    def forward(self, x):
+        h = F.max_pool2d(F.relu(self.conv(x)), 2)
+        flat = h.view(h.size(0), -1)  # needs torch.nn's layout; the pass keeps it channels-last
+        if self.write:
+            h.mul_(2)
+        return self.fc(flat)
+
+
+def test_view_of_a_channels_last_activation() -> None:
+    batched, references = _stacked(_LeNet, 2)
+    compare_training(batched, references, _images)
+    written = bl.stack([seeded(lambda: _LeNet(write=True), i) for i in range(2)], execution="model_by_model")
+    with pytest.raises(RuntimeError, match=r"written in place after \.view\(\)"):
+        written(_images((2, 3)))
+
+
+def test_structured_outputs_and_a_loss_in_forward() -> None:
+    batched, references = _stacked(zoo.LSTMLanguageModel, 3)
+    idx, targets = _tokens((3, 2)), _tokens((3, 2))
+    logits, loss = batched(idx, targets=targets)
+    refs = [r(idx[i], targets=targets[i]) for i, r in enumerate(references)]
+    assert_close(logits, torch.stack([r[0] for r in refs]), msg="logits")
+    assert loss.shape == (3,)
+    assert_close(loss, torch.stack([r[1] for r in refs]), msg="loss")
+
+
+# ------------------------------------------------------------------------------------------------------
+# The stacked model is left as it was, copies keep the execution, errors are clear
+
+
+def _state(model: nn.Module) -> list[tuple[str, int]]:
+    named = [*model.named_parameters(), *model.named_buffers(), *model.named_modules()]
+    return [(n, id(t)) for n, t in named]
+
+
+class _FailsForModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+        self.register_buffer("cache", torch.randn(3))  # differs between the models: stored (M, 3)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        self.cache = x.detach().mean(0)
+        if self.calls == 2:
+            raise KeyError("model 1 fails")
+        return self.fc(x)
+
+
+def test_an_error_in_forward_leaves_the_model_as_it_was() -> None:
+    batched, _ = _stacked(_FailsForModel, 3)
+    before, cache = _state(batched), batched.cache
+    with pytest.raises(KeyError, match="model 1 fails"):
+        batched(torch.randn(3, 2, 3, dtype=torch.float64))
+    assert _state(batched) == before and batched.cache is cache
+    x = torch.randn(3, 2, 3, dtype=torch.float64)
+    out = batched(x)  # calls 3-5
+    assert out.shape == (3, 2, 3) and batched.cache is not cache  # the new caches, stored per model
+    assert_close(batched.cache, x.mean(1), msg="cache")
+
+
+class _SharedCache(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+        self.register_buffer("cache", torch.zeros(3))  # equal in every model: one buffer shared by all
+
+    def forward(self, x):
+        self.cache = x.detach().mean(0) if self.training else self.fc.weight.new_ones(3)
+        return self.fc(x)
+
+
+def test_a_shared_buffer_assigned_in_forward() -> None:
+    """Equal in every model, it stays one buffer; different values cannot be kept in one, and are refused."""
+    batched, _ = _stacked(_SharedCache, 3)
+    x = torch.randn(3, 2, 3, dtype=torch.float64)
+    batched.eval()(x)
+    assert batched.cache.shape == (3,) and torch.equal(batched.cache, torch.ones(3, dtype=torch.float64))
+    cache = batched.cache
+    with pytest.raises(ValueError, match="different values to 'cache'.*one buffer shared by all models"):
+        batched.train()(x)
+    assert batched.cache is cache
+
+
+def test_copies_pickles_select_and_unstack() -> None:
+    batched, references = _stacked(zoo.CNN, 3)
+    x = _images((3, 2))
+    batched.eval()
+    expected = batched(x)
+    for clone in (copy.deepcopy(batched), pickle.loads(pickle.dumps(batched))):
+        assert vars(clone)["forward"].root is clone
+        assert_close(clone(x), expected, msg="copy")
+    picked = bl.select(batched, [2, 0])
+    assert vars(picked)["forward"].root is picked
+    assert_close(picked(x[[2, 0]]), expected[[2, 0]], msg="select")
+    for model, reference in zip(bl.unstack(batched), references):
+        assert "forward" not in vars(model)
+        assert_close(model.eval()(x[0]), reference.eval()(x[0]), msg="unstacked")
+
+
+class _HeldInAList(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+        self.layers = [self.fc]  # a plain list: not a submodule
+
+    def forward(self, x):
+        return self.layers[0](x)
+
+
+def test_errors_name_what_is_wrong() -> None:
+    with pytest.raises(ValueError, match="execution must be one of"):
+        bl.stack([zoo.MLP(), zoo.MLP()], execution="loop")
+    batched, _ = _stacked(zoo.MLP, 3)
+    with pytest.raises(ValueError, match=r"expected every tensor input shaped \(M, B, \*\) with M=3.*\(2, 4, 6\)"):
+        batched(torch.randn(2, 4, 6, dtype=torch.float64))
+    batched.fc1.register_forward_hook(lambda *args: None)
+    with pytest.raises(ValueError, match="'fc1' .*hooks of its own"):
+        batched(torch.randn(3, 4, 6, dtype=torch.float64))
+    held, _ = _stacked(_HeldInAList, 2)
+    with pytest.raises(ValueError, match="not a submodule"):
+        held(torch.randn(2, 4, 3, dtype=torch.float64))
+
+
+# Dynamo itself reads .grad of the output's tensors while tracing the root's output hook.
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")
+def test_torch_compile_runs_the_batched_forward() -> None:
+    batched, references = _stacked(zoo.MLP, 2)
+    batched.compile(backend="aot_eager", fullgraph=True)
+    x = torch.randn(2, 4, 6, dtype=torch.float64)
+    assert_close(batched(x), torch.stack([r(x[i]) for i, r in enumerate(references)]), msg="compiled")
