@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .contenders import CONTENDERS, OPTIMIZER_IMPLS, Runner, Unavailable, build_runner
+from .contenders import CONTENDERS, MODEL_BY_MODEL, OPTIMIZER_IMPLS, Runner, Unavailable, build_runner
 from .measure import (
     MEMORY_METHOD,
     can_keep_freed_memory,
@@ -195,7 +195,7 @@ def run_config(workload: Workload, num_models: int, train: bool, args, device, d
                 name, workload, models, x, y, train=train, compile=args.compile, optim_impl=args.optimizer
             )
         except Unavailable as exc:
-            if name != "batchlayers-copies":  # only meaningful for shared batches; no row elsewhere
+            if name not in ("batchlayers-copies", MODEL_BY_MODEL):  # only meaningful for some; no row elsewhere
                 rows[name] = {**base, "contender": name, "note": f"unavailable: {exc}"}
             continue
         runners.append(runner)

@@ -21,6 +21,7 @@ from .workloads import Workload, per_model_loss
 __all__ = ["CONTENDERS", "Runner", "Unavailable", "build_runner"]
 
 LR = 1e-3
+MODEL_BY_MODEL = "batchlayers-mbm"  # stack(models, execution="model_by_model")
 OPTIMIZER_IMPLS = ("default", "fused", "foreach", "for-loop")
 
 
@@ -173,7 +174,7 @@ def _torch_func(workload: Workload, models, x, y, train, compile, optim_impl) ->
     return Runner("torch.func", step, lambda: holds() + list(buffers.values()) + [x, y], note)
 
 
-def _batched_model(workload: Workload, models: Sequence[nn.Module]) -> nn.Module:
+def _batched_model(workload: Workload, models: Sequence[nn.Module], execution: str = "batched") -> nn.Module:
     if workload.batched == "layers":
         # An MLP written with the layers: BatchedSequential runs Linear-ReLU-Linear as one autograd node.
         from batchlayers.container import BatchedSequential
@@ -197,13 +198,15 @@ def _batched_model(workload: Workload, models: Sequence[nn.Module]) -> nn.Module
     except ImportError as exc:
         raise Unavailable(f"batchlayers.stack is not available yet ({exc})") from None
     try:
-        return stack(list(models))
+        return stack(list(models), execution=execution)
     except Exception as exc:  # a layer type without a batched counterpart yet
         raise Unavailable(f"stack failed: {type(exc).__name__}: {exc}") from None
 
 
-def _batchlayers(workload: Workload, models, x, y, train, compile, optim_impl, *, copies=False) -> Runner:
-    model = _batched_model(workload, models).to(x.device).train(train)
+def _batchlayers(
+    workload: Workload, models, x, y, train, compile, optim_impl, *, copies=False, execution="batched"
+) -> Runner:
+    model = _batched_model(workload, models, execution).to(x.device).train(train)
     num_models = len(models)
     if workload.shared:
         # The shared batch as a stride-0 expand (never copied); "copies" materialises it per model.
@@ -215,6 +218,8 @@ def _batchlayers(workload: Workload, models, x, y, train, compile, optim_impl, *
     step, holds = _stepper(list(model.parameters()), lambda: forward(x), y, train, optim_impl, batchlayers_loss)
     name = "batchlayers-copies" if copies else "batchlayers"
     note = "the shared batch copied per model" if copies else ""
+    if execution != "batched":
+        name, note = MODEL_BY_MODEL, "stack(models, execution='model_by_model')"
     return Runner(name, step, lambda: holds() + list(model.buffers()) + [x, y], note)
 
 
@@ -237,6 +242,7 @@ CONTENDERS: dict[str, Callable[..., Runner]] = {
     "torch.func": _torch_func,
     "batchlayers": _batchlayers,
     "batchlayers-copies": lambda *a: _batchlayers(*a, copies=True),
+    MODEL_BY_MODEL: lambda *a: _batchlayers(*a, execution="model_by_model"),
     "reference": _reference,
 }
 
@@ -255,4 +261,6 @@ def build_runner(
     """Set up contender ``name``; raises :class:`Unavailable` when it cannot run this workload."""
     if name == "batchlayers-copies" and not workload.shared:
         raise Unavailable("only for shared-batch workloads")
+    if name == MODEL_BY_MODEL and workload.batched != "stack":
+        raise Unavailable("only for models converted with stack")
     return CONTENDERS[name](workload, models, x, y, train, compile, optim_impl)
