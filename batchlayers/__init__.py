@@ -30,6 +30,7 @@ from .convert import (
     concat,
     replicate,
     select,
+    set_execution,
     stack,
     stack_state_dicts,
     unstack,
@@ -86,6 +87,7 @@ __all__ = [
     "Folded",
     "BatchedSequential",
     # converters
+    "set_execution",
     "stack",
     "unstack",
     "stack_state_dicts",

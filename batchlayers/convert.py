@@ -71,6 +71,7 @@ __all__ = [
     "register",  # re-exported from batchlayers.registry
     "replicate",
     "select",
+    "set_execution",
     "shared_buffers",
     "stack",
     "stack_state_dicts",
@@ -405,14 +406,42 @@ def stack(models: Sequence[nn.Module], *, execution: str = "batched") -> nn.Modu
     for i, model in enumerate(models):
         result.fill(i, tensor_table(model), f"model {i}")
     _stack_tensor_attributes(result.module, models)
-    if execution == "model_by_model" and not _fold.is_swapped_leaf(result.module):  # (a layer is batched math)
-        if "forward" in vars(result.module):
-            raise ValueError(
-                f"stack: {type(models[0]).__name__} stores its own 'forward' attribute; execution='model_by_model' "
-                "replaces it. Stack with execution='batched'"
-            )
-        result.module.forward = ModelByModel(result.module)
+    if execution != "batched" and not _fold.is_swapped_leaf(result.module):  # (a layer is batched math anyway)
+        set_execution(result.module, execution)
     return result.module
+
+
+def set_execution(batched: nn.Module, execution: str) -> nn.Module:
+    """Choose how a stacked model's ``forward`` computes its models, as :func:`stack`'s ``execution`` does:
+    ``"batched"`` or ``"model_by_model"``. For stacked models made another way (``stack_checkpoints``,
+    ``replicate``, ``select``, ``concat``). Returns ``batched``, changed in place; parameters, buffers,
+    optimizers and hooks are untouched.
+
+    Examples::
+
+        >>> model = batchlayers.set_execution(batchlayers.stack_checkpoints(MyNet(), paths), "model_by_model")
+    """
+    if execution not in _EXECUTIONS:
+        raise ValueError(f"set_execution: execution must be one of {_EXECUTIONS}, got {execution!r}")
+    if not isinstance(batched, nn.Module) or not any(
+        isinstance(h, _fold.FoldInputs) for h in batched._forward_pre_hooks.values()
+    ):
+        raise TypeError(
+            f"set_execution: expected a model stacked by batchlayers.stack (or stack_checkpoints, replicate, "
+            f"select, concat), got {type(batched).__name__}; a model built from batched layers by hand runs batched"
+        )
+    current = vars(batched).get("forward")
+    if execution == "batched":
+        if isinstance(current, ModelByModel):
+            del batched.forward  # the class's own forward again
+    elif not isinstance(current, ModelByModel):
+        if current is not None:
+            raise ValueError(
+                f"set_execution: {type(batched).__name__} stores its own 'forward' attribute, which "
+                "execution='model_by_model' would replace"
+            )
+        batched.forward = ModelByModel(batched)
+    return batched
 
 
 def _stack_tensor_attributes(stacked: nn.Module, models: Sequence[nn.Module]) -> None:

@@ -5,6 +5,7 @@ and of the input).
 
     python scripts/survey_real_models.py                # every model, a markdown table on stdout
     python scripts/survey_real_models.py tm.xcit tv.vit  # some of them
+    python scripts/survey_real_models.py --model-by-model   # stacked with execution="model_by_model"
 
 It needs timm and torchvision, which are not test dependencies: PyPI's torchvision does not import beside the
 CPU build of torch 2.13 that CI uses. A separate environment that has both, e.g.::
@@ -259,6 +260,8 @@ def _check(models: list[nn.Module], stacked: nn.Module, size: int | tuple[int, .
 
 
 def main(names: list[str]) -> None:
+    execution = "model_by_model" if "--model-by-model" in names else "batched"
+    names = [n for n in names if n != "--model-by-model"]
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     cases = _cases()
@@ -269,7 +272,7 @@ def main(names: list[str]) -> None:
     import torchvision
 
     print(f"torch {torch.__version__}, torchvision {torchvision.__version__}, timm {timm.__version__}, "
-          f"M={M}, float64\n")  # fmt: skip
+          f"M={M}, float64, execution={execution!r}\n")  # fmt: skip
     print("| model | eval | train | s |\n|---|---|---|---|")
     for name, (make, size) in cases.items():
         if names and name not in names:
@@ -286,7 +289,7 @@ def main(names: list[str]) -> None:
         with torch.no_grad():
             _distinct_statistics(models)
         try:
-            stacked = bl.stack(models)
+            stacked = bl.stack(models, execution=execution)
         except (ValueError, TypeError) as exc:
             verdict = f"refused by stack: {_first_line(exc)}"
             print(f"| {name} | {verdict} | | {time.perf_counter() - start:.1f} |", flush=True)

@@ -261,6 +261,26 @@ def test_copies_pickles_select_and_unstack() -> None:
         assert_close(model.eval()(x[0]), reference.eval()(x[0]), msg="unstacked")
 
 
+def test_set_execution_on_stacked_models_made_otherwise(tmp_path) -> None:
+    paths = []
+    for i in range(3):
+        paths.append(tmp_path / f"{i}.pt")
+        torch.save(seeded(zoo.CNN, i).state_dict(), paths[-1])
+    loaded = bl.set_execution(bl.stack_checkpoints(zoo.CNN().double(), paths), "model_by_model")
+    assert isinstance(vars(loaded)["forward"], ModelByModel)
+    references = [seeded(zoo.CNN, i) for i in range(3)]
+    compare_training(loaded, references, _images)
+    back = bl.set_execution(loaded, "batched")
+    assert back is loaded and "forward" not in vars(loaded)
+    compare_training(loaded, references, _images)  # both trained on, batched now
+    made = bl.set_execution(bl.replicate(zoo.MLP, 2), "model_by_model")
+    assert isinstance(vars(made)["forward"], ModelByModel)
+    with pytest.raises(ValueError, match="execution must be one of"):
+        bl.set_execution(loaded, "loop")
+    with pytest.raises(TypeError, match="expected a model stacked by batchlayers.stack"):
+        bl.set_execution(bl.BatchedLinear(2, 3, 3), "model_by_model")
+
+
 class _HeldInAList(nn.Module):
     def __init__(self) -> None:
         super().__init__()
