@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+import threading
 
 import models as zoo
 import pytest
@@ -279,6 +280,26 @@ def test_set_execution_on_stacked_models_made_otherwise(tmp_path) -> None:
         bl.set_execution(loaded, "loop")
     with pytest.raises(TypeError, match="expected a model stacked by batchlayers.stack"):
         bl.set_execution(bl.BatchedLinear(2, 3, 3), "model_by_model")
+
+
+def test_threads_calling_one_model_each_get_their_own_results() -> None:
+    """A pass swaps layers into the model: calls from several threads run one at a time."""
+    batched, references = _stacked(zoo.GPT, 2)
+    inputs = [_tokens((2, b)) for b in (1, 2, 3, 4)]
+    results: dict[int, torch.Tensor] = {}
+
+    def run(k: int) -> None:
+        for _ in range(5):
+            results[k] = batched(inputs[k]).logits
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(len(inputs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for k, x in enumerate(inputs):
+        expected = torch.stack([r(xi).logits for r, xi in zip(references, x)])
+        assert_close(results[k], expected, msg=f"thread {k}")
 
 
 class _HeldInAList(nn.Module):
