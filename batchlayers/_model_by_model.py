@@ -18,6 +18,7 @@ Under ``torch.compile`` the model runs batched (folded) instead: the swapping of
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 from typing import Any, cast
@@ -29,7 +30,7 @@ from torch.overrides import TorchFunctionMode
 from . import _fold, backends
 from ._architecture import tensor_table
 from ._fold import check_inputs, map_tensors
-from ._provenance import _VIEWS, PerModel, get_tag, set_tag
+from ._provenance import _VIEWS, PerModel, get_tag, inside_checkpoint, set_tag
 from .registry import counterpart_of_batched
 
 __all__ = ["ModelByModel"]
@@ -92,6 +93,7 @@ class ModelByModel:
         outputs = []
         views = _CopiedViews() if converting else None
         _fold._local.model_by_model = getattr(_fold._local, "model_by_model", 0) + 1
+        _fold._local.model_by_model_grad = torch.is_grad_enabled()
         try:
             for m in range(num_models):
                 for container, key, values in installs:
@@ -199,6 +201,7 @@ class ModelByModel:
                 f"stacked {type(self.root).__name__}: '{where}': the torch.nn counterpart of {type(leaf).__name__} "
                 f"has parameters/buffers {sorted(tensor_table(plain))}, the layer {sorted(tensor_table(leaf))}"
             )
+        plain.register_forward_pre_hook(functools.partial(_refuse_checkpointing, where))
         if type(plain) in _CONVOLUTIONS:
             plain.register_forward_pre_hook(_channels_last_input)
         slots = []
@@ -228,6 +231,17 @@ def _configuration(layer: nn.Module) -> tuple:
     plain = (int, float, bool, str, tuple, type(None))
     items = tuple((k, v) for k, v in vars(layer).items() if k != "training" and isinstance(v, plain))
     return (type(layer), items)
+
+
+def _refuse_checkpointing(where: str, layer: nn.Module, args: tuple) -> None:
+    """Forward pre-hook of a model's torch.nn layer: ``torch.utils.checkpoint`` would run the layer again in
+    backward, after the pass, where the module tree holds the batched layer again (a wrong gradient)."""
+    if inside_checkpoint(getattr(_fold._local, "model_by_model_grad", True)):
+        raise ValueError(
+            f"'{where}' runs inside torch.utils.checkpoint in a model-by-model pass: checkpointing runs it again "
+            "in backward, after the pass. Turn activation checkpointing off before stacking "
+            "(transformers: model.gradient_checkpointing_disable())"
+        )
 
 
 def _channels_last_input(layer: nn.Module, args: tuple) -> tuple | None:

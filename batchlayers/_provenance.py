@@ -74,6 +74,20 @@ _VIEWS = frozenset({Tensor.view, Tensor.view_as})
 _CHECKPOINT_FILE = os.path.join("torch", "utils", "checkpoint.py")
 
 
+def inside_checkpoint(grad_enabled: bool) -> bool:
+    """Whether the caller runs inside ``torch.utils.checkpoint`` (``grad_enabled``: grad mode where the
+    stacked call began; the reentrant variant runs its function under ``no_grad``)."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    checkpointed = hooks is not None and "_checkpoint_hook" in getattr(hooks[0], "__qualname__", "")
+    if not checkpointed and grad_enabled and not torch.is_grad_enabled():  # use_reentrant=True
+        frame: FrameType | None = sys._getframe(1)
+        while frame is not None and not checkpointed:
+            code = frame.f_code
+            checkpointed = code.co_name == "forward" and code.co_filename.endswith(_CHECKPOINT_FILE)
+            frame = frame.f_back
+    return checkpointed
+
+
 def _getter(name: str) -> Callable:
     """``Tensor.<name>.__get__``: the function that reading the property ``name`` of a tensor passes to
     ``__torch_function__`` (torch's stubs declare the properties as plain attributes)."""
@@ -217,15 +231,7 @@ class Tracker(TorchFunctionMode):
         followed (a silent wrong gradient, or an unclear error)."""
         if torch.compiler.is_compiling():
             return
-        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        checkpointed = hooks is not None and "_checkpoint_hook" in getattr(hooks[0], "__qualname__", "")
-        if not checkpointed and self.grad_enabled and not torch.is_grad_enabled():  # use_reentrant=True
-            frame: FrameType | None = sys._getframe(1)
-            while frame is not None and not checkpointed:
-                code = frame.f_code
-                checkpointed = code.co_name == "forward" and code.co_filename.endswith(_CHECKPOINT_FILE)
-                frame = frame.f_back
-        if checkpointed:
+        if inside_checkpoint(self.grad_enabled):
             raise ValueError(
                 f"{what} runs inside torch.utils.checkpoint in a stacked model's forward: checkpointing recomputes "
                 "it in backward, outside the stacked call, where batchlayers cannot follow it. Turn activation "

@@ -302,6 +302,41 @@ def test_threads_calling_one_model_each_get_their_own_results() -> None:
         assert_close(results[k], expected, msg=f"thread {k}")
 
 
+class _Checkpointed(nn.Module):
+    """A segment of forward under torch.utils.checkpoint, run again in backward."""
+
+    def __init__(self, segment: str, reentrant: bool) -> None:
+        super().__init__()
+        self.fc, self.out = nn.Linear(4, 4), nn.Linear(4, 2)
+        self.segment, self.reentrant = segment, reentrant
+
+    def forward(self, x):
+        segments = {
+            "a layer": lambda t: torch.tanh(self.fc(t)),
+            "a reduction over the samples": lambda t: torch.tanh(t - t.mean(0)),
+        }
+        h = torch.utils.checkpoint.checkpoint(segments[self.segment], self.fc(x), use_reentrant=self.reentrant)
+        return self.out(h)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_checkpointed_layers_are_refused(reentrant: bool) -> None:
+    """Run again in backward, after the pass, the segment would call the batched layer with one model's
+    batch (M models' weights for B samples: silently wrong where B == M): refused in forward."""
+    batched, _ = _stacked(lambda: _Checkpointed("a layer", reentrant), 2)
+    x = torch.randn(2, 2, 4, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(ValueError, match=r"'fc' runs inside torch.utils.checkpoint in a model-by-model pass"):
+        batched(x)
+    assert isinstance(batched.fc, bl.BatchedLinear)  # put back
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_checkpointed_code_without_layers_is_exact(reentrant: bool) -> None:
+    factory = lambda: _Checkpointed("a reduction over the samples", reentrant)  # noqa: E731
+    batched, references = _stacked(factory, 3)
+    compare_training(batched, references, lambda lead: torch.randn(*lead, 4, dtype=torch.float64, requires_grad=True))
+
+
 class _HeldInAList(nn.Module):
     def __init__(self) -> None:
         super().__init__()
