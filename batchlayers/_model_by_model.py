@@ -89,6 +89,7 @@ class ModelByModel:
         layers, tensors, shared, converting = self._installs(num_models)
         installs = layers + tensors
         originals = [(container, key, container.get(key)) for container, key, _ in installs]
+        versions = [(tensors[i][1], tensors[i][2][0], tensors[i][2][0]._version) for i in shared]
         replaced: dict[int, list[object]] = {}
         outputs = []
         views = _CopiedViews() if converting else None
@@ -114,6 +115,13 @@ class ModelByModel:
                 container[key] = value
         if views is not None:
             views.check()
+        for key, buffer, version in versions:
+            if buffer._version != version:
+                raise RuntimeError(
+                    f"stacked {type(root).__name__}: forward modified the buffer '{key}' in place, but it is one copy "
+                    "shared by all models (it was equal in every model), so every model's pass modified it. Register "
+                    "a batched counterpart for the module that owns it with batchlayers.register(...)"
+                )
         for i, assigned in replaced.items():
             container, key, _ = tensors[i]
             _store_replaced(root, container, key, assigned, i in shared)

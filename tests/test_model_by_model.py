@@ -246,6 +246,23 @@ def test_a_shared_buffer_assigned_in_forward() -> None:
     assert batched.cache is cache
 
 
+class _Counts(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+        self.register_buffer("steps", torch.zeros(()))  # equal in every model: one buffer shared by all
+
+    def forward(self, x):
+        self.steps += 1  # each original counts its own calls; the shared one would count M per call
+        return self.fc(x) * self.steps
+
+
+def test_a_shared_buffer_modified_in_place_is_refused() -> None:
+    batched, _ = _stacked(_Counts, 3)
+    with pytest.raises(RuntimeError, match="modified the buffer 'steps' in place, but it is one copy shared"):
+        batched(torch.randn(3, 2, 3, dtype=torch.float64))
+
+
 def test_copies_pickles_select_and_unstack() -> None:
     batched, references = _stacked(zoo.CNN, 3)
     x = _images((3, 2))
