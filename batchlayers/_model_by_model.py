@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from . import _fold, backends
-from ._architecture import tensor_table
+from ._architecture import same, tensor_table
 from ._fold import check_inputs, map_tensors
 from ._provenance import _VIEWS, PerModel, get_tag, inside_checkpoint, set_tag
 from .registry import counterpart_of_batched
@@ -86,9 +86,11 @@ class ModelByModel:
         root = self.root
         num_models = cast(int, root.num_models)
         check_inputs(root, args, kwargs)
-        layers, tensors, shared, converting = self._installs(num_models)
+        layers, tensors, shared, converting, modules = self._installs(num_models)
         installs = layers + tensors
         originals = [(container, key, container.get(key)) for container, key, _ in installs]
+        state = _PythonState(modules, {(id(container), key) for container, key, _ in tensors})
+        ends: list[list[dict[str, object]]] = []
         versions = [(tensors[i][1], tensors[i][2][0], tensors[i][2][0]._version) for i in shared]
         replaced: dict[int, list[object]] = {}
         outputs = []
@@ -97,6 +99,8 @@ class ModelByModel:
         _fold._local.model_by_model_grad = torch.is_grad_enabled()
         try:
             for m in range(num_models):
+                if m:
+                    state.restore()  # every model's pass starts from the state the call started from
                 for container, key, values in installs:
                     container[key] = values[m]
                 inputs = map_tensors((args, kwargs), _slice_of_model(m))
@@ -109,10 +113,19 @@ class ModelByModel:
                 for i, (container, key, values) in enumerate(tensors):
                     if container.get(key) is not values[m]:  # forward assigned a new value (a cache)
                         replaced.setdefault(i, [None] * num_models)[m] = container.get(key)
+                ends.append(state.record())
+        except BaseException:
+            state.restore()
+            raise
         finally:
             _fold._local.model_by_model -= 1
             for container, key, value in originals:
                 container[key] = value
+        try:
+            state.settle(ends, type(root).__name__)
+        except ValueError:
+            state.restore()
+            raise
         if views is not None:
             views.check()
         for key, buffer, version in versions:
@@ -127,11 +140,14 @@ class ModelByModel:
             _store_replaced(root, container, key, assigned, i in shared)
         return _stack_outputs(root, outputs)
 
-    def _installs(self, num_models: int) -> tuple[list[_Install], list[_Install], set[int], bool]:
+    def _installs(
+        self, num_models: int
+    ) -> tuple[list[_Install], list[_Install], set[int], bool, list[tuple[str, nn.Module]]]:
         """What each model's pass installs: for every batched layer its torch.nn layer and that layer's slices
         (``layers``), the slice of every other tensor of the architecture's own modules (``tensors``, which
         forward may assign anew), which of those are one buffer shared by all models (indices into
-        ``tensors``), and whether a convolution converts its input to channels-last."""
+        ``tensors``), whether a convolution converts its input to channels-last, and the architecture's own
+        modules (not the batched layers) with their paths."""
         root = self.root
         shared = {id(_fold._tensor(root, n)) for n in _fold.root_shared_buffers(root)}
         shared_slots: set[int] = set()
@@ -154,12 +170,14 @@ class ModelByModel:
         tensors: list[_Install] = []
         converting = False
         seen: set[int] = set()
+        modules: list[tuple[str, nn.Module]] = []
         todo: list[tuple[str, nn.Module]] = [("", root)]
         while todo:
             path, module = todo.pop()
             if id(module) in seen:
                 continue
             seen.add(id(module))
+            modules.append((path, module))
             for kind in ("_parameters", "_buffers"):
                 container = getattr(module, kind)
                 for name, t in container.items():
@@ -183,7 +201,7 @@ class ModelByModel:
                 plain.train(child.training)
                 layers.append((module._modules, key, (plain,) * num_models))
                 converting = converting or type(plain) in _CONVOLUTIONS
-        return layers, tensors, shared_slots, converting
+        return layers, tensors, shared_slots, converting, modules
 
     def _plain_for(self, leaf: nn.Module, where: str) -> tuple[nn.Module, list[tuple[dict[str, Any], str, str]]]:
         """The torch.nn layer standing for ``leaf`` in a model's pass, built once per configuration, and
@@ -222,6 +240,73 @@ class ModelByModel:
             slots.append((cast(dict[str, Any], container), key, name))
         self._plain[id(leaf)] = (config, plain, slots)
         return plain, slots
+
+
+_INTERNALS = frozenset(vars(nn.Module())) | {"training", "forward", "num_models"}
+_CONTAINERS = (list, dict, set)
+_MISSING = object()
+
+
+class _PythonState:
+    """The plain attributes of the architecture's own modules (counters, caches, flags), which every original
+    model holds for itself: each model's pass starts from the values the call started with (lists, dicts and
+    sets restored in place, keeping their identity), and all passes must end with equal values, kept; a
+    tensor that differs is stored per model ``(M, *)``; anything else that differs is refused, the start
+    values restored. Tensors installed per model are left to the caller (``skip``: ``(id(dict), key)``)."""
+
+    def __init__(self, modules: list[tuple[str, nn.Module]], skip: set[tuple[int, str]]) -> None:
+        self.skip = skip
+        # torch.nn's own modules keep no state of their own between calls, only caches they rebuild when the
+        # weights change (an RNN's _flat_weights): left alone
+        mine = [(path, m) for path, m in modules if not type(m).__module__.startswith("torch.nn.")]
+        self.saved = [(path, module, self._values(module, copy=True)) for path, module in mine]
+
+    def _values(self, module: nn.Module, copy: bool) -> dict[str, object]:
+        d = module.__dict__
+        return {
+            k: (type(v)(v) if copy and type(v) in _CONTAINERS else v)
+            for k, v in d.items()
+            if k not in _INTERNALS and not k.startswith("_batchlayers") and (id(d), k) not in self.skip
+        }
+
+    def restore(self) -> None:
+        for _, module, saved in self.saved:
+            d = module.__dict__
+            for k in [k for k in self._values(module, copy=False) if k not in saved]:
+                del d[k]
+            for k, v in saved.items():
+                now = d.get(k)
+                if type(now) in _CONTAINERS and type(now) is type(v):  # the same kind: refilled in place
+                    if isinstance(now, list):
+                        now[:] = cast(list, v)
+                    else:
+                        cast(dict | set, now).clear()
+                        cast(Any, now).update(v)
+                else:
+                    d[k] = type(v)(v) if type(v) in _CONTAINERS else v  # type: ignore[call-arg]
+
+    def record(self) -> list[dict[str, object]]:
+        return [self._values(module, copy=True) for _, module, _ in self.saved]
+
+    def settle(self, ends: list[list[dict[str, object]]], name: str) -> None:
+        """Check the passes' end values (``ends[m][i]``: model m's, module i's) and store what differs."""
+        for i, (path, module, _) in enumerate(self.saved):
+            per_model = [end[i] for end in ends]
+            for k in set().union(*per_model):
+                values = [v.get(k, _MISSING) for v in per_model]
+                if all(same(v, values[-1]) for v in values[:-1]):
+                    continue  # the last pass's value, in place
+                if all(isinstance(v, Tensor) for v in values) and len({cast(Tensor, v).shape for v in values}) == 1:
+                    stacked = torch.stack(cast(list[Tensor], values))
+                    set_tag(stacked, PerModel)
+                    module.__dict__[k] = stacked
+                    continue
+                where = f"{path}.{k}" if path else k
+                raise ValueError(
+                    f"stacked {name}: forward left '{where}' with different values in different models; a stacked "
+                    "model holds one value of a plain attribute for all models. Keep per-model state in a buffer "
+                    "(register_buffer), which is stored per model"
+                )
 
 
 def _slice_of_model(m: int) -> Callable[[Tensor, str], Tensor]:

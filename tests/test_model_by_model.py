@@ -206,21 +206,24 @@ class _FailsForModel(nn.Module):
     def forward(self, x):
         self.calls += 1
         self.cache = x.detach().mean(0)
-        if self.calls == 2:
-            raise KeyError("model 1 fails")
+        if torch.isnan(x).any():
+            raise KeyError("a model fails")
         return self.fc(x)
 
 
 def test_an_error_in_forward_leaves_the_model_as_it_was() -> None:
     batched, _ = _stacked(_FailsForModel, 3)
     before, cache = _state(batched), batched.cache
-    with pytest.raises(KeyError, match="model 1 fails"):
-        batched(torch.randn(3, 2, 3, dtype=torch.float64))
-    assert _state(batched) == before and batched.cache is cache
     x = torch.randn(3, 2, 3, dtype=torch.float64)
-    out = batched(x)  # calls 3-5
+    bad = x.clone()
+    bad[1, 0, 0] = float("nan")  # model 1 fails, after model 0's pass changed the cache and the count
+    with pytest.raises(KeyError, match="a model fails"):
+        batched(bad)
+    assert _state(batched) == before and batched.cache is cache and batched.calls == 0
+    out = batched(x)
     assert out.shape == (3, 2, 3) and batched.cache is not cache  # the new caches, stored per model
     assert_close(batched.cache, x.mean(1), msg="cache")
+    assert batched.calls == 1  # as each original counts one call
 
 
 class _SharedCache(nn.Module):
@@ -255,6 +258,44 @@ class _Counts(nn.Module):
     def forward(self, x):
         self.steps += 1  # each original counts its own calls; the shared one would count M per call
         return self.fc(x) * self.steps
+
+
+class _Stateful(nn.Module):
+    """Python state that forward changes: a call counter (the same in every model), a stashed tensor (each
+    model's own), or a number read from the data (different in every model, not storable in one attribute)."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+        self.what, self.calls, self.seen = what, 0, []
+
+    def forward(self, x):
+        self.calls += 1
+        self.seen.append(x.size(0))
+        h = self.fc(x) * min(1.0, self.calls / 2)  # a warm-up that counts calls
+        if self.what == "stash":
+            self.features = h.detach()
+        if self.what == "a number of the data":
+            self.largest = float(x.max())
+        return h
+
+
+@pytest.mark.parametrize("what", ["counter", "stash"])
+def test_python_state_changed_in_forward_is_each_models_own(what: str) -> None:
+    """Each model's pass starts from the state the call started with, as each original's call does: the
+    counter counts calls, not passes; a list appended to grows by one; a stashed tensor is stored per model."""
+    batched, references = _stacked(lambda: _Stateful(what), 3)
+    compare_training(batched, references, lambda lead: torch.randn(*lead, 3, dtype=torch.float64))
+    assert batched.calls == references[0].calls == 3 and batched.seen == references[0].seen
+    if what == "stash":
+        assert_close(batched.features, torch.stack([r.features for r in references]), msg="stash")
+
+
+def test_python_state_that_differs_between_models_is_refused() -> None:
+    batched, _ = _stacked(lambda: _Stateful("a number of the data"), 3)
+    with pytest.raises(ValueError, match="forward left 'largest' with different values in different models"):
+        batched(torch.randn(3, 2, 3, dtype=torch.float64))
+    assert batched.calls == 0 and batched.seen == [] and "largest" not in vars(batched)
 
 
 def test_a_shared_buffer_modified_in_place_is_refused() -> None:
