@@ -18,6 +18,8 @@ Under ``torch.compile`` the model runs batched (folded) instead: the swapping of
 
 from __future__ import annotations
 
+import collections
+import copy
 import functools
 import threading
 from collections.abc import Callable
@@ -243,28 +245,72 @@ class ModelByModel:
 
 
 _INTERNALS = frozenset(vars(nn.Module())) | {"training", "forward", "num_models"}
-_CONTAINERS = (list, dict, set)
 _MISSING = object()
+
+
+def _copied(value: object, tensors: list[tuple[Tensor, int]], depth: int = 0) -> object:
+    """``value`` with its lists, tuples, dicts, sets and deques (subclasses too) copied all the way down;
+    tensors and other objects as they are, each tensor recorded in ``tensors`` with its version."""
+    if isinstance(value, Tensor):
+        tensors.append((value, value._version))
+        return value
+    if depth > 16 or isinstance(value, (str, bytes)):
+        return value
+    if isinstance(value, tuple):
+        items = [_copied(v, tensors, depth + 1) for v in value]
+        kind: Any = type(value)
+        return kind(*items) if hasattr(value, "_fields") else kind(items)
+    if isinstance(value, (list, dict, set, collections.deque)):
+        made: Any = copy.copy(value)  # the same type (an OrderedDict, a defaultdict's factory)
+        if isinstance(value, dict):
+            for k, v in value.items():
+                made[k] = _copied(v, tensors, depth + 1)
+        elif isinstance(value, list):
+            made[:] = [_copied(v, tensors, depth + 1) for v in value]
+        elif isinstance(value, collections.deque):
+            made.clear()
+            made.extend(_copied(v, tensors, depth + 1) for v in value)
+        return made
+    return value
+
+
+def _refill(now: object, saved: object) -> bool:
+    """Put ``saved``'s items back into the container ``now`` (of the same type), keeping its identity."""
+    if type(now) is not type(saved) or not isinstance(now, (list, dict, set, collections.deque)):
+        return False
+    fresh: Any = _copied(saved, [])
+    if isinstance(now, list):
+        now[:] = fresh
+    elif isinstance(now, collections.deque):
+        now.clear()
+        now.extend(fresh)
+    else:
+        now.clear()
+        now.update(fresh)
+    return True
 
 
 class _PythonState:
     """The plain attributes of the architecture's own modules (counters, caches, flags), which every original
-    model holds for itself: each model's pass starts from the values the call started with (lists, dicts and
-    sets restored in place, keeping their identity), and all passes must end with equal values, kept; a
-    tensor that differs is stored per model ``(M, *)``; anything else that differs is refused, the start
-    values restored. Tensors installed per model are left to the caller (``skip``: ``(id(dict), key)``)."""
+    model holds for itself: each model's pass starts from the values the call started with (containers
+    copied all the way down, refilled in place), and all passes must end with equal values, kept; a tensor
+    that differs is stored per model ``(M, *)``; anything else that differs, and a tensor held there that a
+    pass wrote in place, is refused with the start values back. Objects other than containers and tensors
+    are not copied: one that forward changes in place is changed by every model's pass. Tensors installed
+    per model are left to the caller (``skip``: ``(id(dict), key)``)."""
 
     def __init__(self, modules: list[tuple[str, nn.Module]], skip: set[tuple[int, str]]) -> None:
         self.skip = skip
+        self.tensors: list[tuple[Tensor, int]] = []
         # torch.nn's own modules keep no state of their own between calls, only caches they rebuild when the
         # weights change (an RNN's _flat_weights): left alone
         mine = [(path, m) for path, m in modules if not type(m).__module__.startswith("torch.nn.")]
-        self.saved = [(path, module, self._values(module, copy=True)) for path, module in mine]
+        self.saved = [(path, module, self._values(module, self.tensors)) for path, module in mine]
 
-    def _values(self, module: nn.Module, copy: bool) -> dict[str, object]:
+    def _values(self, module: nn.Module, tensors: list[tuple[Tensor, int]] | None) -> dict[str, object]:
         d = module.__dict__
         return {
-            k: (type(v)(v) if copy and type(v) in _CONTAINERS else v)
+            k: (v if tensors is None else _copied(v, tensors))
             for k, v in d.items()
             if k not in _INTERNALS and not k.startswith("_batchlayers") and (id(d), k) not in self.skip
         }
@@ -272,24 +318,24 @@ class _PythonState:
     def restore(self) -> None:
         for _, module, saved in self.saved:
             d = module.__dict__
-            for k in [k for k in self._values(module, copy=False) if k not in saved]:
+            for k in [k for k in self._values(module, None) if k not in saved]:
                 del d[k]
             for k, v in saved.items():
-                now = d.get(k)
-                if type(now) in _CONTAINERS and type(now) is type(v):  # the same kind: refilled in place
-                    if isinstance(now, list):
-                        now[:] = cast(list, v)
-                    else:
-                        cast(dict | set, now).clear()
-                        cast(Any, now).update(v)
-                else:
-                    d[k] = type(v)(v) if type(v) in _CONTAINERS else v  # type: ignore[call-arg]
+                if not _refill(d.get(k, _MISSING), v):
+                    d[k] = _copied(v, [])
 
     def record(self) -> list[dict[str, object]]:
-        return [self._values(module, copy=True) for _, module, _ in self.saved]
+        return [self._values(module, []) for _, module, _ in self.saved]
 
     def settle(self, ends: list[list[dict[str, object]]], name: str) -> None:
         """Check the passes' end values (``ends[m][i]``: model m's, module i's) and store what differs."""
+        for tensor, version in self.tensors:
+            if tensor._version != version:
+                raise ValueError(
+                    f"stacked {name}: forward wrote in place into a tensor of shape {tuple(tensor.shape)} held in a "
+                    "plain attribute (not a parameter or buffer), which every model's pass would write. Make it a "
+                    "buffer (register_buffer), which is stored per model"
+                )
         for i, (path, module, _) in enumerate(self.saved):
             per_model = [end[i] for end in ends]
             for k in set().union(*per_model):

@@ -3,6 +3,7 @@ original models."""
 
 from __future__ import annotations
 
+import collections
 import copy
 import pickle
 import threading
@@ -268,15 +269,25 @@ class _Stateful(nn.Module):
         super().__init__()
         self.fc = nn.Linear(3, 3)
         self.what, self.calls, self.seen = what, 0, []
+        self.log: dict[str, list[int]] = {}
+        self.cache: collections.OrderedDict[str, torch.Tensor] = collections.OrderedDict()
+        self.total = torch.zeros(())  # a plain attribute, not a buffer
 
     def forward(self, x):
         self.calls += 1
         self.seen.append(x.size(0))
+        self.log.setdefault("sizes", []).append(x.size(1))  # a list inside a dict
         h = self.fc(x) * min(1.0, self.calls / 2)  # a warm-up that counts calls
         if self.what == "stash":
             self.features = h.detach()
         if self.what == "a number of the data":
             self.largest = float(x.max())
+        if self.what == "a cache of the weights":  # filled once, read afterwards (timm's attention bias caches)
+            if "bias" not in self.cache:
+                self.cache["bias"] = self.fc.bias.detach() * 2
+            h = h + self.cache["bias"]
+        if self.what == "a tensor written in place":
+            self.total.add_(1)
         return h
 
 
@@ -287,15 +298,26 @@ def test_python_state_changed_in_forward_is_each_models_own(what: str) -> None:
     batched, references = _stacked(lambda: _Stateful(what), 3)
     compare_training(batched, references, lambda lead: torch.randn(*lead, 3, dtype=torch.float64))
     assert batched.calls == references[0].calls == 3 and batched.seen == references[0].seen
+    assert batched.log == references[0].log == {"sizes": [3, 3, 3]}
     if what == "stash":
         assert_close(batched.features, torch.stack([r.features for r in references]), msg="stash")
 
 
-def test_python_state_that_differs_between_models_is_refused() -> None:
-    batched, _ = _stacked(lambda: _Stateful("a number of the data"), 3)
-    with pytest.raises(ValueError, match="forward left 'largest' with different values in different models"):
+REFUSED_STATE = {
+    "a number of the data": "forward left 'largest' with different values in different models",
+    # model 1's pass must not find model 0's cached bias (it did while the OrderedDict was not copied)
+    "a cache of the weights": "forward left 'cache' with different values in different models",
+    "a tensor written in place": r"wrote in place into a tensor of shape \(\) held in a plain attribute",
+}
+
+
+@pytest.mark.parametrize("what", list(REFUSED_STATE))
+def test_python_state_that_differs_between_models_is_refused(what: str) -> None:
+    batched, _ = _stacked(lambda: _Stateful(what), 3)
+    with pytest.raises(ValueError, match=REFUSED_STATE[what]):
         batched(torch.randn(3, 2, 3, dtype=torch.float64))
-    assert batched.calls == 0 and batched.seen == [] and "largest" not in vars(batched)
+    assert batched.calls == 0 and batched.seen == [] and batched.log == {} and "largest" not in vars(batched)
+    assert not batched.cache
 
 
 def test_a_shared_buffer_modified_in_place_is_refused() -> None:
