@@ -87,8 +87,8 @@ def test_convolutions_run_channels_last_on_the_cpu_by_default(strategy: str) -> 
 
 
 def test_a_layer_changed_after_a_call_is_used_as_changed() -> None:
-    """Each batched layer's torch.nn layer is kept between calls: a changed momentum, stride or padding mode
-    builds it again."""
+    """Each batched layer's torch.nn layer is kept between calls: a changed momentum or padding mode builds it
+    again."""
     batched, references = _stacked(zoo.CNN, 2)
     x = _images((2, 3))
     batched(x)
