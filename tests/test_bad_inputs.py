@@ -355,6 +355,9 @@ CONVERTERS = [
     pytest.param(lambda: bl.unstack([stacked_mlp()]), TypeError, ("unstack", "stacked model", "list"), id="unstack-list"),  # noqa: E501
     pytest.param(lambda: bl.select(stacked_mlp(), torch.tensor([[0, 1]])), TypeError, ("select", "1-D integer tensor", "[[0, 1]]"), id="select-2d-indices"),  # noqa: E501
     pytest.param(lambda: bl.select(stacked_mlp(), torch.tensor([True, False, True])), TypeError, ("select", "1-D integer tensor", "True"), id="select-bool-mask"),  # noqa: E501
+    pytest.param(lambda: bl.set_execution(stacked_mlp(), "loop"), ValueError, ("set_execution", "must be one of", "'loop'"), id="set-execution-unknown"),  # noqa: E501
+    pytest.param(lambda: bl.set_execution(zoo.MLP(), "model_by_model"), TypeError, ("set_execution", "batchlayers.stack", "MLP"), id="set-execution-plain-model"),  # noqa: E501
+    pytest.param(lambda: bl.stack([zoo.MLP(), zoo.MLP()], execution="loop"), ValueError, ("stack", "must be one of", "'loop'"), id="stack-execution-unknown"),  # noqa: E501
     pytest.param(lambda: bl.concat([]), ValueError, ("concat", "empty list"), id="concat-empty"),  # noqa: E501
     pytest.param(lambda: bl.concat([stacked_mlp(), zoo.MLP()]), TypeError, ("concat", "stacked model", "MLP"), id="concat-plain-model"),  # noqa: E501
     pytest.param(lambda: bl.concat(stacked_mlp()), TypeError, ("concat", "list of models", "MLP"), id="concat-not-a-list"),  # noqa: E501
