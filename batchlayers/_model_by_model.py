@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import dataclasses
 import functools
 import threading
 from collections.abc import Callable
@@ -468,18 +469,20 @@ def _stack_outputs(root: nn.Module, outputs: list[object]) -> object:
     """The models' outputs as one: every tensor stacked to ``(M, *)`` in the first model's structure; the
     structure and every value that is not a tensor must be the same in every model."""
     name = f"stacked {type(root).__name__}"
-    found = [dict(_fold._tensors(out, "output")) for out in outputs]
-    skeletons = [map_tensors(out, lambda t, where: None) for out in outputs]
     for m in range(1, len(outputs)):
-        try:
-            same = found[m].keys() == found[0].keys() and bool(skeletons[m] == skeletons[0])
-        except Exception:  # a value without a plain equality (e.g. a tensor inside an unknown object)
-            same = False
-        if not same:
+        where = _difference(outputs[0], outputs[m], "output")
+        if where is not None:
+            cache = "cache" in where.lower() or "past" in where.lower()
             raise ValueError(
-                f"{name}: model {m}'s forward returned another structure, or other values that are not tensors, "
-                "than model 0's; a model-by-model pass stacks tensors only"
+                f"{name}: model {m}'s {where} differs from model 0's and is not a tensor; a model-by-model pass "
+                "stacks the outputs' tensors and keeps other values only where every model returns the same"
+                + (
+                    " (a transformers cache: call with use_cache=False, or stack with execution='batched')"
+                    if cache
+                    else ""
+                )
             )
+    found = [dict(_fold._tensors(out, "output")) for out in outputs]
 
     def stacked(t: Tensor, where: str) -> Tensor:
         parts = [f[where] for f in found]
@@ -489,3 +492,27 @@ def _stack_outputs(root: nn.Module, outputs: list[object]) -> object:
         return torch.stack(parts)
 
     return map_tensors(outputs[0], stacked, "output")
+
+
+def _difference(a: object, b: object, where: str) -> str | None:
+    """Where two models' outputs differ in their structure or in a value that is not a tensor, or None."""
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return None if isinstance(a, Tensor) and isinstance(b, Tensor) else where
+    if type(a) is not type(b):
+        return where
+    pairs: list[tuple[object, object, str]]
+    if isinstance(a, (list, tuple)):
+        other = cast(list | tuple, b)
+        if len(a) != len(other):
+            return where
+        pairs = [(x, y, f"{where}[{i}]") for i, (x, y) in enumerate(zip(a, other))]
+    elif isinstance(a, dict):
+        entries = cast(dict, b)
+        if a.keys() != entries.keys():
+            return where
+        pairs = [(a[k], entries[k], f"{where}[{k!r}]") for k in a]
+    elif dataclasses.is_dataclass(a) and not isinstance(a, type):
+        pairs = [(getattr(a, f.name), getattr(b, f.name), f"{where}.{f.name}") for f in dataclasses.fields(a)]
+    else:
+        return None if same(a, b) else where
+    return next((w for x, y, w0 in pairs if (w := _difference(x, y, w0)) is not None), None)

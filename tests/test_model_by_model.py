@@ -417,6 +417,15 @@ def test_checkpointed_code_without_layers_is_exact(reentrant: bool) -> None:
     compare_training(batched, references, lambda lead: torch.randn(*lead, 4, dtype=torch.float64, requires_grad=True))
 
 
+class _NumberOut(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.fc(x), float(x.max())  # a number of the data: not one value for all models
+
+
 class _HeldInAList(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -436,6 +445,9 @@ def test_errors_name_what_is_wrong() -> None:
     batched.fc1.register_forward_hook(lambda *args: None)
     with pytest.raises(ValueError, match="'fc1' .*hooks of its own"):
         batched(torch.randn(3, 4, 6, dtype=torch.float64))
+    numbers, _ = _stacked(_NumberOut, 2)
+    with pytest.raises(ValueError, match=r"model 1's output\[1\] differs from model 0's and is not a tensor"):
+        numbers(torch.randn(2, 4, 3, dtype=torch.float64))
     held, _ = _stacked(_HeldInAList, 2)
     with pytest.raises(ValueError, match="not a submodule"):
         held(torch.randn(2, 4, 3, dtype=torch.float64))
