@@ -228,7 +228,19 @@ def _elementwise(ctx, func, args, kwargs):
         raise ValueError(
             f"{_name(func)} inside a stacked forward writes per-model values into a tensor that all models share"
         )
-    r = func(*[explicit(a, m, ndim) if isinstance(a, Tensor) else a for a in args], **kwargs)
+    try:
+        r = func(*[explicit(a, m, ndim) if isinstance(a, Tensor) else a for a in args], **kwargs)
+    except RuntimeError as error:
+        if "must match the size" not in str(error):
+            raise
+        kinds = {PerModel: "per model", None: "shared"}
+        shapes = ", ".join(f"{tuple(single_shape(t, m))} ({kinds.get(get_tag(t), 'samples')})" for t in tensors)
+        raise ValueError(
+            f"{_name(func)} inside a stacked forward: operands of one model's shapes {shapes} do not broadcast. A "
+            "value sized from a size read in forward has all models' samples in it (x.size(0) is N * B there); "
+            "build it from the inputs (e.g. torch.zeros_like), or stack with execution='model_by_model', which "
+            "runs each model's forward on its own batch"
+        ) from error
     if inplace:
         return args[0]
     if not isinstance(r, Tensor):

@@ -133,6 +133,28 @@ def test_patterns_the_batched_forward_refuses_are_exact(pattern: str) -> None:
     compare_training(batched, references, lambda lead: torch.randn(*lead, 4, dtype=torch.float64), batch=3)
 
 
+class _FlatTokens(nn.Module):
+    """Tokens flattened to rows, positions repeated by a batch size read in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj, self.pos = nn.Linear(4, 4), nn.Embedding(6, 4)
+
+    def forward(self, x):  # (B, T, 4)
+        h = self.proj(x)
+        positions = self.pos(torch.arange(h.size(1)).repeat(h.size(0)))  # (B * T, 4)
+        return self.proj(h.reshape(-1, 4) + positions).view_as(h)
+
+
+def test_positions_repeated_by_a_size_read_in_forward() -> None:
+    """The batched forward reads N * B there and refuses, pointing here; model by model it is exact."""
+    x = torch.randn(2, 3, 5, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"do not broadcast.*execution='model_by_model'"):
+        bl.stack([seeded(_FlatTokens, i) for i in range(2)])(x)
+    batched, references = _stacked(_FlatTokens, 2)
+    compare_training(batched, references, lambda lead: torch.randn(*lead, 5, 4, dtype=torch.float64), batch=3)
+
+
 class _PerModelOwnCode(nn.Module):
     """A parameter and a buffer outside any layer (a ViT's cls token, a cache the forward fills)."""
 
