@@ -31,9 +31,9 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from . import _fold, backends
-from ._architecture import same, tensor_table
+from ._architecture import _MODULE_INTERNALS, _config, same, tensor_table
 from ._fold import check_inputs, map_tensors
-from ._provenance import _VIEWS, PerModel, get_tag, inside_checkpoint, set_tag
+from ._provenance import _VIEWS, PerModel, check_copied_views, get_tag, inside_checkpoint, set_tag, view_of_a_copy
 from .registry import counterpart_of_batched
 
 __all__ = ["ModelByModel"]
@@ -214,9 +214,11 @@ class ModelByModel:
                 f"stacked {type(self.root).__name__}: '{where}' ({type(leaf).__name__}) has hooks of its own, which "
                 "a model-by-model pass would not run; stack with execution='batched'"
             )
-        config = _configuration(leaf)
+        # its type and plain attributes (constructor arguments and whatever else forward reads: momentum,
+        # padding_mode): the torch.nn layer is built again when they change
+        config = (type(leaf), _config(leaf))
         cached = self._plain.get(id(leaf))
-        if cached is not None and cached[0] == config:
+        if cached is not None and same(cached[0], config):
             return cached[1], cached[2]
         counterpart = counterpart_of_batched(type(leaf))
         if counterpart is None:
@@ -245,7 +247,7 @@ class ModelByModel:
         return plain, slots
 
 
-_INTERNALS = frozenset(vars(nn.Module())) | {"training", "forward", "num_models"}
+_INTERNALS = _MODULE_INTERNALS | {"forward"}
 _MISSING = object()
 
 
@@ -364,15 +366,6 @@ def _join(path: str, name: str) -> str:
     return f"{path}.{name}" if path else name
 
 
-def _configuration(layer: nn.Module) -> tuple:
-    """A batched layer's type and plain attributes (its torch.nn constructor's arguments and whatever else a
-    forward reads, ``momentum``, ``padding_mode``...): the torch.nn layer built for it is built again when
-    they change."""
-    plain = (int, float, bool, str, tuple, type(None))
-    items = tuple((k, v) for k, v in vars(layer).items() if k != "training" and isinstance(v, plain))
-    return (type(layer), items)
-
-
 def _refuse_checkpointing(where: str, layer: nn.Module, args: tuple) -> None:
     """Forward pre-hook of a model's torch.nn layer: ``torch.utils.checkpoint`` would run the layer again in
     backward, after the pass, where the module tree holds the batched layer again (a wrong gradient)."""
@@ -402,35 +395,27 @@ def _channels_last_input(layer: nn.Module, args: tuple) -> tuple | None:
 
 class _CopiedViews(TorchFunctionMode):
     """``x.view(...)`` of an activation that the channels-last convolutions left in another layout than
-    torch.nn's, where torch.nn's layout allows the view: made of a contiguous copy, as a stacked model's
-    folded forward does (``batchlayers._provenance.Tracker._view``); a later in-place write to either is
-    refused, since the copy does not alias its source."""
+    torch.nn's: the batched forward's rule (``batchlayers._provenance.view_of_a_copy``)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.copied: list[tuple[Tensor, int]] = []
+        self.copied: list[tuple[Tensor, int, str]] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func not in _VIEWS:
             return func(*args, **kwargs)
-        try:
-            return func(*args, **kwargs)
-        except RuntimeError as error:
-            x = args[0]
-            if "view size is not compatible" not in str(error) or x.is_contiguous():
-                raise
-        out = func(x.contiguous(), *args[1:], **kwargs)
-        self.copied.extend((t, t._version) for t in (x, out))
-        return out
+        return view_of_a_copy(func, args, kwargs, self.copied, _not_contiguous, _CHANNELS_LAST_VIEW)
 
     def check(self) -> None:
-        if any(t._version != version for t, version in self.copied):
-            raise RuntimeError(
-                "batchlayers: a tensor was written in place after .view() of a layer output that the model-by-model "
-                "pass keeps channels-last; that .view() is a copy (the original's is an alias), so the write would "
-                "not reach the other. Use an out-of-place operation there, or call .contiguous() before .view()"
-            )
+        check_copied_views(self.copied)
+
+
+_CHANNELS_LAST_VIEW = ".view() of a layer output that a model-by-model pass keeps channels-last"
+
+
+def _not_contiguous(x: Tensor) -> bool:
+    return not x.is_contiguous()
 
 
 def _store_replaced(root: nn.Module, container: dict[str, Any], key: str, values: list[object], shared: bool) -> None:

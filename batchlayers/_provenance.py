@@ -74,6 +74,44 @@ _VIEWS = frozenset({Tensor.view, Tensor.view_as})
 _CHECKPOINT_FILE = os.path.join("torch", "utils", "checkpoint.py")
 
 
+_OTHER_FORMAT = ".view() of a layer output that a batched layer keeps in another memory format"
+
+
+def _holds_samples(x: Tensor) -> bool:
+    return isinstance(get_tag(x), int)
+
+
+def view_of_a_copy(
+    func: Callable, args: tuple, kwargs: dict, copied: list[tuple[Tensor, int, str]], copies: Callable, what: str
+) -> Tensor:
+    """``x.view(...)`` (``func``: a view function) where torch.nn's layout would allow it: when ``x`` is in
+    another memory format (``copies(x)``: one that batchlayers made) and the view has no strides, the view is
+    made of a contiguous copy. A copy does not alias its source, so both are recorded in ``copied`` with their
+    versions and ``what`` the view was, and an in-place write to either afterwards is refused (see
+    :func:`check_copied_views`) instead of silently not reaching the other."""
+    try:
+        return func(*args, **kwargs)
+    except RuntimeError as error:
+        x = args[0]
+        if not copies(x) or "view size is not compatible" not in str(error):
+            raise
+    out = func(x.contiguous(), *args[1:], **kwargs)
+    copied.extend((t, t._version, what) for t in (x, out))
+    return out
+
+
+def check_copied_views(copied: list[tuple[Tensor, int, str]]) -> None:
+    """Refuse an in-place write, since the copy, to a tensor that :func:`view_of_a_copy` recorded."""
+    for t, version, what in copied:
+        if t._version != version:
+            copied.clear()  # reported once (the root's output hook runs after an error in forward too)
+            raise RuntimeError(
+                f"batchlayers: a tensor was written in place after {what}; that .view() is a copy in the "
+                "stacked model (the original's is an alias), so the write would not reach the other. Use an "
+                "out-of-place operation there, or call .contiguous() before .view()"
+            )
+
+
 def inside_checkpoint(grad_enabled: bool) -> bool:
     """Whether the caller runs inside ``torch.utils.checkpoint`` (``grad_enabled``: grad mode where the
     stacked call began; the reentrant variant runs its function under ``no_grad``)."""
@@ -184,30 +222,11 @@ class Tracker(TorchFunctionMode):
     def _view(self, func, args: tuple, kwargs: dict) -> Tensor:
         """``x.view(...)``, ``x.view_as(y)``. Batched layers may return their outputs in another memory format
         than torch.nn's (channels-last from a grouped convolution), where a view that the original allows has
-        no strides: the view is then made of a contiguous copy, as torch.nn's layout would allow it. A copy
-        does not alias its source, so an in-place write to either afterwards is refused (see
-        ``check_copied_views``) instead of silently not reaching the other."""
-        try:
-            return func(*args, **kwargs)
-        except RuntimeError as error:
-            x = args[0]
-            if not isinstance(get_tag(x), int) or "view size is not compatible" not in str(error):
-                raise
-        out = func(x.contiguous(), *args[1:], **kwargs)
-        what = f"{_name(func)} of a layer output that a batched layer keeps in another memory format"
-        for t in (x, out):
-            self.copied_views.append((t, t._version, what))
-        return out
+        no strides: see :func:`view_of_a_copy`."""
+        return view_of_a_copy(func, args, kwargs, self.copied_views, _holds_samples, _OTHER_FORMAT)
 
     def check_copied_views(self) -> None:
-        for t, version, what in self.copied_views:
-            if t._version != version:
-                self.copied_views = []  # reported once (the root's output hook runs after an error in forward too)
-                raise RuntimeError(
-                    f"batchlayers: a tensor was written in place after {what}; that .view() is a copy in the "
-                    "stacked model (the original's is an alias), so the write would not reach the other. Use an "
-                    "out-of-place operation there, or call .contiguous() before .view()"
-                )
+        check_copied_views(self.copied_views)
 
     def _over_samples(self, name: str, func, args: tuple, kwargs: dict) -> object:
         """A reduction over the models' samples (a loss, ``x.mean(0)``, ``x.max()``): each model's own, a

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 
 import torch
@@ -71,3 +72,27 @@ def compare_training(
                 for q in ref_params:
                     q -= lr * q.grad
                     q.grad = None
+
+
+def assert_threads_get_their_own(
+    batched: nn.Module,
+    references: Sequence[nn.Module],
+    inputs: Sequence[Tensor],
+    output: Callable[[object], Tensor] = lambda out: out,
+) -> None:
+    """One thread per input, each calling ``batched`` on it five times at once with the others: each gets
+    what the reference models give for its input."""
+    results: dict[int, Tensor] = {}
+
+    def run(k: int) -> None:
+        for _ in range(5):
+            results[k] = output(batched(inputs[k]))
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(len(inputs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for k, x in enumerate(inputs):
+        expected = torch.stack([output(r(xi)) for r, xi in zip(references, x)])
+        assert_close(results[k], expected, msg=f"thread {k}")

@@ -5,13 +5,12 @@ wrong result (batchlayers._provenance knows which tensors carry samples instead 
 from __future__ import annotations
 
 import random
-import threading
 
 import models as zoo
 import pytest
 import torch
 import torch.nn.functional as F
-from convert_harness import compare_training, seeded
+from convert_harness import assert_threads_get_their_own, compare_training, seeded
 from harness import assert_close
 from torch import nn
 
@@ -204,20 +203,7 @@ def test_threads_each_run_their_own_call() -> None:
     models = [seeded(factory, i) for i in range(2)]
     batched = stack(models)
     inputs = [torch.randint(0, 11, (2, b, 8)) for b in (1, 2, 3, 4)]
-    results: dict[int, torch.Tensor] = {}
-
-    def run(k: int) -> None:
-        for _ in range(5):
-            results[k] = batched(inputs[k]).logits
-
-    threads = [threading.Thread(target=run, args=(k,)) for k in range(len(inputs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for k, x in enumerate(inputs):
-        expected = torch.stack([m(xi).logits for m, xi in zip(models, x)])
-        assert_close(results[k], expected, msg=f"thread {k}")
+    assert_threads_get_their_own(batched, models, inputs, output=lambda out: out.logits)
 
 
 def test_flat_output_is_split_per_model() -> None:
