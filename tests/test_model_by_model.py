@@ -6,13 +6,12 @@ from __future__ import annotations
 import collections
 import copy
 import pickle
-import threading
 
 import models as zoo
 import pytest
 import torch
 import torch.nn.functional as F
-from convert_harness import assert_unchanged, compare_training, seeded, snapshot
+from convert_harness import assert_threads_get_their_own, assert_unchanged, compare_training, seeded, snapshot
 from harness import assert_close
 from torch import nn
 
@@ -38,6 +37,7 @@ ARCHITECTURES = {
     "GroupNorm": (zoo.GroupNormNet, _images, None),
     "U-Net": (zoo.TinyUNet, lambda lead: _images(lead, 10), None),
     "GPT": (zoo.GPT, _tokens, lambda out: out.logits),
+    "GPT-positions-T": (lambda: zoo.GPT(zoo.GPTConfig(position_indices="T")), _tokens, lambda out: out.logits),
     "LSTM-LM": (zoo.LSTMLanguageModel, _tokens, None),
 }
 
@@ -54,11 +54,20 @@ def test_matches_original_models(arch: str, num_models: int) -> None:
     models = [seeded(factory, i) for i in range(num_models)]
     before = [snapshot(m) for m in models]
     batched = bl.stack(models, execution="model_by_model")
-    assert type(batched) is factory and isinstance(vars(batched)["forward"], ModelByModel)
+    assert type(batched) is type(models[0]) and isinstance(vars(batched)["forward"], ModelByModel)
     references = [seeded(factory, i) for i in range(num_models)]
     compare_training(batched, references, make_input, logits=logits or (lambda out: out))
     for m, b in zip(models, before):
         assert_unchanged(m, b)
+
+
+@pytest.mark.parametrize("arch", ["GPT-positions-T", "CNN-BN-residual"])
+@pytest.mark.parametrize("num_models, batch", [(2, 4), (3, 3), (3, 1)], ids=["M*B == T", "B == M", "B == 1"])
+def test_sizes_that_coincide(arch: str, num_models: int, batch: int) -> None:
+    """GPT's arange(T) positions with M*B == T (8) are refused by the batched forward as ambiguous."""
+    factory, make_input, logits = ARCHITECTURES[arch]
+    batched, references = _stacked(factory, num_models)
+    compare_training(batched, references, make_input, logits=logits or (lambda out: out), batch=batch)
 
 
 @pytest.mark.parametrize("arch", ["MLP", "CNN-BN-residual"])
@@ -388,20 +397,7 @@ def test_threads_calling_one_model_each_get_their_own_results() -> None:
     """A pass swaps layers into the model: calls from several threads run one at a time."""
     batched, references = _stacked(zoo.GPT, 2)
     inputs = [_tokens((2, b)) for b in (1, 2, 3, 4)]
-    results: dict[int, torch.Tensor] = {}
-
-    def run(k: int) -> None:
-        for _ in range(5):
-            results[k] = batched(inputs[k]).logits
-
-    threads = [threading.Thread(target=run, args=(k,)) for k in range(len(inputs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for k, x in enumerate(inputs):
-        expected = torch.stack([r(xi).logits for r, xi in zip(references, x)])
-        assert_close(results[k], expected, msg=f"thread {k}")
+    assert_threads_get_their_own(batched, references, inputs, output=lambda out: out.logits)
 
 
 class _Checkpointed(nn.Module):
