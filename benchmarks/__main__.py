@@ -78,7 +78,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--compare-freed-memory",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="also time the training steps in a second, fresh process with --keep-freed-memory and report both "
+        help="also time the steps in a second, fresh process with --keep-freed-memory and report both "
         "(default: on for CPU runs without --keep-freed-memory where glibc's mallopt exists)",
     )
     parser.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True, help="measure peak memory")
@@ -93,14 +93,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.iters = args.iters if args.iters is not None else (10 if args.quick else 30)
     args.budget_s = args.budget_s if args.budget_s is not None else (2.0 if args.quick else 8.0)
     if args.compare_freed_memory is None:
-        args.compare_freed_memory = (
-            args.device == "cpu" and not args.keep_freed_memory and "train" in args.modes and can_keep_freed_memory()
-        )
+        args.compare_freed_memory = args.device == "cpu" and not args.keep_freed_memory and can_keep_freed_memory()
     return args
 
 
 def _kept_memory_run(args: argparse.Namespace) -> tuple[dict, list[dict]]:
-    """The setup and training rows of a second run of the same configurations in a fresh process with
+    """The setup and rows of a second run of the same configurations in a fresh process with
     ``keep_freed_memory()`` (glibc's settings cannot be undone within a process, so both cannot share one)."""
     import json
     import tempfile
@@ -116,7 +114,7 @@ def _kept_memory_run(args: argparse.Namespace) -> tuple[dict, list[dict]]:
         argv += ["--batch-size", str(args.batch_size)] if args.batch_size else []
         argv += ["--quick"] if args.quick else []
         argv += ["--compile"] if args.compile else []
-        argv += ["--modes", "train", "--keep-freed-memory", "--no-compare-freed-memory", "--no-memory", "--no-plot"]
+        argv += ["--modes", *args.modes, "--keep-freed-memory", "--no-compare-freed-memory", "--no-memory", "--no-plot"]
         argv += ["--no-progress", "--format", "json", "--results-file", str(path)]
         subprocess.run(argv, check=True, cwd=root, stdout=subprocess.DEVNULL)
         result = json.loads(path.read_text())
@@ -124,11 +122,12 @@ def _kept_memory_run(args: argparse.Namespace) -> tuple[dict, list[dict]]:
 
 
 def _merge_kept(rows: list[dict], kept: list[dict]) -> None:
-    """Add the kept-memory run's time and ratios to the matching training rows (``*_kept`` fields)."""
-    by_key = {(r["workload"], r["num_models"], r["contender"]): r for r in kept if r.get("median_ms") is not None}
+    """Add the kept-memory run's time and ratios to the matching rows (``*_kept`` fields)."""
+    key = ("workload", "mode", "num_models", "contender")
+    by_key = {tuple(r[k] for k in key): r for r in kept if r.get("median_ms") is not None}
     for row in rows:
-        other = by_key.get((row["workload"], row["num_models"], row["contender"]))
-        if row["mode"] != "train" or other is None:
+        other = by_key.get(tuple(row[k] for k in key))
+        if other is None:
             continue
         for field in ("median_ms", "speedup_vs_loop", "speedup_vs_torch_func", "cost_vs_single", "pct_gemm"):
             if other.get(field) is not None:
@@ -335,7 +334,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("\nSummary (ms per step; single = one torch.nn model's step):\n")
     if setup.get("kept_memory_run") is not None:
         print(
-            "(`kept`: the training steps run again in a fresh process with `batchlayers.backends.cpu."
+            "(`kept`: the steps run again in a fresh process with `batchlayers.backends.cpu."
             "keep_freed_memory()`, so that large tensors stop page-faulting every step; an opt-in setting)\n"
         )
     print(summary_table(rows))
