@@ -33,9 +33,11 @@ Never is model 0's value used for all models: a call that cannot be done per mod
 from __future__ import annotations
 
 import inspect
+import os
 import string
+import sys
 from collections.abc import Callable, Sequence
-from types import SimpleNamespace
+from types import FrameType, SimpleNamespace
 from typing import cast
 
 import torch
@@ -676,6 +678,34 @@ def _recurrent(ctx, func, args, kwargs):
 # Everything else: per model
 
 
+# Checks that only decide whether an optimisation may be taken, where one answer is right for every input:
+# transformers skips building an attention mask when a model's padding mask is all ones (SDPA's is_causal or
+# no mask instead); building it is right for any mask. Where the models answer differently, a stacked
+# forward takes that answer for all of them instead of refusing. (file suffix, function) -> the answer.
+_CONSERVATIVE = {
+    ("transformers/masking_utils.py", "_ignore_causal_mask_sdpa"): False,
+    ("transformers/masking_utils.py", "_ignore_bidirectional_mask_sdpa"): False,
+    ("transformers/masking_utils.py", "_can_skip_bidirectional_mask_xpu"): False,
+}
+
+
+def _conservative_answer(func: Callable, outs: list) -> bool | None:
+    """The answer every model may take where the models' ``bool()`` answers differ inside a check of
+    :data:`_CONSERVATIVE` (the nearest caller frames), else None."""
+    if func is not Tensor.__bool__ or not all(isinstance(o, bool) for o in outs):
+        return None
+    frame: FrameType | None = sys._getframe(1)
+    for _ in range(16):
+        if frame is None:
+            return None
+        code = frame.f_code
+        for (suffix, function), answer in _CONSERVATIVE.items():
+            if code.co_name == function and code.co_filename.replace(os.sep, "/").endswith(suffix):
+                return answer
+        frame = frame.f_back
+    return None
+
+
 def _per_model_loop(ctx, func, args, kwargs):
     m = ctx.num_models
     name = _name(func)
@@ -699,6 +729,9 @@ def _per_model_loop(ctx, func, args, kwargs):
     first = outs[0]
     if not _has_tensor(first):
         if any(o != first for o in outs[1:]):
+            answer = _conservative_answer(func, outs)
+            if answer is not None:
+                return answer
             raise ValueError(
                 f"{name} inside a stacked forward gives different results for different models ({outs[0]!r} for "
                 f"model 0, {next(o for o in outs if o != first)!r} for another); Python code that branches on "

@@ -58,7 +58,7 @@ import os
 import string
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any, NamedTuple, cast
 
@@ -134,9 +134,14 @@ def _getter(name: str) -> Callable:
 
 @dataclass(frozen=True)
 class Lost:
-    """A tensor made from the models' samples whose layout is not known."""
+    """A tensor made from the models' samples whose layout is not known; ``data_sized``: its size, too,
+    depends on the values of every model's samples (``x[mask]``, ``nonzero``); ``all_of``: it is the count
+    of True values of this boolean tensor holding the samples (``mask.sum()``), which compared with the
+    mask's size is ``mask.all()`` (see :meth:`Tracker._all_idiom`)."""
 
     reason: str
+    data_sized: bool = False
+    all_of: Tensor | None = field(default=None, compare=False)
 
 
 class PerModel:
@@ -198,6 +203,12 @@ class Tracker(TorchFunctionMode):
             return _per_model.call(self, func, args, kwargs)
         if self.copied_views:
             self.check_copied_views()
+        if _ESCAPES.get(func, False):
+            _refuse_escape(func, tagged)
+        if _EQUALS.get(func, False):
+            found = self._all_idiom(args)
+            if found is not None:
+                return found
         entry = _RULES.get(func)
         if entry is not None and entry.over_samples and entry.over_samples(entry.name, args, kwargs, tagged):
             return self._over_samples(entry.name, func, args, kwargs)
@@ -243,6 +254,18 @@ class Tracker(TorchFunctionMode):
         if isinstance(indices, Tensor):
             set_tag(indices, Lost(f"the indices of {name} over the models' samples"))
         return out
+
+    def _all_idiom(self, args: tuple) -> object:
+        """``mask.sum() == mask.numel()`` (transformers' ``fast_all``): over the models' samples, each model's
+        own ``mask.all()`` (a per-model value), as each original model computes it; None for any other
+        comparison."""
+        if len(args) != 2:
+            return None
+        for count, size in (args, args[::-1]):
+            tag = get_tag(count) if isinstance(count, Tensor) else None
+            if isinstance(tag, Lost) and tag.all_of is not None and type(size) is int and size == tag.all_of.numel():
+                return self._over_samples("Tensor.all", torch.Tensor.all, (tag.all_of,), {})
+        return None
 
     def refuse_checkpointing(self, what: str) -> None:
         """Raise when ``torch.utils.checkpoint`` runs this part of the forward: it is recomputed in backward,
@@ -309,7 +332,9 @@ def _name(func: Callable) -> str:
     if name == "__get__":  # a property: its getter is a method of the descriptor
         return f"Tensor.{getattr(getattr(func, '__self__', None), '__name__', '?')}"
     owner = getattr(func, "__objclass__", None) or getattr(func, "__self__", None)
-    if isinstance(owner, type) and "Tensor" in owner.__name__:
+    if (isinstance(owner, type) and "Tensor" in owner.__name__) or getattr(func, "__qualname__", "").startswith(
+        "Tensor."
+    ):
         return f"Tensor.{name}"
     module = getattr(func, "__module__", None) or ""
     return f"{'F' if 'functional' in module else 'torch'}.{name}"
@@ -343,6 +368,24 @@ def _tag_all(out: object, tag: Tag) -> None:
 
 def _first_lost(tagged: list[_In]) -> Lost | None:
     return next((i.tag for i in tagged if isinstance(i.tag, Lost)), None)
+
+
+def _refuse_escape(func: Callable, tagged: list[_In]) -> None:
+    """A value computed from the models' samples leaving the tracked code: read into Python (a number, a
+    bool, a list, an array, a comparison's answer) or handed to a gradient hook, which would see every
+    model's gradient at once. One value for all models, where each original model reads its own: refused."""
+    name = _name(func)
+    lost = _first_lost(tagged)
+    if lost is not None:
+        what = f"a value computed from the models' samples ({lost.reason})"
+    else:
+        what = "a tensor that holds the models' samples (all models' samples folded into one batch)"
+    raise ValueError(
+        f"batchlayers: {name} reads {what} into Python in a stacked model's forward: every model would get "
+        "one value, computed from all models' samples, where each original model reads its own. Keep it a "
+        "tensor (torch.where instead of if, a mean over the samples instead of a sum or count), or stack with "
+        "execution='model_by_model', which runs each model's forward on its own samples"
+    )
 
 
 def _norm(dim: int, ndim: int) -> int:
@@ -467,7 +510,9 @@ def _reduction(ctx, name, args, kwargs, out, tagged) -> None:
     reduced = _reduced_dims(name, args, kwargs, ndim)
     d = first.tag
     if d in reduced:  # (a tagged tensor among other arguments, e.g. torch.sum(x, dim=d, out=buf))
-        return _tag_all(out, Lost(f"{name} over the models' samples"))
+        x = first.tensor
+        counts = name.endswith(".sum") and x.dtype == torch.bool and reduced == set(range(ndim)) and len(args) == 1
+        return _tag_all(out, Lost(f"{name} over the models' samples", all_of=x if counts and not kwargs else None))
     outs = _outputs(out)
     keepdim = bool(outs) and outs[0].dim() == ndim
     _tag_all(out, d if keepdim else d - sum(r < d for r in reduced))
@@ -843,7 +888,20 @@ def _index_dim(ctx, name, args, kwargs, out, tagged) -> None:
         return _tag_all(out, Lost(f"{name} of a shared tensor by the models' samples"))
     if _norm(dim, args[0].dim()) == first or any(i.tag != first for i in tagged):
         return _tag_all(out, Lost(f"{name} along the dimension that holds the models' samples"))
+    # gather's index, scatter's index and source, index_add's source: aligned with the input dimension by
+    # dimension, so an untagged one spanning the samples must be the same for every sample (a batch-sized
+    # constant), not per-sample values (positions of the folded batch).
+    aligned = [a for a in (*args[1:], *kwargs.values()) if isinstance(a, Tensor) and a.dim() == args[0].dim()]
+    if not name.endswith("index_select") and any(_differs_along(t, cast(int, first)) for t in aligned):
+        return _tag_all(out, Lost(f"{name} combines the models' samples with a value that differs along the models"))
     _tag_all(out, first)
+
+
+def _data_sized(ctx, name, args, kwargs, out, tagged) -> None:
+    """``nonzero``, ``masked_select``, ``unique``: a result whose size depends on every model's values."""
+    lost = _first_lost(tagged)
+    reason = lost.reason if lost is not None else f"{name} of the models' samples"
+    _tag_all(out, Lost(reason, data_sized=True))
 
 
 def _cat(ctx, name, args, kwargs, out, tagged) -> None:
@@ -879,7 +937,8 @@ def _getitem(ctx, name, args, kwargs, out, tagged) -> None:
     if _per_sample_rows(x, index):
         return _tag_all(out, 0)
     if any(i.tensor is not x for i in tagged):
-        return _tag_all(out, Lost("indexing by values computed from the models' samples"))
+        masked = any(i.tensor is not x and i.tensor.dtype == torch.bool for i in tagged)
+        return _tag_all(out, Lost("indexing by values computed from the models' samples", data_sized=masked))
     _tag_all(out, _index_position(x, index, cast(int, d)))  # (x is among the tagged: a Lost tag returned above)
 
 
@@ -990,6 +1049,13 @@ def _size(ctx, name, args, kwargs, out, tagged) -> None:
     as an int (see "Sizes" in the module docstring)."""
     x = args[0]
     d = get_tag(x)
+    if isinstance(d, Lost) and d.data_sized:
+        raise ValueError(
+            f"batchlayers: {name} reads the size of a tensor computed from the models' samples ({d.reason}), "
+            "which depends on the values of every model's samples: one number for all models, where each "
+            "original model counts its own. Count with a tensor instead (mask.sum(...) per sample), or stack "
+            "with execution='model_by_model'"
+        )
     if not isinstance(d, int):
         return
     which = 0 if name.endswith("__len__") else _arg(args, kwargs, 1, "dim", None) if name.endswith("size") else None
@@ -1013,7 +1079,16 @@ def _loss_over_samples(name, args, kwargs, tagged) -> bool:
     """Over-samples check of losses: a mean (``'mean'``, ``'batchmean'``), each model's own. A ``'sum'`` is a
     sum over the samples (see ``_INTENSIVE``)."""
     fn = getattr(F, name.split(".")[-1])
-    return _first_lost(tagged) is None and loss_arguments(fn, args, kwargs)["reduction"] in ("mean", "batchmean")
+    if _first_lost(tagged) is not None or _per_sample_target(args, kwargs, tagged):
+        return False
+    return loss_arguments(fn, args, kwargs)["reduction"] in ("mean", "batchmean")
+
+
+def _per_sample_target(args: Sequence, kwargs: dict, tagged: list[_In]) -> bool:
+    """A loss's untagged target that differs along the folded batch (per-sample positions such as
+    ``arange(B) % C`` after the folded size was read), where the input holds the samples on dimension 0."""
+    target = _arg(args, kwargs, 1, "target")
+    return all(i.tag == 0 for i in tagged) and isinstance(target, Tensor) and _differs_along(target, 0)
 
 
 def _loss(ctx, name, args, kwargs, out, tagged) -> None:
@@ -1021,6 +1096,8 @@ def _loss(ctx, name, args, kwargs, out, tagged) -> None:
     lost = _first_lost(tagged)
     if lost is not None:
         return _tag_all(out, lost)
+    if _per_sample_target(args, kwargs, tagged):
+        return _tag_all(out, Lost(f"{name} of the models' samples with targets that differ along the models"))
     if loss_arguments(getattr(F, name.split(".")[-1]), args, kwargs)["reduction"] != "none":
         return _tag_all(out, Lost(f"{name} with reduction='sum' over the models' samples"))
     if name.endswith(("cross_entropy", "nll_loss")):
@@ -1146,7 +1223,8 @@ nanmedian mode aminmax std_mean var_mean
 """
 _add(_reduction, _REDUCTIONS, over_samples=_reduces_samples)
 _add(_dim_rule(1, "dim", None), "softmax log_softmax softmin cumsum cumprod cummax cummin logcumsumexp")
-_add(_dim_rule(1, "dim", -1), "sort argsort msort")
+_add(_dim_rule(1, "dim", -1), "sort argsort")
+_add(_dim_rule(1, "dim", 0), "msort")  # sorts along dimension 0 (it has no dim argument)
 _add(_dim_rule(1, "dims", None), "flip")
 _add(_dim_rule(2, "dim", -1), "topk kthvalue")
 _add(_dim_rule(2, "dim", 1), "normalize")
@@ -1223,6 +1301,23 @@ for _fn in (torch.Tensor.dim, torch.Tensor.stride, torch.Tensor.is_contiguous,
             torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.backward):  # fmt: skip
     _RULES.setdefault(_fn, _Rule(lambda *a: None, ""))
 
+
+_add(_data_sized, "nonzero argwhere masked_select unique unique_consecutive")
+# Functions whose result leaves the tracked code as a Python value, or hands a tensor to user code that
+# batchlayers does not see (a gradient hook): refused for any tensor that holds or was computed from the
+# models' samples (see _refuse_escape). A dict: torch.compile traces .get, not `in`.
+_ESCAPES: dict[Callable, bool] = dict.fromkeys(
+    (torch.Tensor.__bool__, torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__int__, torch.Tensor.__float__,
+     torch.Tensor.__index__, torch.Tensor.__complex__, torch.Tensor.numpy, torch.Tensor.__array__,
+     torch.Tensor.__contains__, torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook,
+     torch.allclose, torch.Tensor.allclose, torch.equal, torch.Tensor.equal, torch.is_nonzero,
+     torch.Tensor.is_nonzero),
+    True,
+)  # fmt: skip
+for _escape in _ESCAPES:
+    _RULES.setdefault(_escape, _Rule(lambda *a: None, ""))
+
+_EQUALS = dict.fromkeys((torch.Tensor.__eq__, torch.Tensor.eq, torch.eq), True)
 
 _IN_PLACE = _in_place_functions()
 

@@ -140,6 +140,18 @@ class _Mixes(_Pattern):
             x = x.clone()
             x[:, 0] = torch.arange(B, dtype=x.dtype)
             return self.fc(x)
+        if self.pattern == "msort over the batch":
+            return self.fc(torch.msort(x))
+        if self.pattern == "gather by per-sample positions":
+            return self.fc(x.gather(1, (torch.arange(B)[:, None] % 4).expand(-1, 4)))
+        if self.pattern == "scatter of per-sample positions":
+            return self.fc(x.scatter(1, torch.zeros(B, 1, dtype=torch.long), torch.arange(B, dtype=x.dtype)[:, None]))
+        if self.pattern == "index_add of per-sample positions":
+            return self.fc(x.index_add(1, torch.tensor([0]), torch.arange(B, dtype=x.dtype)[:, None]))
+        if self.pattern == "per-sample targets, reduction='none'":
+            return F.cross_entropy(self.fc(x), torch.arange(B) % 4, reduction="none")
+        if self.pattern == "per-sample targets, mean":
+            return F.cross_entropy(self.fc(x), torch.arange(B) % 4)
         if self.pattern == "shared tensor clamped in place by all models' max":
             floor = torch.zeros(4, dtype=x.dtype).clamp_(min=x.max())
             return self.fc(x + floor)
@@ -154,6 +166,12 @@ REFUSED = {
     "unknown op": r"fc.*torch.fft.fft \(batchlayers has no rule for it\)",
     "per-sample arange written into samples": r"fc.*__setitem__ combines the models' samples with a value that differs",
     "shared tensor clamped in place by all models' max": r"Tensor.clamp_ .*writes per-model values into a tensor all",
+    "msort over the batch": r"fc.*torch.msort along the dimension that holds the models' samples",
+    "gather by per-sample positions": r"fc.*Tensor.gather combines the models' samples with a value that differs",
+    "scatter of per-sample positions": r"fc.*Tensor.scatter combines the models' samples with a value that differs",
+    "index_add of per-sample positions": r"fc.*Tensor.index_add combines the models' samples with a value that",
+    "per-sample targets, reduction='none'": r"output.*F.cross_entropy of the models' samples with targets that differ",
+    "per-sample targets, mean": r"F.cross_entropy.*targets that differ",
 }
 
 
@@ -374,6 +392,119 @@ def test_sums_over_the_samples_are_refused(pattern: str) -> None:
     with pytest.raises(ValueError, match=SUMS[pattern]):
         batched(torch.randn(2, 3, 4), torch.randn(2, 3, 3))
     assert torch.overrides._get_current_function_mode_stack() == []
+
+
+class _Escapes(_Pattern):
+    """A value computed over every model's samples read into Python (a number, a bool, a list, an array) or
+    handed to code batchlayers does not see: one value for all models, where each original reads its own."""
+
+    def forward(self, x):
+        h = self.fc(x)
+        if self.pattern == "item of a sum":
+            return h[:, : int(h.sum(0).argmax().item()) + 1].sum(1, keepdim=True) * h
+        if self.pattern == "if on a sum":
+            return h * 2 if h.sum() > 0 else h
+        if self.pattern == "int of a count":
+            return h / (int((h > 0).sum()) + 1)
+        if self.pattern == "float of a sum":
+            return h / (float(h.detach().abs().sum()) + 1)
+        if self.pattern == "count of a mask":
+            return h / (h[h > 0].numel() + 1)
+        if self.pattern == "nonzero rows":
+            return h / ((h > 0).nonzero().shape[0] + 1)
+        if self.pattern == "tolist":
+            return h - torch.tensor(h.mean(1).tolist(), dtype=h.dtype).mean()
+        if self.pattern == "numpy":
+            return h - torch.from_numpy(h.detach().numpy().mean(0))
+        if self.pattern == "in":
+            return h * 2 if 0.5 in (x > 0).to(x.dtype) else h
+        if self.pattern == "allclose":
+            return h if torch.allclose(x, torch.zeros_like(x)) else h * 2
+        if self.pattern == "equal":
+            return h if torch.equal(x > 0, x > -1) else h * 2
+        if self.pattern == "gradient hook":
+            h.register_hook(lambda g: g / g.norm())
+            return h
+        raise AssertionError(self.pattern)
+
+
+ESCAPES = {
+    "item of a sum": r"Tensor.item.*computed from the models' samples.*Tensor.sum over the models' samples",
+    "if on a sum": r"Tensor.__bool__.*computed from the models' samples",
+    "int of a count": r"Tensor.__int__.*computed from the models' samples",
+    "float of a sum": r"Tensor.__float__.*computed from the models' samples",
+    "count of a mask": r"Tensor.numel.*computed from the models' samples",
+    "nonzero rows": r"Tensor.shape.*computed from the models' samples",
+    "tolist": r"Tensor.tolist.*holds the models' samples",
+    "numpy": r"Tensor.numpy.*holds the models' samples",
+    "in": r"Tensor.__contains__.*holds the models' samples",
+    "allclose": r"torch.allclose.*holds the models' samples",
+    "equal": r"torch.equal.*holds the models' samples",
+    "gradient hook": r"Tensor.register_hook.*holds the models' samples.*model_by_model",
+}
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("pattern", list(ESCAPES))
+def test_samples_read_into_python_are_refused(pattern: str, batch: int) -> None:
+    """Python sees one folded batch: a number, bool, list or array made from it (or a gradient hook, which
+    would see every model's gradient) is refused, never one value for every model. Model by model, each
+    model reads its own: exact against the originals."""
+    models = [seeded(lambda: _Escapes(pattern), i) for i in range(3)]
+    x = torch.randn(3, batch, 4, dtype=torch.float64)
+    _refused(stack(models), x, ESCAPES[pattern])
+    stacked = stack(models, execution="model_by_model")
+    out = stacked(x)
+    expected = torch.stack([m(x[i]) for i, m in enumerate(models)])
+    assert_close(out, expected, msg=pattern)
+    out.sum().backward()
+    expected.sum().backward()
+    for key, p in stacked.named_parameters():
+        assert_close(p.grad, torch.stack([dict(m.named_parameters())[key].grad for m in models]), msg=key)
+
+
+def test_per_model_values_read_into_python_stay_allowed() -> None:
+    """A per-model value (a mean over the samples, each model's own) read into Python is allowed where every
+    model reads the same (here: whether anything is NaN), as before; so is a count of a mask compared with
+    the mask's size, which is each model's ``mask.all()`` (transformers' ``fast_all``)."""
+
+    class NanGuard(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.fc(x)
+            if torch.isnan(h).any():
+                raise FloatingPointError("nan")
+            finite = torch.isfinite(h)
+            if finite.sum() == finite.numel():  # transformers' fast_all(mask): mask.all()
+                return h
+            return h * 2
+
+    models = [seeded(NanGuard, i) for i in range(2)]
+    x = torch.randn(2, 3, 4, dtype=torch.float64)
+    assert_close(stack(models)(x), torch.stack([m(x[i]) for i, m in enumerate(models)]))
+
+
+class _CountedAll(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        positive = x[..., 0] > 0
+        return self.fc(x) * 2 if positive.sum() == positive.numel() else self.fc(x)
+
+
+def test_all_as_a_count_follows_each_model() -> None:
+    """``mask.sum() == mask.numel()`` is each model's ``mask.all()``: exact where the models agree, refused
+    where they would take different branches (not one answer for all)."""
+    models = [seeded(_CountedAll, i) for i in range(3)]
+    x = torch.rand(3, 2, 4, dtype=torch.float64)  # every first feature positive
+    assert_close(stack(models)(x), torch.stack([m(x[i]) for i, m in enumerate(models)]))
+    x[1, 0, 0] = -1.0  # model 1 alone takes the other branch
+    _refused(stack(models), x, r"Tensor.__bool__ .*gives different results for different models")
 
 
 class BatchSized(nn.Module):
