@@ -94,7 +94,9 @@ class ModelByModel:
         originals = [(container, key, container.get(key)) for container, key, _ in installs]
         state = _PythonState(modules, {(id(container), key) for container, key, _ in tensors})
         ends: list[list[dict[str, object]]] = []
-        versions = [(tensors[i][1], tensors[i][2][0], tensors[i][2][0]._version) for i in shared]
+        # (key, buffer, its value): some writes leave a tensor's version as it was (.data, F.batch_norm's
+        # running statistics), so the values are compared
+        snapshots = [(tensors[i][1], tensors[i][2][0], tensors[i][2][0].detach().clone()) for i in shared]
         replaced: dict[int, list[object]] = {}
         outputs = []
         views = _CopiedViews() if converting else None
@@ -131,8 +133,11 @@ class ModelByModel:
             raise
         if views is not None:
             views.check()
-        for key, buffer, version in versions:
-            if buffer._version != version:
+        for key, buffer, start in snapshots:
+            if not _same_values(buffer, start):
+                with torch.no_grad():
+                    for _, other, value in snapshots:
+                        other.copy_(value)
                 raise RuntimeError(
                     f"stacked {type(root).__name__}: forward modified the buffer '{key}' in place, but it is one copy "
                     "shared by all models (it was equal in every model), so every model's pass modified it. Register "
@@ -356,6 +361,15 @@ class _PythonState:
                     "model holds one value of a plain attribute for all models. Keep per-model state in a buffer "
                     "(register_buffer), which is stored per model"
                 )
+
+
+def _same_values(now: Tensor, start: Tensor) -> bool:
+    """Whether a buffer holds the values it started the call with (NaN where it had NaN)."""
+    if now.shape != start.shape or now.dtype != start.dtype:
+        return False
+    if torch.equal(now, start):
+        return True
+    return now.is_floating_point() and bool(((now == start) | (now.isnan() & start.isnan())).all())
 
 
 def _slice_of_model(m: int) -> Callable[[Tensor, str], Tensor]:

@@ -282,13 +282,23 @@ def test_a_shared_buffer_assigned_in_forward() -> None:
 
 
 class _Counts(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, how: str = "+=") -> None:
         super().__init__()
         self.fc = nn.Linear(3, 3)
         self.register_buffer("steps", torch.zeros(()))  # equal in every model: one buffer shared by all
+        self.register_buffer("mean", torch.zeros(3))
+        self.register_buffer("var", torch.ones(3))
+        self.how = how
 
     def forward(self, x):
-        self.steps += 1  # each original counts its own calls; the shared one would count M per call
+        # each original counts its own calls and keeps its own statistics; the shared buffers would see M
+        # updates per call
+        if self.how == "+=":
+            self.steps += 1
+        elif self.how == ".data":  # a write through .data: a tensor with its own version counter
+            self.steps.data.add_(1)
+        elif self.how == "F.batch_norm":  # updates its running statistics without bumping their versions
+            return F.batch_norm(self.fc(x), self.mean, self.var, training=True, momentum=0.3)
         return self.fc(x) * self.steps
 
 
@@ -351,10 +361,17 @@ def test_python_state_that_differs_between_models_is_refused(what: str) -> None:
     assert not batched.cache
 
 
-def test_a_shared_buffer_modified_in_place_is_refused() -> None:
-    batched, _ = _stacked(_Counts, 3)
-    with pytest.raises(RuntimeError, match="modified the buffer 'steps' in place, but it is one copy shared"):
+@pytest.mark.parametrize("how", ["+=", ".data", "F.batch_norm"])
+def test_a_shared_buffer_modified_in_place_is_refused(how: str) -> None:
+    """However forward writes it (some writes do not bump the tensor's version), a buffer shared by all
+    models that a pass changed is refused, with its value at the call's start back."""
+    batched, _ = _stacked(lambda: _Counts(how), 3)
+    before = {k: v.clone() for k, v in batched.named_buffers()}
+    name = "mean" if how == "F.batch_norm" else "steps"
+    with pytest.raises(RuntimeError, match=f"modified the buffer '{name}' in place, but it is one copy shared"):
         batched(torch.randn(3, 2, 3, dtype=torch.float64))
+    for key, value in batched.named_buffers():
+        assert torch.equal(value, before[key]), key
 
 
 def test_copies_pickles_select_and_unstack() -> None:
