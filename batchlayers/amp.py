@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
+import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from enum import Enum
@@ -27,6 +28,24 @@ class OptState(Enum):
     READY = 0
     UNSCALED = 1
     STEPPED = 2
+
+
+# The scalers that have unscaled or stepped each optimizer since the models were last selected, so that
+# batchlayers.population can refuse to reorder the models under a scaler it was not given (its per-model scales
+# would stay at the old positions, each model then using another model's scale without an error).
+_STEPPED: weakref.WeakKeyDictionary[Optimizer, weakref.WeakSet[GradScaler]] = weakref.WeakKeyDictionary()
+
+
+def stepping_scalers(optimizer: Optimizer) -> list[GradScaler]:
+    """The live :class:`GradScaler` objects that have unscaled or stepped ``optimizer`` since the last selection of
+    models (:func:`batchlayers.population.keep_models_` or :func:`~batchlayers.population.copy_model_`) that
+    carried them."""
+    return list(_STEPPED.get(optimizer, ()))
+
+
+def stepped_optimizers(scaler: GradScaler) -> list[Optimizer]:
+    """The live optimizers ``scaler`` has unscaled or stepped since the last selection of models that carried it."""
+    return [optimizer for optimizer, scalers in list(_STEPPED.items()) if scaler in scalers]
 
 
 def _fresh_optimizer_state() -> dict[str, Any]:
@@ -58,6 +77,10 @@ class GradScaler:
 
     The optimizer must accept ``step(active=mask)`` (every :mod:`batchlayers.optim` optimizer does): a
     ``torch.optim`` optimizer cannot leave one model's slice (and its step count) unchanged.
+
+    :func:`batchlayers.population.keep_models_` and :func:`~batchlayers.population.copy_model_` index and copy
+    each model's scale and growth tracker when the scaler is passed in ``scalers=[...]``; they refuse a call that
+    leaves behind a scaler that has stepped the optimizer.
 
     Examples::
 
@@ -243,6 +266,7 @@ class GradScaler:
         inv_scale = scale.reciprocal() if scale.device.type == "mps" else scale.double().reciprocal().float()
         state["found_inf"] = self._unscale_grads_(optimizer, inv_scale, allow_fp16=False)
         state["stage"] = OptState.UNSCALED
+        _STEPPED.setdefault(optimizer, weakref.WeakSet()).add(self)
 
     def step(self, optimizer: Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale the gradients (unless :meth:`unscale_` did) and step the models whose gradients are finite.
@@ -310,6 +334,38 @@ class GradScaler:
             _update_scale_(scale, growth_tracker, found_inf, self._growth_factor, self._backoff_factor,
                            self._growth_interval)  # fmt: skip
         self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
+
+    # -- selecting models (batchlayers.population) ------------------------------------------------------
+
+    def _in_iteration(self) -> bool:
+        """Whether an optimizer has been unscaled or stepped since the last :meth:`update`."""
+        return any(state["stage"] is not OptState.READY for state in self._per_optimizer_states.values())
+
+    def _per_model_tensors(self) -> dict[str, Tensor]:
+        """Every ``(M,)`` tensor of per-model state by attribute name: the scale and growth tracker, and the
+        initial values when they are per model (used until the first :meth:`scale`, and after unpickling)."""
+        names = ("_scale", "_growth_tracker", "_init_scale", "_init_growth_tracker")
+        values = {name: getattr(self, name) for name in names}
+        return {name: v for name, v in values.items() if isinstance(v, Tensor) and v.dim() > 0}
+
+    @torch.no_grad()
+    def _keep_models_(self, index: Tensor, optimizer: Optimizer) -> None:
+        """Keep the models at ``index`` (in that order, repeats duplicate): each model's scale and growth tracker
+        follow it. Called by :func:`batchlayers.population.keep_models_` (which checked ``index``) for the
+        models ``optimizer`` steps."""
+        for name, value in self._per_model_tensors().items():
+            setattr(self, name, value.index_select(0, index.to(value.device)))
+        if self._num_models is not None:
+            self._num_models = index.numel()
+        _carried_with(self, optimizer)
+
+    @torch.no_grad()
+    def _copy_models_(self, src: Tensor, dst: Tensor, optimizer: Optimizer) -> None:
+        """Give model ``dst`` model ``src``'s scale and growth tracker (all reads before the writes). Called by
+        :func:`batchlayers.population.copy_model_`."""
+        for value in self._per_model_tensors().values():
+            value.index_copy_(0, dst.to(value.device), value.index_select(0, src.to(value.device)))
+        _carried_with(self, optimizer)
 
     # -- reading and saving the state --------------------------------------------------------------------
 
@@ -402,6 +458,16 @@ class GradScaler:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+
+
+def _carried_with(scaler: GradScaler, optimizer: Optimizer) -> None:
+    """After a selection of models that carried ``scaler`` with ``optimizer``: the other optimizers it steps (one
+    scaler over the optimizers of several models, e.g. a GAN's two) need not, and must not, carry it again in
+    their own selection calls. It is registered with them again when it next steps them."""
+    for other in stepped_optimizers(scaler):
+        if other is not optimizer:
+            _STEPPED[other].discard(scaler)
+    _STEPPED.setdefault(optimizer, weakref.WeakSet()).add(scaler)
 
 
 def _update_scale_(

@@ -616,7 +616,7 @@ class _ModelBatchDataset(Dataset):
             else:
                 samples = [self.dataset[i] for i in request.indices]
             batch = self.collate_fn(samples)
-        return _fold_models(batch, request.num_models, request.shared)
+        return _fold_models(batch, request.num_models, len(request.indices), request.shared)
 
 
 def _collated(batch: Any) -> Any:
@@ -624,20 +624,36 @@ def _collated(batch: Any) -> Any:
     return batch
 
 
-def _fold_models(batch: Any, num_models: int, shared: bool) -> Any:
-    """Reshape every tensor of a collated batch from ``(M * B, *)`` to ``(M, B, *)`` (expand when shared)."""
+def _fold_models(batch: Any, num_models: int, num_samples: int, shared: bool, where: str = "batch") -> Any:
+    """Reshape every tensor of a collated batch from ``(M * B, *)`` to ``(M, B, *)`` (from ``(B, *)``, expanded,
+    when shared); ``num_samples`` is ``M * B`` (``B`` when shared), the number of samples fetched."""
     if isinstance(batch, Tensor):
+        # Checked, not inferred from the shape: a collate whose tensors are not sample-major (pad_sequence's
+        # default is time-major, (T, M * B)) would otherwise be folded along another axis, each model getting
+        # pieces of every model's samples.
+        if batch.dim() == 0 or batch.shape[0] != num_samples:
+            expected = f"(B, *) = ({num_samples}, *)" if shared else f"(M * B, *) = ({num_samples}, *)"
+            raise ValueError(
+                f"model_data_loader: collate_fn returned {where} without the samples first: every tensor of the "
+                f"collated batch must be {expected} to be folded to (M, B, *) with M = {num_models}, got shape "
+                f"{tuple(batch.shape)}; a time-major collate (e.g. pad_sequence without batch_first=True) must "
+                "put the samples first"
+            )
         if shared:
             return batch.expand(num_models, *batch.shape)
-        return batch.view(num_models, batch.shape[0] // num_models, *batch.shape[1:])
+        return batch.view(num_models, num_samples // num_models, *batch.shape[1:])
+
+    def fold(value: Any, key: Any) -> Any:
+        return _fold_models(value, num_models, num_samples, shared, f"{where}[{key!r}]")
+
     if isinstance(batch, Mapping):
-        return cast(Any, type(batch))({k: _fold_models(v, num_models, shared) for k, v in batch.items()})
+        return cast(Any, type(batch))({k: fold(v, k) for k, v in batch.items()})
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
-        return type(batch)(*(_fold_models(v, num_models, shared) for v in batch))
+        return type(batch)(*(fold(v, i) for i, v in enumerate(batch)))
     if isinstance(batch, (tuple, list)):
-        return type(batch)(_fold_models(v, num_models, shared) for v in batch)
+        return type(batch)(fold(v, i) for i, v in enumerate(batch))
     raise TypeError(
-        f"model_data_loader: the collated batch holds a {type(batch).__name__}; expected tensors "
+        f"model_data_loader: the collated batch holds a {type(batch).__name__} at {where}; expected tensors "
         "(possibly in tuples, lists or dicts) that can be folded to (M, B, *)"
     )
 
@@ -728,7 +744,10 @@ def model_data_loader(
         mode: ``"shuffle"``, ``"bootstrap"`` or ``"shared"``, see :class:`ModelBatchSampler`.
         drop_last: drop each epoch's last, smaller batch. Default: ``False``.
         seed: seed of every stream. Default: ``None`` (drawn from torch's global generator).
-        collate_fn: merges a list of samples into a batch. Default: torch's ``default_collate``.
+        collate_fn: merges a list of samples into a batch. Default: torch's ``default_collate``. Every tensor
+            it returns must hold the samples first, ``(M * B, *)`` (``(B, *)`` in ``"shared"`` mode), or a
+            ``ValueError`` is raised: e.g. ``pad_sequence(samples, batch_first=True)``, not the time-major
+            default. (A time-major tensor whose length happens to equal ``M * B`` cannot be told apart.)
         **loader_kwargs: passed to :class:`~torch.utils.data.DataLoader` (``num_workers``, ``pin_memory``,
             ``persistent_workers``, ...). ``batch_size``, ``shuffle``, ``sampler`` and ``batch_sampler`` are
             set here; ``generator`` defaults to one seeded from ``seed``, so that starting an epoch draws

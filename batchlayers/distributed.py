@@ -76,6 +76,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from .amp import stepping_scalers
 from .convert import replicate, select, shared_buffers
 from .data import ModelBatchSampler
 from .population import (
@@ -535,6 +536,14 @@ def _population_checks(model, optimizer, schedulers, caller: str, copy_hyperpara
     their registry; across ranks that would need every rank to find them in one order, so they must be given:
     one left out would keep each position's old model's state (best metric, bad epochs) without an error."""
     carried = None if schedulers is None else list(schedulers)
+    if optimizer is not None and stepping_scalers(optimizer):
+        raise ValueError(
+            f"{caller}: the optimizer is stepped by a batchlayers.amp.GradScaler, whose per-model scales and growth "
+            f"trackers {caller} does not move between ranks (each model would be scaled, skipped and grown by "
+            "another model's state). Not supported yet: select the models within each rank "
+            "(batchlayers.population.keep_models_/copy_model_ with scalers=[scaler]), or drop the scaler and make "
+            "a new one after the selection"
+        )
     copy_model_(model, optimizer, 0, 0, copy_hyperparameters=copy_hyperparameters, schedulers=carried)
     if optimizer is not None:
         missing = _unlisted_live_schedulers(optimizer, carried or ())

@@ -2,7 +2,7 @@
 
 A batched model is any module whose parameters and buffers all have the model dimension first, of size
 ``M``. The functions here change such a model in place together with its optimizer (and optionally its
-learning-rate schedulers), so that training simply continues:
+learning-rate schedulers and its :class:`batchlayers.amp.GradScaler`), so that training simply continues:
 
 - :func:`keep_models_` keeps the models at ``indices``, in that order: parameters, buffers, gradients,
   every per-model optimizer state tensor and every ``(M,)`` hyperparameter tensor are indexed, and every
@@ -33,6 +33,7 @@ from torch.optim import Optimizer
 
 from ._fold import root_shared_buffers
 from ._utils import model_count_holders, set_num_models_
+from .amp import GradScaler, stepped_optimizers, stepping_scalers
 from .optim._base import PerModelValue
 
 __all__ = ["copy_model_", "index_models_", "keep_models_"]
@@ -274,6 +275,58 @@ def _unlisted_live_schedulers(optimizer: Optimizer, schedulers: Iterable[Any]) -
     return [s for s in live_schedulers(optimizer) if not any(s is t for t in listed)]
 
 
+def _check_scalers(
+    scalers: Iterable[GradScaler] | None, optimizer: Optimizer | None, num_models: int, caller: str
+) -> list[GradScaler]:
+    """The :class:`batchlayers.amp.GradScaler` objects whose per-model scale and growth tracker follow the models.
+
+    Not given (``None``): a scaler that has stepped ``optimizer`` since the models were last selected (found
+    through the scalers' registry) would keep each position's old model's scale, whether or not the number of
+    models changes (the scale's shape alone cannot tell a reordering), so the call is refused. A scaler is not
+    carried by itself, as a ``batchlayers.optim.lr_scheduler`` scheduler is: one scaler may step the optimizers
+    of several models, and must then follow in one of their selection calls only.
+    """
+    if scalers is None:
+        found = [] if optimizer is None else stepping_scalers(optimizer)
+        if found:
+            raise ValueError(
+                f"{caller}: the optimizer is stepped by a batchlayers.amp.GradScaler whose per-model scales and "
+                "growth trackers would stay at the old positions (each model then scaled, skipped and grown by "
+                f"another model's state). Pass the scaler: {caller}(model, optimizer, ..., scalers=[scaler]), or "
+                "scalers=[] if it no longer steps this optimizer"
+            )
+        return []
+    if isinstance(scalers, (str, bytes, GradScaler)) or not isinstance(scalers, Iterable):
+        raise TypeError(f"{caller}: scalers must be a list of batchlayers.amp.GradScaler, got {scalers!r}")
+    scalers = list(scalers)
+    if scalers and optimizer is None:
+        raise ValueError(f"{caller}: scalers were given without their optimizer")
+    for i, scaler in enumerate(scalers):
+        if not isinstance(scaler, GradScaler):
+            raise TypeError(
+                f"{caller}: scalers[{i}] is a {type(scaler).__name__} from {type(scaler).__module__}, not a "
+                "batchlayers.amp.GradScaler (one scale per model)"
+            )
+        again = next((j for j in range(i) if scalers[j] is scaler), None)
+        if again is not None:
+            raise ValueError(f"{caller}: scalers[{i}] is scalers[{again}] again; pass each scaler once")
+        if scaler.num_models not in (None, num_models):
+            raise ValueError(f"{caller}: scalers[{i}] holds {scaler.num_models} models, the model {num_models}")
+        if scaler._in_iteration():
+            raise ValueError(
+                f"{caller}: scalers[{i}] is in the middle of an iteration (an optimizer was unscaled or stepped, "
+                f"and the overflows found are the old models'); call {caller} after scaler.update()"
+            )
+        stepped = stepped_optimizers(scaler)
+        if stepped and not any(o is optimizer for o in stepped):
+            raise ValueError(
+                f"{caller}: scalers[{i}] does not step this optimizer since the models were last selected: it "
+                "steps another optimizer, or was carried already by the selection call of another optimizer it "
+                "steps (a scaler over several optimizers follows once per selection)"
+            )
+    return scalers
+
+
 def _state_tensors(optimizer: Optimizer | None, groups: list[dict[str, Any]], num_models: int):
     """``(state dict, key, tensor)`` for every per-model optimizer state tensor of these groups (none without an
     optimizer)."""
@@ -304,6 +357,7 @@ def keep_models_(
     indices: Indices,
     *,
     schedulers: Iterable[Any] | None = None,
+    scalers: Iterable[GradScaler] | None = None,
 ) -> None:
     r"""Keep only the models at ``indices`` (in that order), in the model and its optimizer, in place.
 
@@ -327,6 +381,11 @@ def keep_models_(
             since the scheduler's ``base_lrs`` would silently give other models' values; one that changes the
             number leaves the scheduler's lists at the old length, and its next step raises. Pass
             ``schedulers=[]`` if no scheduler uses the optimizer any more.
+        scalers: the :class:`batchlayers.amp.GradScaler` objects that step ``optimizer``, whose ``(M,)`` scale
+            and growth tracker follow (call this after ``scaler.update()``). Not given: the call is refused if a
+            scaler has stepped the optimizer since the models were last selected (each model would silently get
+            another model's scale); ``scalers=[]`` if it no longer does. One scaler over the optimizers of
+            several models is passed to one of their ``keep_models_`` calls only.
 
     Nothing changes if any check fails.
     """
@@ -337,6 +396,7 @@ def keep_models_(
         groups = _optimizer_groups(optimizer, {id(t) for _, t in model.named_parameters()}, "keep_models_")
         _check_optimizer_models(groups, optimizer, num_models, "keep_models_")
     schedulers = _check_schedulers(schedulers, optimizer, groups, "keep_models_", silent=len(index) == num_models)
+    scalers = _check_scalers(scalers, optimizer, num_models, "keep_models_")
     index_models_(model, index)
     for state, key, value in list(_state_tensors(optimizer, groups, num_models)):
         state[key] = _take(value, index)
@@ -350,6 +410,8 @@ def keep_models_(
             for i, v in enumerate(values):
                 if isinstance(v, Tensor) and v.shape == (num_models,):
                     values[i] = _take(v, index)
+    for scaler in scalers:
+        scaler._keep_models_(index, cast(Optimizer, optimizer))  # (_check_scalers: given with their optimizer)
 
 
 @torch.no_grad()
@@ -361,6 +423,7 @@ def copy_model_(
     *,
     copy_hyperparameters: bool = True,
     schedulers: Iterable[Any] | None = None,
+    scalers: Iterable[GradScaler] | None = None,
 ) -> None:
     r"""Copy model ``src`` onto model ``dst``, in the model and its optimizer, in place.
 
@@ -381,6 +444,9 @@ def copy_model_(
             with ``copy_hyperparameters`` their per-model base learning rates. Not given: as in
             :func:`keep_models_`; with ``copy_hyperparameters`` a ``torch.optim.lr_scheduler`` scheduler with
             per-model learning rates must be passed (the call is refused otherwise).
+        scalers: the :class:`batchlayers.amp.GradScaler` objects that step ``optimizer``: model ``dst`` gets
+            ``src``'s scale and growth tracker (state, copied whatever ``copy_hyperparameters``). Not given: as in
+            :func:`keep_models_`, refused if a scaler has stepped the optimizer since the last selection.
 
     Example::
 
@@ -399,6 +465,7 @@ def copy_model_(
         groups = _optimizer_groups(optimizer, {id(t) for _, t in model.named_parameters()}, "copy_model_")
         _check_optimizer_models(groups, optimizer, num_models, "copy_model_")
     schedulers = _check_schedulers(schedulers, optimizer, groups, "copy_model_", silent=copy_hyperparameters)
+    scalers = _check_scalers(scalers, optimizer, num_models, "copy_model_")
 
     def copy_(t: Tensor) -> None:
         t.index_copy_(0, dst_index.to(t.device), _take(t, src_index))
@@ -412,6 +479,8 @@ def copy_model_(
     for scheduler in schedulers:
         for _, _, value in _scheduler_state(scheduler, num_models):
             copy_(value)
+    for scaler in scalers:
+        scaler._copy_models_(src_index, dst_index, cast(Optimizer, optimizer))
     if copy_hyperparameters:
         for group in groups:
             for _, _, value in _per_model_entries(group, num_models):

@@ -405,7 +405,7 @@ class ScalerPair:
         for ref in self.ref_scalers:
             ref.update()
         self.skipped.append([all(torch.equal(b[m], p[m]) for b, p in zip(before, self.model.parameters()))
-                             for m in range(M)])  # fmt: skip
+                             for m in range(len(self.refs))])  # fmt: skip
         self.check()
 
     def check_grads(self) -> None:
@@ -416,7 +416,8 @@ class ScalerPair:
 
     def check(self) -> None:
         scale, tracker = self.scaler.get_scale(), self.scaler.state_dict()["_growth_tracker"]
-        assert scale.shape == (M,) and scale.dtype == torch.float32 and tracker.dtype == torch.int32
+        num_models = len(self.refs)
+        assert scale.shape == (num_models,) and scale.dtype == torch.float32 and tracker.dtype == torch.int32
         for m, (ref_model, ref_scaler, ref_opt) in enumerate(zip(self.refs, self.ref_scalers, self.ref_opts)):
             assert scale[m].item() == ref_scaler.get_scale(), f"model {m}: scale"
             assert tracker[m].item() == ref_scaler._get_growth_tracker(), f"model {m}: growth tracker"
@@ -459,6 +460,75 @@ def test_scaler_injected_overflow_matches_torch(optimizer: str, bad: float) -> N
             next(pair.model.parameters()).grad[m, 0, 0] = bad
         pair.step(unscale_first=step % 2 == 0)
     assert pair.skipped == [[step in pattern and m in pattern[step] for m in range(M)] for step in range(7)]
+
+
+def _follow_selection(pair: ScalerPair, order: list[int]) -> None:
+    """The torch runs in the models' new order: position ``k`` continues run ``order[k]`` (a copy of the whole run,
+    model, optimizer and scaler, so that a model kept twice continues as two independent runs)."""
+    runs = [copy.deepcopy((pair.refs[i], pair.ref_opts[i], pair.ref_scalers[i])) for i in order]
+    pair.refs, pair.ref_opts, pair.ref_scalers = ([run[j] for run in runs] for j in range(3))
+
+
+SELECTIONS = [
+    ("keep", [2, 0, 1]),  # a reordering: M unchanged
+    ("keep", [2, 0]),
+    ("keep", [1]),
+    ("keep", [1, 1, 0, 2]),  # a duplicate: M grows
+    ("keep", torch.tensor([True, False, True])),
+    ("copy", ([0], [2])),
+    ("copy", ([1, 1], [0, 2])),
+    ("copy", ([2, 0], [0, 2])),  # a swap: every read happens before the writes
+]
+
+
+@pytest.mark.parametrize("optimizer", ["SGD", "Adam"])
+@pytest.mark.parametrize("selection", SELECTIONS, ids=lambda s: f"{s[0]}-{s[1]}".replace(" ", ""))
+def test_scaler_follows_keep_and_copy_models(optimizer: str, selection: tuple) -> None:
+    """keep_models_ / copy_model_ with scalers=[scaler]: each model's scale and growth tracker move with it, so
+    training goes on bit for bit as each model's own torch run (torch.amp.GradScaler and optimizer) would. Overflows
+    put into given models first make every model's scale and tracker differ, then continue after the selection."""
+    pair = ScalerPair(optimizer, init_scale=2.0**8, growth_interval=3)
+    before, after = {1: [0], 3: [2], 4: [0]}, {0: [0], 3: [-1], 4: [0, -1]}
+
+    def run(steps: range, pattern: dict[int, list[int]]) -> None:
+        for step in steps:
+            num_models = len(pair.refs)
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(num_models, 5, 6, generator=g), torch.randint(3, (num_models, 5), generator=g)
+            pair.backward(x, y, BF16)
+            for m in pattern.get(step, []):
+                next(pair.model.parameters()).grad[m, 0, 0] = float("inf")
+            pair.step(unscale_first=step % 2 == 0)
+
+    run(range(5), before)
+    assert pair.scaler.get_scale().unique().numel() == M and pair.scaler._get_growth_tracker().unique().numel() == M
+    kind, arg = selection
+    if kind == "keep":
+        bl.keep_models_(pair.model, pair.opt, arg, scalers=[pair.scaler])
+        order = arg.nonzero().flatten().tolist() if isinstance(arg, Tensor) else arg
+    else:
+        src, dst = arg
+        bl.copy_model_(pair.model, pair.opt, src, dst, scalers=[pair.scaler])
+        order = [src[dst.index(m)] if m in dst else m for m in range(M)]
+    _follow_selection(pair, order)
+    pair.check()
+    assert pair.scaler.num_models == len(order)
+    run(range(5, 10), {step + 5: [m % len(order) for m in ms] for step, ms in after.items()})
+
+
+def test_scaler_selection_before_the_first_scale_and_disabled() -> None:
+    """A scaler that has not scaled anything yet keeps its per-model initial scales in the models' new order; a
+    disabled scaler only counts the models."""
+    model = _mlp()
+    optimizer = SGD(model.parameters(), lr=0.1)
+    scaler = amp.GradScaler("cpu", init_scale=torch.tensor([1.0, 2.0, 4.0]))
+    off = amp.GradScaler("cpu", enabled=False, num_models=M)
+    bl.keep_models_(model, optimizer, [2, 2, 0, 1], scalers=[scaler, off])
+    assert scaler.get_scale().tolist() == [4.0, 4.0, 1.0, 2.0] and scaler.num_models == 4
+    assert off.num_models == 4 and off.get_scale().tolist() == [1.0] * 4
+    bl.copy_model_(model, optimizer, 3, 0, scalers=[scaler])
+    assert scaler.get_scale().tolist() == [2.0, 4.0, 1.0, 2.0]
+    assert scaler.scale(torch.ones(4)).tolist() == [2.0, 4.0, 1.0, 2.0]
 
 
 def test_scaler_state_dict_resume_and_pickle() -> None:

@@ -10,6 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import BatchSampler, Dataset, TensorDataset
 
 from batchlayers.data import MODES, ModelBatchSampler, ModelTensorLoader, model_data_loader
@@ -268,6 +269,55 @@ def test_data_loader_uses_getitems_and_tensor_dataset_tuples() -> None:
     loader = model_data_loader(TensorDataset(x, y), 2, 4, seed=12)
     for (xb, yb), (xr, yr) in zip(loader, ModelTensorLoader(x, y, num_models=2, batch_size=4, seed=12), strict=True):
         assert torch.equal(xb, xr) and torch.equal(yb, yr)
+
+
+class Sequences(Dataset):
+    """Sample ``i`` is a sequence of ``length`` copies of ``i``: every value names the sample it came from."""
+
+    def __init__(self, num_samples: int, length: int) -> None:
+        self.num_samples, self.length = num_samples, length
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full((self.length,), float(i))
+
+
+def _time_major(samples: list) -> torch.Tensor:
+    return pad_sequence(samples)  # torch's default: (T, M*B)
+
+
+BAD_COLLATES = [
+    # (id, mode, collate_fn, pattern): M = 3, B = 3, T = 6, so M*B = 9 and the first batch needs (9, *).
+    ("time-major", "shuffle", _time_major, r"\(M \* B, \*\) = \(9, \*\).*shape \(6, 9\)"),
+    ("time-major-bootstrap", "bootstrap", _time_major, r"\(9, \*\).*shape \(6, 9\)"),
+    ("time-major-shared", "shared", _time_major, r"\(B, \*\) = \(3, \*\).*shape \(6, 3\)"),
+    ("one-dict-entry", "shuffle", lambda s: {"x": torch.stack(s), "mask": _time_major(s) > 0},
+     r"batch\['mask'\].*\(9, \*\).*shape \(6, 9\)"),
+    ("0-d", "shuffle", lambda s: (torch.stack(s), torch.tensor(len(s))), r"batch\[1\].*\(9, \*\).*shape \(\)"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("row", BAD_COLLATES, ids=[r[0] for r in BAD_COLLATES])
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_data_loader_refuses_a_batch_that_is_not_sample_major(row, num_workers: int) -> None:
+    """Every tensor of the collated batch must hold the M*B samples first (B in shared mode): a time-major collate
+    (pad_sequence's default) would otherwise be folded along time, each model getting every model's samples."""
+    _, mode, collate, pattern = row
+    loader = model_data_loader(Sequences(12, 6), 3, 3, mode=mode, seed=0, collate_fn=collate, num_workers=num_workers)
+    with pytest.raises(ValueError, match=r"model_data_loader: collate_fn returned .*" + pattern):
+        next(iter(loader))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_data_loader_with_a_sample_major_collate_matches_the_tensor_loader(mode: str) -> None:
+    """pad_sequence(batch_first=True): model m's batch holds exactly its own samples, the last smaller batch too."""
+    loader = model_data_loader(Sequences(12, 6), 3, 5, mode=mode, seed=0,
+                               collate_fn=lambda s: pad_sequence(s, batch_first=True))  # fmt: skip
+    reference = ModelTensorLoader(torch.arange(12.0), num_models=3, batch_size=5, mode=mode, seed=0)
+    for got, (ids,) in zip(loader, reference, strict=True):
+        assert torch.equal(got, ids[..., None].expand(*ids.shape, 6))
 
 
 @settings(max_examples=25, deadline=None)

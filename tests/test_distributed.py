@@ -794,3 +794,21 @@ def test_shard_data_feeds_each_model_its_own_stream() -> None:
             assert torch.equal(x[index], expected[mine])
     with pytest.raises(TypeError, match="expected a ModelTensorLoader"):
         shard_data_([x], ModelShard(2))
+
+
+@pytest.mark.parametrize("caller", ["keep_models_across_ranks_", "copy_model_across_ranks_"])
+def test_selection_across_ranks_refuses_a_scaler_it_cannot_carry(caller: str) -> None:
+    """The per-model scales of a batchlayers.amp.GradScaler do not travel between ranks: a selection across
+    ranks of an optimizer a scaler steps is refused in its checks (before anything moves), naming why."""
+    from batchlayers.distributed import _population_checks
+
+    model = bl.BatchedLinear(3, 4, 2)
+    optimizer = bl.optim.SGD(model.parameters(), lr=0.1)
+    scaler = bl.amp.GradScaler("cpu")
+    scaler.scale(model(torch.randn(3, 5, 4)).sum(dim=(1, 2))).sum().backward()
+    scaler.step(optimizer)
+    scaler.update()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=rf"{caller}: .*GradScaler.*does not move between ranks"):
+        _population_checks(model, optimizer, None, caller)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())

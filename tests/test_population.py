@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from batchlayers import losses as BL
+from batchlayers.amp import GradScaler
 from batchlayers.container import Folded
 from batchlayers.linear import BatchedLinear
 from batchlayers.optim import SGD, Adam, PerModelValue
@@ -447,3 +448,107 @@ def test_plateau_refuses_an_optimizer_whose_models_changed_behind_it() -> None:
     index_models_(nn.ParameterList([runs.param]), [0, 1])  # the parameters only: not keep_models_
     with pytest.raises(ValueError, match=r"param group 0 holds 2 models, this scheduler's state 4; .*keep_models_"):
         runs.sched.step(torch.ones(2))
+
+
+# -- batchlayers.amp.GradScaler: its (M,) scale and growth tracker follow the models (the reference test against
+# torch.amp.GradScaler per model is tests/test_amp.py::test_scaler_follows_keep_and_copy_models) ------------------
+
+
+def scaled_step(model: nn.Module, optimizer, scaler: GradScaler, num_models: int) -> None:
+    """One mixed-precision step; model 0's gradient overflows, so that the models' scales differ."""
+    optimizer.zero_grad()
+    scaler.scale(model(torch.randn(num_models, B, 4, dtype=torch.float64)).square().mean((1, 2))).sum().backward()
+    model[0].weight.grad[0, 0, 0] = float("inf")
+    scaler.step(optimizer)
+    scaler.update()
+
+
+def scaled_population(num_models: int = 3) -> tuple[nn.Module, Adam, GradScaler]:
+    torch.manual_seed(0)
+    model = batched_net(num_models)
+    optimizer = Adam(model.parameters(), lr=0.01)
+    scaler = GradScaler("cpu", init_scale=2.0**8)
+    scaled_step(model, optimizer, scaler, num_models)
+    return model, optimizer, scaler
+
+
+LEFT_BEHIND = [
+    ("keep-reorder", lambda m, o, **kw: keep_models_(m, o, [2, 0, 1], **kw)),
+    ("keep-duplicate", lambda m, o, **kw: keep_models_(m, o, [0, 0, 1], **kw)),
+    ("keep-fewer", lambda m, o, **kw: keep_models_(m, o, [1, 2], **kw)),
+    ("copy", lambda m, o, **kw: copy_model_(m, o, 0, 2, **kw)),
+    ("copy-no-hyperparameters", lambda m, o, **kw: copy_model_(m, o, 0, 2, copy_hyperparameters=False, **kw)),
+]
+
+
+@pytest.mark.parametrize("row", LEFT_BEHIND, ids=[r[0] for r in LEFT_BEHIND])
+def test_a_scaler_left_behind_is_refused(row) -> None:
+    """A GradScaler that steps the optimizer but is not passed would keep each position's old model's scale: the
+    call is refused (whether or not M changes) and changes nothing; scalers=[] says no scaler follows."""
+    _, call = row
+    model, optimizer, scaler = scaled_population()
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    scale = scaler.get_scale()
+    assert scale.unique().numel() == 2
+    with pytest.raises(ValueError, match=r"stepped by a batchlayers\.amp\.GradScaler .*scalers=\[scaler\]"):
+        call(model, optimizer)
+    assert torch.equal(scaler.get_scale(), scale)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, weights[k]), k
+    call(model, optimizer, scalers=[])  # told that no scaler follows: allowed, the scaler keeps its state
+    assert torch.equal(scaler.get_scale(), scale)
+
+
+def test_one_scaler_over_two_optimizers_is_carried_once() -> None:
+    """One scaler stepping the optimizers of two models: it is passed to one of the two keep_models_ calls (after
+    which the other optimizer no longer needs it); passing it again would index it twice and is refused."""
+    torch.manual_seed(0)
+    first, second = batched_net(3), batched_net(3)
+    first_opt, second_opt = Adam(first.parameters(), lr=0.01), SGD(second.parameters(), lr=0.01)
+    scaler = GradScaler("cpu", init_scale=torch.tensor([1.0, 2.0, 4.0]))
+    for model, optimizer in ((first, first_opt), (second, second_opt)):
+        optimizer.zero_grad()
+        scaler.scale(model(torch.randn(3, B, 4, dtype=torch.float64)).sum((1, 2))).sum().backward()
+        scaler.step(optimizer)
+    scaler.update()
+    with pytest.raises(ValueError, match="stepped by a batchlayers.amp.GradScaler"):
+        keep_models_(second, second_opt, [2, 0, 1])
+    keep_models_(first, first_opt, [2, 0, 1], scalers=[scaler])
+    assert scaler.get_scale().tolist() == [4.0, 1.0, 2.0]
+    with pytest.raises(ValueError, match=r"scalers\[0\] does not step this optimizer.*carried"):
+        keep_models_(second, second_opt, [2, 0, 1], scalers=[scaler])
+    keep_models_(second, second_opt, [2, 0, 1])  # the scaler has followed already
+    assert scaler.get_scale().tolist() == [4.0, 1.0, 2.0]
+    for model, optimizer in ((first, first_opt), (second, second_opt)):  # both steps follow the scaler again
+        optimizer.zero_grad()
+        scaler.scale(model(torch.randn(3, B, 4, dtype=torch.float64)).sum((1, 2))).sum().backward()
+        scaler.step(optimizer)
+    scaler.update()
+    with pytest.raises(ValueError, match="stepped by a batchlayers.amp.GradScaler"):
+        keep_models_(second, second_opt, [0, 1])
+
+
+def test_bad_scalers_raise_and_change_nothing() -> None:
+    model, optimizer, scaler = scaled_population()
+    scale = scaler.get_scale()
+    other = GradScaler("cpu", num_models=4)
+    rows = [
+        (lambda: keep_models_(model, optimizer, [1, 0, 2], scalers=scaler), TypeError, "list of batchlayers.amp"),
+        (lambda: keep_models_(model, optimizer, [1, 0, 2], scalers=[torch.amp.GradScaler("cpu")]), TypeError,
+         r"scalers\[0\] is a GradScaler from torch\.amp.*batchlayers\.amp\.GradScaler"),
+        (lambda: keep_models_(model, optimizer, [1, 0, 2], scalers=[scaler, other]), ValueError,
+         r"scalers\[1\] holds 4 models, the model 3"),
+        (lambda: copy_model_(model, optimizer, 0, 1, scalers=[scaler, scaler]), ValueError,
+         r"scalers\[1\] is scalers\[0\] again"),
+        (lambda: keep_models_(model, None, [1, 0, 2], scalers=[scaler]), ValueError, "without their optimizer"),
+    ]  # fmt: skip
+    for call, exc, pattern in rows:
+        with pytest.raises(exc, match=pattern):
+            call()
+        assert torch.equal(scaler.get_scale(), scale) and model[0].num_models == 3
+    optimizer.zero_grad()
+    scaler.scale(model(torch.randn(3, B, 4, dtype=torch.float64)).square().mean((1, 2))).sum().backward()
+    scaler.unscale_(optimizer)  # between unscale_ and update: the found infs are the old models'
+    with pytest.raises(ValueError, match=r"scalers\[0\] is in the middle of an iteration.*after scaler\.update\(\)"):
+        keep_models_(model, optimizer, [1, 0, 2], scalers=[scaler])
+    assert torch.equal(scaler.get_scale(), scale)
