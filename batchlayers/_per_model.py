@@ -857,6 +857,9 @@ _register(_on_stored(_dim_op("log_softmax")), "log_softmax")
 _register(_on_stored(_dim_op("cumsum")), "cumsum")
 for _method in ("sum", "mean", "amax", "amin", "nansum", "logsumexp", "all", "any", "std", "var"):
     _register(_on_stored(_reduce(_method)), _method)
+# .data of a parameter or buffer: the stored tensor's own, so that a write through it (weight clipping,
+# data-dependent initialisation) reaches every model's slice as it reaches the original's
+_FAST[_getter("data")] = _unary
 _FAST[Tensor.__getitem__] = _on_stored(_index)
 _FAST[_getter("mT")] = _on_stored(lambda t, s: t.mT if len(s) >= 2 else NotImplemented)
 _FAST[_getter("T")] = _on_stored(lambda t, s: t.permute(0, *range(t.dim() - 1, 0, -1)))

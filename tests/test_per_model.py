@@ -16,7 +16,33 @@ from batchlayers import replicate, stack, unstack
 
 M = 3
 
+
+class DataWrites(nn.Module):
+    """Writes through ``.data`` in forward: weight clipping (WGAN), a buffer decayed in place, and Glow's
+    ActNorm, which initialises its shift and scale from its first batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.w = nn.Parameter(torch.randn(4))
+        self.loc = nn.Parameter(torch.zeros(4))
+        self.log_scale = nn.Parameter(torch.zeros(4))
+        self.register_buffer("temperature", torch.full((4,), 2.0))
+        self.register_buffer("initialized", torch.tensor(False))
+
+    def forward(self, x):
+        h = self.fc(x)
+        if not self.initialized:
+            self.loc.data.copy_(-h.mean(0))
+            self.log_scale.data.copy_(-h.std(0).log())
+            self.initialized.fill_(True)
+        self.w.data.clamp_(-0.5, 0.5)
+        self.temperature.data.mul_(0.9)
+        return (h + self.loc) * self.log_scale.exp() * self.w / self.temperature
+
+
 CASES = {
+    "writes through .data: clipping, ActNorm's data init": (DataWrites, lambda lead: torch.randn(*lead, 4)),
     "ViT: cls token, pos embed, gamma, bias table": (la.TinyViT, lambda lead: torch.randn(*lead, 3, 8, 8)),
     "ConvNeXt: std conv, BN+act, LayerNorm2d": (la.ConvNeXtish, lambda lead: torch.randn(*lead, 3, 6, 6)),
     "LM: Conv1D addmm, RMSNorm, scaled/offset embeddings": (la.TinyLM, lambda lead: torch.randint(0, 13, (*lead, 5))),
