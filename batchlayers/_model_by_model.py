@@ -33,7 +33,17 @@ from torch.overrides import TorchFunctionMode
 from . import _fold, backends
 from ._architecture import _MODULE_INTERNALS, _config, same, tensor_table
 from ._fold import check_inputs, map_tensors
-from ._provenance import _VIEWS, PerModel, check_copied_views, get_tag, inside_checkpoint, set_tag, view_of_a_copy
+from ._provenance import (
+    _RESHAPES,
+    _VIEWS,
+    PerModel,
+    check_copied_views,
+    get_tag,
+    inside_checkpoint,
+    reshape_of_another_layout,
+    set_tag,
+    view_of_a_copy,
+)
 from .registry import counterpart_of_batched
 
 __all__ = ["ModelByModel"]
@@ -417,15 +427,18 @@ class _CopiedViews(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func not in _VIEWS:
-            return func(*args, **kwargs)
-        return view_of_a_copy(func, args, kwargs, self.copied, _not_contiguous, _CHANNELS_LAST_VIEW)
+        if func in _VIEWS:
+            return view_of_a_copy(func, args, kwargs, self.copied, _not_contiguous, _CHANNELS_LAST_VIEW)
+        if func in _RESHAPES:
+            return reshape_of_another_layout(func, args, kwargs, self.copied, _not_contiguous, _CHANNELS_LAST_RESHAPE)
+        return func(*args, **kwargs)
 
     def check(self) -> None:
         check_copied_views(self.copied)
 
 
 _CHANNELS_LAST_VIEW = ".view() of a layer output that a model-by-model pass keeps channels-last"
+_CHANNELS_LAST_RESHAPE = "a reshape of a layer output that a model-by-model pass keeps channels-last"
 
 
 def _not_contiguous(x: Tensor) -> bool:

@@ -71,10 +71,16 @@ __all__ = ["Lost", "PerModel", "Tracker", "get_tag", "set_tag"]
 
 _ATTR = "_batchlayers_models"
 _VIEWS = frozenset({Tensor.view, Tensor.view_as})
+# A view where the layout allows it, else a copy: which one depends on the memory format
+_RESHAPES = frozenset(
+    {Tensor.reshape, torch.reshape, Tensor.reshape_as, Tensor.flatten, torch.flatten, Tensor.ravel, torch.ravel,
+     Tensor.contiguous}
+)  # fmt: skip
 _CHECKPOINT_FILE = os.path.join("torch", "utils", "checkpoint.py")
 
 
 _OTHER_FORMAT = ".view() of a layer output that a batched layer keeps in another memory format"
+_OTHER_RESHAPE = "a reshape of a layer output that a batched layer keeps in another memory format"
 
 
 def _holds_samples(x: Tensor) -> bool:
@@ -96,19 +102,93 @@ def view_of_a_copy(
         if not copies(x) or "view size is not compatible" not in str(error):
             raise
     out = func(x.contiguous(), *args[1:], **kwargs)
-    copied.extend((t, t._version, what) for t in (x, out))
+    copied.extend(
+        (t, t._version, f"{what}, a copy in the stacked model and an alias in the original") for t in (x, out)
+    )
     return out
 
 
+def reshape_of_another_layout(
+    func: Callable, args: tuple, kwargs: dict, copied: list[tuple[Tensor, int, str]], copies: Callable, what: str
+) -> object:
+    """``x.reshape(...)``, ``x.flatten(...)``, ``x.contiguous()`` (``func`` in :data:`_RESHAPES`): a view of
+    ``x`` where its layout allows one, else a copy. Where ``x`` is, or is a permutation of, a tensor in a
+    memory format batchlayers made (``copies``: channels-last where torch.nn's is contiguous), the original's
+    result may alias where this one is a copy, or the reverse: both are then recorded in ``copied``, and an
+    in-place write to either afterwards is refused (:func:`check_copied_views`)."""
+    out = func(*args, **kwargs)
+    x = args[0] if args else None
+    if torch.compiler.is_compiling() or not isinstance(x, Tensor) or not isinstance(out, Tensor):
+        return out  # (compiled: a graph has no aliasing to follow, its in-place writes are functional)
+    if x.device.type == "meta":
+        return out
+    original = _original_layout(x, copies)
+    if original is None:
+        return out
+    aliases = out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+    probe = func(original, *args[1:], **kwargs)
+    would_alias = probe is original or probe._is_view()
+    if aliases != would_alias:
+        kinds = ("an alias", "a copy") if aliases else ("a copy", "an alias")
+        described = f"{what}, {kinds[0]} in the stacked model and {kinds[1]} in the original"
+        copied.extend((t, t._version, described) for t in (x, out))
+    return out
+
+
+def _original_layout(x: Tensor, copies: Callable) -> Tensor | None:
+    """A meta tensor with the strides the original model's ``x`` would have, where ``x`` views a tensor in a
+    memory format batchlayers made (the original's: contiguous) by folding and permuting its dimensions; else
+    None."""
+    base = x._base if x._base is not None else x
+    if not (copies(x) or copies(base)) or base.is_contiguous() or x.storage_offset() != base.storage_offset():
+        return None
+    standard = torch.empty(base.shape, device="meta").stride()
+    runs = _dimension_runs(x, base)
+    if runs is None:
+        return None
+    return torch.empty_strided(x.shape, [standard[run[-1]] for run in runs], device="meta")
+
+
+def _dimension_runs(x: Tensor, base: Tensor) -> list[list[int]] | None:
+    """For each dimension of ``x`` (a view of ``base``), the run of consecutive dimensions of ``base`` it
+    merges (one, or several folded together), in ``x``'s order; None where ``x`` is not such a view (a slice,
+    a selection)."""
+    runs: list[list[int]] = []
+    used: set[int] = set()
+    for size, stride in zip(x.shape, x.stride()):
+        found = None
+        for d in range(base.dim()):
+            if d in used:
+                continue
+            run, product = [d], base.shape[d]
+            while product < size and run[-1] + 1 < base.dim() and run[-1] + 1 not in used:
+                inner = run[-1] + 1
+                if base.stride(run[-1]) != base.stride(inner) * base.shape[inner]:
+                    break
+                run.append(inner)
+                product *= base.shape[inner]
+            if product == size and (size == 1 or base.stride(run[-1]) == stride):
+                found = run
+                break
+        if found is None:
+            return None
+        runs.append(found)
+        used.update(found)
+    if any(base.shape[d] != 1 for d in range(base.dim()) if d not in used):
+        return None
+    return runs
+
+
 def check_copied_views(copied: list[tuple[Tensor, int, str]]) -> None:
-    """Refuse an in-place write, since the copy, to a tensor that :func:`view_of_a_copy` recorded."""
+    """Refuse an in-place write, since the copy, to a tensor that :func:`view_of_a_copy` or
+    :func:`reshape_of_another_layout` recorded."""
     for t, version, what in copied:
         if t._version != version:
             copied.clear()  # reported once (the root's output hook runs after an error in forward too)
             raise RuntimeError(
-                f"batchlayers: a tensor was written in place after {what}; that .view() is a copy in the "
-                "stacked model (the original's is an alias), so the write would not reach the other. Use an "
-                "out-of-place operation there, or call .contiguous() before .view()"
+                f"batchlayers: a tensor was written in place after {what}, so the write would reach the other "
+                "tensor in one and not in the other. Use an out-of-place operation there, or call .contiguous() "
+                "first"
             )
 
 
@@ -212,7 +292,12 @@ class Tracker(TorchFunctionMode):
         entry = _RULES.get(func)
         if entry is not None and entry.over_samples and entry.over_samples(entry.name, args, kwargs, tagged):
             return self._over_samples(entry.name, func, args, kwargs)
-        out = self._view(func, args, kwargs) if func in _VIEWS else func(*args, **kwargs)
+        if func in _VIEWS:
+            out = self._view(func, args, kwargs)
+        elif func in _RESHAPES:
+            out = reshape_of_another_layout(func, args, kwargs, self.copied_views, _holds_samples, _OTHER_RESHAPE)
+        else:
+            out = func(*args, **kwargs)
         if isinstance(out, (tuple, list)) and torch.compiler.is_compiling():
             # torch.compile cannot store an attribute on the outputs of a multi-output op (split, sort): tag
             # views of them instead.

@@ -487,6 +487,48 @@ def test_per_model_values_read_into_python_stay_allowed() -> None:
     assert_close(stack(models)(x), torch.stack([m(x[i]) for i, m in enumerate(models)]))
 
 
+class _LayoutAlias(nn.Module):
+    """``reshape``/``flatten``/``contiguous`` of a convolution's output: a view in the original (torch.nn's
+    layout), a copy in a stacked model that keeps it channels-last (and the reverse after a permute). A write
+    in place afterwards reaches the other tensor in one and not in the other."""
+
+    def __init__(self, pattern: str) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.fc = nn.Linear(4 * 5 * 5, 3)
+        self.pattern = pattern
+
+    def forward(self, x):
+        y = self.conv(x)
+        if self.pattern.startswith("flatten"):
+            z = y.flatten(1)
+        elif self.pattern.startswith("contiguous"):
+            z = y.contiguous().reshape(y.size(0), -1)
+        else:  # "permute, reshape": a copy in the original
+            z = y.permute(0, 2, 3, 1).reshape(y.size(0), -1)
+        if self.pattern.endswith("then in place"):
+            y.relu_()
+        return self.fc(z)
+
+
+LAYOUT_ALIASES = ["flatten", "contiguous", "permute, reshape"]
+
+
+@pytest.mark.parametrize("execution", ["batched", "model_by_model"])
+@pytest.mark.parametrize("pattern", LAYOUT_ALIASES)
+def test_writes_after_a_reshape_whose_aliasing_differs_are_refused(pattern: str, execution: str) -> None:
+    """Without a write the reshape is exact; a write in place to its source afterwards is refused, since it
+    would reach the reshaped tensor in one of the two layouts only (a silent difference otherwise)."""
+    x = torch.randn(2, 3, 3, 5, 5, dtype=torch.float64)
+    models = [seeded(lambda: _LayoutAlias(pattern), i) for i in range(2)]
+    out = stack(models, execution=execution)(x)
+    assert_close(out, torch.stack([m(x[i]) for i, m in enumerate(models)]), msg=pattern)
+    written = [seeded(lambda: _LayoutAlias(f"{pattern}, then in place"), i) for i in range(2)]
+    with pytest.raises(RuntimeError, match=r"written in place after .*(copy|alias) in the stacked model"):
+        stack(written, execution=execution)(x)
+    assert torch.overrides._get_current_function_mode_stack() == []
+
+
 class _CountedAll(nn.Module):
     def __init__(self) -> None:
         super().__init__()
