@@ -577,3 +577,211 @@ def test_unsupported_parameters_are_refused_before_anything_changes(kind, fused)
     with pytest.raises(RuntimeError, match=f"Adam does not support {kind}"):
         opt.step()
     assert torch.equal(dense.detach(), before) and len(opt.state) == 0
+
+
+# -- momentum switched to 0 and back, per model ------------------------------------------------------------
+#
+# While a model's momentum is 0, torch.optim keeps no momentum buffer for it (SGD: none yet, started as the
+# gradient at its first step with momentum) or leaves the one it has untouched (SGD and RMSprop), and takes
+# the plain gradient step.
+
+
+def set_momentum(pair: Pair, value, in_place: bool = False) -> None:
+    """``param_groups[0]["momentum"] = value`` in the batched optimizer (or a ``fill_`` of its per-model tensor, as
+    a scheduler writes it) and model m's value in its torch optimizer."""
+    if in_place:
+        pair.opt.param_groups[0]["momentum"].fill_(value)
+    else:
+        pair.opt.param_groups[0]["momentum"] = value.clone() if isinstance(value, torch.Tensor) else value
+    for m, opt in enumerate(pair.ref_opts):
+        opt.param_groups[0]["momentum"] = per_model_value(value, m)
+
+
+def check_nan_aware(pair: Pair, msg: str) -> None:
+    """:meth:`Pair.check` where a NaN must meet a NaN (an inf an inf of the same sign)."""
+    for i, p in enumerate(pair.params):
+        expected = torch.stack([pair.ref_params[m][i].detach() for m in range(pair.num_models)])
+        actual = p.detach()
+        if not torch.equal(actual.isnan(), expected.isnan()):
+            raise AssertionError(
+                f"{msg} parameter {i}: NaN in {actual.isnan().nonzero().tolist()}, torch's in "
+                f"{expected.isnan().nonzero().tolist()}"
+            )
+        assert_equal(actual.nan_to_num(0.0), expected.nan_to_num(0.0), f"{msg} parameter {i}")
+
+
+MOMENTUM_SCHEDULES = {
+    # model 1 without momentum for 3 steps, then with (its first momentum step: buf = grad, no dampening)
+    "SGD-off-then-on": (
+        SGD,
+        {"lr": tensor(0.1, 0.2, 0.05), "momentum": tensor(0.9, 0.0, 0.5), "dampening": tensor(0.1, 0.3, 0.2)},
+        {3: tensor(0.9, 0.7, 0.5)},
+    ),
+    # model 1 with momentum, 0 for two steps (buffer kept), then with it again; a float at the end
+    "SGD-on-off-on": (
+        SGD,
+        {"lr": 0.1, "momentum": 0.9, "dampening": 0.25, "weight_decay": 0.1, "maximize": True},
+        {2: tensor(0.9, 0.0, 0.9), 4: 0.9},
+    ),
+    # every model at a different point: off, on, off, on (models at different momentum steps)
+    "SGD-staggered": (
+        SGD,
+        {"lr": tensor(0.1, 0.2, 0.05), "momentum": tensor(0.0, 0.5, 0.9)},
+        {1: tensor(0.8, 0.0, 0.9), 2: tensor(0.0, 0.0, 0.6), 3: 0.0, 4: tensor(0.7, 0.6, 0.0), 5: 0.9},
+    ),
+    "RMSprop-on-off-on": (
+        RMSprop,
+        {"lr": tensor(1e-2, 3e-2, 2e-2), "momentum": 0.9},
+        {2: tensor(0.9, 0.0, 0.9), 4: 0.9},
+    ),
+    "RMSprop-centered-on-off-on": (
+        RMSprop,
+        {"lr": 1e-2, "momentum": tensor(0.9, 0.5, 0.7), "centered": True, "weight_decay": 0.1, "maximize": True},
+        {2: tensor(0.0, 0.0, 0.7), 3: tensor(0.9, 0.0, 0.0), 5: tensor(0.9, 0.5, 0.7)},
+    ),
+}
+
+
+@pytest.mark.parametrize("masks", [False, True], ids=["all_active", "masks"])
+@pytest.mark.parametrize("fused", [None, True], ids=["foreach", "fused"])
+@pytest.mark.parametrize("name", list(MOMENTUM_SCHEDULES))
+def test_momentum_switched_to_zero_and_back_matches_torch(name, fused, masks) -> None:
+    """A model whose momentum is 0 leaves its momentum buffer (and momentum step count) as they are, as
+    torch.optim does; when its momentum comes back it resumes from that buffer, or starts one."""
+    batched_cls, kwargs, schedule = MOMENTUM_SCHEDULES[name]
+    torch.manual_seed(0)
+    pair = Pair(batched_cls, getattr(torch.optim, batched_cls.__name__), kwargs, fused=fused)
+    for step in range(7):
+        if step in schedule:
+            set_momentum(pair, schedule[step])
+        active = torch.tensor([True, step % 3 != 1, step != 4]) if masks else None
+        pair.step(active=active)
+        pair.check(f"step {step}")
+
+
+@pytest.mark.parametrize("fused", [None, True], ids=["foreach", "fused"])
+def test_sgd_nesterov_with_a_zero_momentum_written_in_place_matches_torch(fused) -> None:
+    """A scheduler's ``fill_`` can put a 0 into a Nesterov group's per-model momentum (not checked); torch then
+    takes the plain step for that model, also for a non-finite gradient."""
+    torch.manual_seed(0)
+    pair = Pair(SGD, torch.optim.SGD, {"lr": 0.1, "momentum": tensor(0.9, 0.8, 0.5), "nesterov": True}, fused=fused)
+    pair.step()
+    set_momentum(pair, tensor(0.9, 0.0, 0.5), in_place=True)
+    grads = [torch.randn_like(p) for p in pair.params]
+    grads[0][1, 0, 0] = float("inf")
+    pair.step(grads)
+    check_nan_aware(pair, "inf gradient without momentum")
+    set_momentum(pair, tensor(0.9, 0.8, 0.5), in_place=True)
+    pair.step()
+    check_nan_aware(pair, "momentum back")
+
+
+@pytest.mark.parametrize("fused", [None, True], ids=["foreach", "fused"])
+def test_sgd_nonfinite_gradient_without_momentum_is_not_kept(fused) -> None:
+    """An inf gradient of a model without momentum is not stored in a buffer (torch keeps none) to come back as
+    ``0 * inf = NaN``; nor does an inf already in a model's buffer while its momentum is 0."""
+    torch.manual_seed(0)
+    pair = Pair(SGD, torch.optim.SGD, {"lr": 0.1, "momentum": tensor(0.9, 0.0, 0.5)}, fused=fused)
+    for step in range(6):
+        grads = [torch.randn_like(p) for p in pair.params]
+        if step == 1:
+            grads[0][1, 0, 0] = float("inf")  # model 1, momentum 0
+            grads[1][2, 1] = -float("inf")  # model 2, into its buffer
+        if step == 2:
+            set_momentum(pair, tensor(0.9, 0.0, 0.0))
+        if step == 4:
+            set_momentum(pair, tensor(0.9, 0.7, 0.0))
+        pair.step(grads)
+        check_nan_aware(pair, f"step {step}")
+    assert pair.params[0][1, 0, 0] == -float("inf") and pair.params[1][2, 1] == float("inf")
+
+
+def snapshot(pair: Pair) -> list[torch.Tensor]:
+    """The batched parameters and every optimizer state tensor, copied."""
+    tensors = [p.detach() for p in pair.params]
+    tensors += [t for state in pair.opt.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+    return [t.clone() for t in tensors]
+
+
+def torch_step_raises(pair: Pair, m: int, momentum: float) -> bool:
+    """Whether model m's torch optimizer raises ``KeyError('momentum_buffer')`` at a step with ``momentum``
+    (on copies: the reference run itself does not step)."""
+    params, opt = copy.deepcopy((pair.ref_params[m], pair.ref_opts[m]))
+    opt.param_groups[0]["momentum"] = momentum
+    for q in params:
+        q.grad = torch.ones_like(q)
+    try:
+        opt.step()
+    except KeyError as error:
+        assert error.args == ("momentum_buffer",)
+        return True
+    return False
+
+
+@pytest.mark.parametrize("fused", [None, True], ids=["foreach", "fused"])
+@pytest.mark.parametrize("start", ["float_zero", "per_model_zero"])
+def test_rmsprop_momentum_without_a_buffer_raises_like_torch(start, fused) -> None:
+    """torch's RMSprop creates a parameter's momentum buffer at its first step only if momentum > 0 then, and
+    at a later step with momentum > 0 and no buffer raises ``KeyError('momentum_buffer')``, changing nothing.
+    Per model: the step raises if a model that started without momentum is given some, unless it is frozen by
+    ``active``; models with a buffer keep it through steps with momentum 0."""
+    torch.manual_seed(0)
+    momentum = 0.0 if start == "float_zero" else tensor(0.9, 0.0, 0.5)
+    pair = Pair(RMSprop, torch.optim.RMSprop, {"lr": 1e-2, "momentum": momentum}, fused=fused)
+    pair.step()
+    without = [0, 1, 2] if start == "float_zero" else [1]
+    for value in (tensor(0.9, 0.3, 0.5), 0.4):
+        assert [m for m in range(M) if torch_step_raises(pair, m, per_model_value(value, m))] == without
+        before = snapshot(pair)
+        pair.opt.param_groups[0]["momentum"] = value
+        for p in pair.params:
+            p.grad = torch.ones_like(p)
+        with pytest.raises(KeyError, match="momentum_buffer"):
+            pair.opt.step()
+        for a, b in zip(snapshot(pair), before):
+            assert torch.equal(a, b), "a refused step changed a parameter or the optimizer state"
+    # Momentum only where a buffer exists, or for models that do not step: no error, torch's numbers.
+    with_buffer = torch.tensor([m not in without for m in range(M)])
+    on = torch.where(with_buffer, 0.6, 0.0).double()
+    set_momentum(pair, on)
+    pair.step()
+    pair.check("momentum where a buffer exists")
+    set_momentum(pair, tensor(0.6, 0.8, 0.7))
+    pair.step(active=with_buffer)
+    pair.check("momentum for every model, the models without a buffer frozen")
+    set_momentum(pair, 0.0)
+    pair.step()
+    set_momentum(pair, on)
+    pair.step()
+    pair.check("momentum off and on again")
+
+
+def test_rmsprop_models_without_a_momentum_buffer_follow_state_dict_and_keep_models() -> None:
+    """Which models have a momentum buffer survives a checkpoint (``weights_only``) and follows the models
+    through ``keep_models_`` and ``copy_model_``."""
+    from batchlayers.population import copy_model_, keep_models_
+
+    torch.manual_seed(0)
+    model = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(M, *s, dtype=torch.float64)) for s in SHAPES])
+    opt = RMSprop(model.parameters(), lr=1e-2, momentum=tensor(0.9, 0.0, 0.5))
+    for p in model:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    resumed = RMSprop(model.parameters(), lr=1e-2, momentum=tensor(0.9, 0.0, 0.5))
+    resumed.load_state_dict(torch.load(buffer, weights_only=True))
+    for optimizer in (opt, resumed):
+        optimizer.param_groups[0]["momentum"] = tensor(0.9, 0.2, 0.5)
+        with pytest.raises(KeyError, match="momentum_buffer"):
+            optimizer.step()
+    keep_models_(model, resumed, [2, 1, 0])
+    resumed.param_groups[0]["momentum"] = tensor(0.5, 0.2, 0.9)
+    with pytest.raises(KeyError, match=r"momentum_buffer"):
+        resumed.step()
+    resumed.step(active=torch.tensor([True, False, True]))
+    copy_model_(model, resumed, src=0, dst=1)
+    resumed.step()  # model 1 now has model 0's buffer
+    keep_models_(model, resumed, [1, 2])
+    resumed.step()

@@ -183,6 +183,25 @@ def is_zero(value: Hyperparameter) -> bool:
     return not isinstance(value, Tensor) and value == 0
 
 
+def zero_models(value: Hyperparameter) -> Tensor | None:
+    """The indices of the models whose per-model ``value`` is 0, or ``None`` for a float or when none is."""
+    if not isinstance(value, Tensor):
+        return None
+    indices = (value == 0).nonzero().squeeze(1)
+    return indices if indices.numel() else None
+
+
+def save_models(tensors: Iterable[Tensor], models: Tensor | None) -> list[tuple[Tensor, Tensor]]:
+    """Copies of the ``models`` slices of each tensor, for :func:`restore_models`."""
+    return [] if models is None else [(t, t.index_select(0, models)) for t in tensors]
+
+
+def restore_models(saved: list[tuple[Tensor, Tensor]], models: Tensor | None) -> None:
+    """Put the slices :func:`save_models` copied back, exactly."""
+    for tensor, old in saved:
+        tensor.index_copy_(0, cast(Tensor, models), old)
+
+
 # -- compiled kernels (``fused=True``) ---------------------------------------------------------------------
 #
 # A kernel is a plain function over the parameter list that ``torch.compile`` turns into one loop per

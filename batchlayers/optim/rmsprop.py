@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -22,7 +23,10 @@ from ._base import (
     lerp,
     new_step_counts,
     pack_kernel_inputs,
+    restore_models,
+    save_models,
     unpack_kernel_inputs,
+    zero_models,
 )
 
 __all__ = ["RMSprop"]
@@ -53,7 +57,10 @@ class RMSprop(BatchedOptimizer):
             slice bit for bit its own torch.optim step. (torch's RMSprop has no ``fused``.)
 
     State per parameter: ``step`` (``(M,)``), ``square_avg``, with momentum ``momentum_buffer``, and when
-    centered ``grad_avg``.
+    centered ``grad_avg``. As in torch, the momentum buffer is created at a parameter's first step for the
+    models whose momentum is > 0 then (``has_momentum_buffer``, ``(M,)`` bool, says which, where not all
+    do); a step with momentum > 0 for a model without one raises ``KeyError``, as torch's does, and changes
+    nothing. While a model's momentum is 0 its buffer stays as it is.
     """
 
     per_model_hyperparameters = ("lr", "alpha", "eps", "weight_decay", "momentum")
@@ -89,12 +96,70 @@ class RMSprop(BatchedOptimizer):
         }
         super().__init__(params, defaults)
 
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None, *, active: Tensor | None = None) -> Any:
+        """:meth:`BatchedOptimizer.step`, first refusing (``KeyError``, nothing changed) a step with momentum > 0
+        for a model that has no momentum buffer, as torch's RMSprop does."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            self._check_momentum_buffers(group, active)
+        super().step(active=active)
+        return loss
+
+    def _check_momentum_buffers(self, group: dict[str, Any], active: Tensor | None) -> None:
+        """Raise, before anything changes, where torch's RMSprop raises ``KeyError('momentum_buffer')``: a
+        model with momentum > 0 that steps a parameter which has no momentum buffer for it."""
+        if is_zero(group["momentum"]):
+            return
+        lacking = []
+        for p in group["params"]:
+            state = self.state.get(p)
+            if p.grad is not None and state and ("momentum_buffer" not in state or "has_momentum_buffer" in state):
+                lacking.append(state)
+        if not lacking:
+            return
+        num_models = self._group_num_models(group)
+        device = group["params"][0].device
+        momentum = self.hyperparameter(group, "momentum", num_models)
+        wanting = momentum > 0 if isinstance(momentum, Tensor) else torch.full((num_models,), momentum > 0)
+        wanting = wanting.to(device)
+        inactive = self._inactive_models(active, num_models, device)
+        if inactive is not None:
+            wanting = wanting.index_fill(0, inactive, False)
+        for state in lacking:
+            missing = wanting & ~state["has_momentum_buffer"] if "momentum_buffer" in state else wanting
+            if bool(missing.any()):
+                raise KeyError(
+                    f"RMSprop: models {missing.nonzero().flatten().tolist()} have momentum > 0 but no "
+                    "'momentum_buffer': their momentum was 0 at the parameter's first step, when torch.optim.RMSprop "
+                    "creates the buffer, and a later step with momentum raises KeyError('momentum_buffer') there "
+                    "too. Nothing was changed. Keep their momentum 0, freeze them with step(active=...), or create "
+                    "the optimizer with momentum > 0 (setting it to 0 later keeps the buffer)"
+                )
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        for state in self.state.values():
+            if "has_momentum_buffer" in state:  # torch's load casts state tensors to the parameter's dtype
+                state["has_momentum_buffer"] = state["has_momentum_buffer"].to(torch.bool)
+
     def _init_state(self, param: Tensor, group: dict[str, Any]) -> dict[str, Tensor]:
         state = {
             "step": new_step_counts(param),
             "square_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
         }
-        if not is_zero(group["momentum"]):
+        # As torch: a buffer for the models whose momentum is > 0 now, none for the others, ever.
+        momentum = self.hyperparameter(group, "momentum", param.shape[0])
+        if isinstance(momentum, Tensor):
+            has_buffer = momentum > 0
+            if bool(has_buffer.any()):
+                state["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                if not bool(has_buffer.all()):
+                    state["has_momentum_buffer"] = has_buffer
+        elif momentum > 0:
             state["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.preserve_format)
         if group["centered"]:
             state["grad_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
@@ -123,20 +188,23 @@ class RMSprop(BatchedOptimizer):
         torch._foreach_add_(avg, broadcast_per_model(eps, params))
 
         neg_lr = broadcast_per_model(-lr, params)
-        if is_zero(momentum):
+        bufs = momentum_buffers(momentum, states)
+        if bufs is None:
             foreach_addcdiv_scaled_(params, grads, avg, neg_lr)
             return
-        bufs = [s["momentum_buffer"] for s in states]
+        idle = zero_models(momentum)
+        saved = save_models(bufs, idle)  # torch leaves a model's buffer as it is while its momentum is 0
         torch._foreach_mul_(bufs, broadcast_per_model(momentum, params))
         torch._foreach_addcdiv_(bufs, grads, avg)
-        if isinstance(momentum, Tensor) and bool((momentum == 0).any()):
+        if idle is not None:
             # torch steps a model without momentum with addcdiv(grad, avg, value=-lr), which rounds unlike
             # buf = grad / avg followed by add(buf, alpha=-lr): take each model's slice from its own formula.
             with_momentum = foreach_add_scaled(params, bufs, neg_lr)
             foreach_addcdiv_scaled_(params, grads, avg, neg_lr)
-            uses_momentum = momentum > 0
+            uses_momentum = cast(Tensor, momentum) > 0  # (a tensor: idle names its models at 0)
             for param, stepped in zip(params, with_momentum):
                 param.copy_(torch.where(uses_momentum.view(-1, *([1] * (param.dim() - 1))), stepped, param))
+            restore_models(saved, idle)
         else:
             foreach_add_scaled_(params, bufs, neg_lr)
 
@@ -144,18 +212,31 @@ class RMSprop(BatchedOptimizer):
         lr, alpha, eps, weight_decay, momentum = (
             self.hyperparameter(group, key, num_models) for key in self.per_model_hyperparameters
         )
+        bufs = momentum_buffers(momentum, states)
+        idle = None if bufs is None else zero_models(momentum)
+        saved = save_models(bufs or [], idle)  # torch leaves a model's buffer as it is while its momentum is 0
         self._compiled(rmsprop_kernel)(
             params,
             grads,
             [s["square_avg"] for s in states],
             [s["grad_avg"] for s in states] if group["centered"] else [],
-            [] if is_zero(momentum) else [s["momentum_buffer"] for s in states],
+            bufs or [],
             [s["step"] for s in states],
             **pack_kernel_inputs(params[0].device, lr, alpha, eps, weight_decay, momentum),
             maximize=bool(group["maximize"]),
             has_weight_decay=not is_zero(weight_decay),
             per_model_momentum=isinstance(momentum, Tensor),
         )
+        restore_models(saved, idle)
+
+
+def momentum_buffers(momentum: Hyperparameter, states: list[dict[str, Tensor]]) -> list[Tensor] | None:
+    """The momentum buffers to update, or ``None`` to step without momentum: momentum 0, or a parameter without
+    a buffer (:meth:`RMSprop._check_momentum_buffers` made sure that the models with momentum do not step)."""
+    if is_zero(momentum):
+        return None
+    bufs = [s.get("momentum_buffer") for s in states]
+    return None if any(buf is None for buf in bufs) else cast("list[Tensor]", bufs)
 
 
 def rmsprop_kernel(

@@ -19,7 +19,10 @@ from ._base import (
     new_step_counts,
     pack_kernel_inputs,
     per_model_inputs,
+    restore_models,
+    save_models,
     unpack_kernel_inputs,
+    zero_models,
 )
 
 __all__ = ["SGD"]
@@ -50,8 +53,11 @@ class SGD(BatchedOptimizer):
 
     State per parameter, once momentum is used: ``momentum_buffer`` (the parameter's shape) and ``step``
     (``(M,)``, each model's steps with momentum). ``step`` is kept (torch's SGD has none) because with
-    :meth:`step(active=...) <BatchedOptimizer.step>` models can be at different steps, and a model's first
-    momentum step starts its buffer from the gradient, as in torch.
+    :meth:`step(active=...) <BatchedOptimizer.step>` and per-model momentum models can be at different steps,
+    and a model's first momentum step starts its buffer from the gradient, as in torch: a model's ``step`` 0
+    stands for torch's ``momentum_buffer`` ``None``. While a model's momentum is 0 its buffer and ``step``
+    stay as they are (torch keeps the buffer untouched), and it resumes from them when its momentum is set
+    again.
 
     Examples::
 
@@ -116,9 +122,12 @@ class SGD(BatchedOptimizer):
             grads = torch._foreach_neg(grads)
         if not is_zero(weight_decay):
             grads = foreach_add_scaled(grads, params, broadcast_per_model(weight_decay, params))
+        idle: Tensor | None = None
+        saved: list[tuple[Tensor, Tensor]] = []
         if not is_zero(momentum):
             steps = [s["step"] for s in states]
             bufs = [s["momentum_buffer"] for s in states]
+            idle, saved = self._set_aside_models_without_momentum(momentum, steps, bufs)
             step = self._steps_after_increment(steps)
             momentum_now, keep_now = momentum_factors(momentum, dampening, step)
             torch._foreach_mul_(bufs, broadcast_per_model(momentum_now, params))
@@ -126,10 +135,15 @@ class SGD(BatchedOptimizer):
             torch._foreach_add_(steps, 1.0)
             self._counted(steps, step)
             if group["nesterov"]:
-                grads = foreach_add_scaled(grads, bufs, broadcast_per_model(momentum, params))
+                nesterov_grads = foreach_add_scaled(grads, bufs, broadcast_per_model(momentum, params))
+                if idle is not None:  # the plain gradient, as torch takes it (grad + 0 * inf would be NaN)
+                    for nesterov_grad, grad in zip(nesterov_grads, grads):
+                        nesterov_grad.index_copy_(0, idle, grad.index_select(0, idle))
+                grads = nesterov_grads
             else:
                 grads = bufs
         foreach_add_scaled_(params, grads, broadcast_per_model(-lr, params))
+        restore_models(saved, idle)
 
     def _update_fused(self, group, params, grads, states, num_models) -> None:
         lr, momentum, dampening, weight_decay = (
@@ -137,12 +151,14 @@ class SGD(BatchedOptimizer):
         )
         has_momentum = not is_zero(momentum)
         steps = [s["step"] for s in states] if has_momentum else []
+        bufs = [s["momentum_buffer"] for s in states] if has_momentum else []
+        idle, saved = self._set_aside_models_without_momentum(momentum, steps, bufs) if has_momentum else (None, [])
         step = self._steps_after_increment(steps) if has_momentum else 1.0
         momentum_now, keep_now = momentum_factors(momentum, dampening, step) if has_momentum else (0.0, 0.0)
         self._compiled(sgd_kernel)(
             params,
             grads,
-            [s["momentum_buffer"] for s in states] if has_momentum else [],
+            bufs,
             steps,
             **pack_kernel_inputs(
                 params[0].device,
@@ -154,9 +170,26 @@ class SGD(BatchedOptimizer):
             maximize=bool(group["maximize"]),
             has_weight_decay=not is_zero(weight_decay),
             nesterov=bool(group["nesterov"]),
+            plain_without_momentum=idle is not None and bool(group["nesterov"]),
         )
         if has_momentum:
             self._counted(steps, step)
+        restore_models(saved, idle)
+
+    @staticmethod
+    def _set_aside_models_without_momentum(
+        momentum: Hyperparameter, steps: list[Tensor], bufs: list[Tensor]
+    ) -> tuple[Tensor | None, list[tuple[Tensor, Tensor]]]:
+        """The models whose momentum is 0 and a copy of their step counts and buffers, which are put back after
+        the step: torch keeps a model's buffer as it is while its momentum is 0 (or has none yet), and steps with
+        the gradient. Their buffers are zeroed meanwhile, so the update computes ``0 * 0 + 1 * grad``, the
+        gradient, for them (not ``0 * inf = NaN`` for an inf in the buffer)."""
+        idle = zero_models(momentum)
+        saved = save_models([*steps, *bufs], idle)
+        if idle is not None:
+            for buf in bufs:
+                buf.index_fill_(0, idle, 0)
+        return idle, saved
 
 
 def momentum_factors(
@@ -164,9 +197,10 @@ def momentum_factors(
 ) -> tuple[float | Tensor, float | Tensor]:
     """``(a, b)`` with ``buf = a * buf + b * grad`` for each model and parameter: torch's first momentum step
     sets ``buf = grad`` (here ``0 * buf + 1 * grad`` on a zero buffer), later ones ``buf = momentum * buf +
-    (1 - dampening) * grad``; a model with momentum 0 keeps ``buf = grad``, which torch then steps with.
-    ``step``: each model's step count with this step (:func:`steps_after_increment`). Floats when every
-    model is at the same step and the values are shared, else tensors."""
+    (1 - dampening) * grad``; a model with momentum 0 gets ``buf = grad`` (its buffer zeroed for this step
+    and put back after it), which torch steps with. ``step``: each model's step count with this step
+    (:func:`steps_after_increment`). Floats when every model is at the same step and the values are
+    shared, else tensors."""
     if not isinstance(step, Tensor):
         if step == 1:
             return 0.0, 1.0
@@ -192,8 +226,10 @@ def sgd_kernel(
     maximize: bool,
     has_weight_decay: bool,
     nesterov: bool,
+    plain_without_momentum: bool = False,
 ) -> None:
-    """The foreach path's arithmetic, op for op, per parameter: ``torch.compile`` makes one loop of each."""
+    """The foreach path's arithmetic, op for op, per parameter: ``torch.compile`` makes one loop of each.
+    ``plain_without_momentum``: a Nesterov step takes the plain gradient where a model's momentum is 0."""
     lr, momentum, weight_decay, momentum_now, keep_now = unpack_kernel_inputs(scalars, tensors, layout)
     for i, (param, grad) in enumerate(zip(params, grads)):
         if maximize:
@@ -205,5 +241,11 @@ def sgd_kernel(
             new_buf = fma(grad, kernel_value(keep_now, param, i), buf * kernel_value(momentum_now, param, i))
             buf.copy_(new_buf)
             steps[i].add_(1)
-            grad = fma(new_buf, kernel_value(momentum, param, i), grad) if nesterov else new_buf
+            if nesterov:
+                nesterov_grad = fma(new_buf, kernel_value(momentum, param, i), grad)
+                if plain_without_momentum:
+                    nesterov_grad = torch.where(kernel_value(momentum, param, i) == 0, grad, nesterov_grad)
+                grad = nesterov_grad
+            else:
+                grad = new_buf
         param.copy_(fma(grad, kernel_value(-lr, param, i), param))
