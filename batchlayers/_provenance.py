@@ -720,6 +720,8 @@ def _matmul(ctx, name, args, kwargs, out, tagged) -> None:
             return _tag_all(out, Lost(f"{name} contracts the dimension that holds the models' samples"))
         if b.dim() == 1 and role == "a":
             dims.append(tag)  # (..., n, k) @ (k,) -> (..., n)
+        elif a.dim() == 1 and role == "b":  # (k,) @ (..., k, m) -> (..., m): the k dimension goes
+            dims.append(tag + n - (t.dim() - 1) if tag < t.dim() - 2 else n - 1)
         else:
             dims.append(tag + n - t.dim())
     if len(set(dims)) > 1:

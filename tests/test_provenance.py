@@ -529,6 +529,31 @@ def test_writes_after_a_reshape_whose_aliasing_differs_are_refused(pattern: str,
     assert torch.overrides._get_current_function_mode_stack() == []
 
 
+class _VectorTimesBatch(nn.Module):
+    """``w @ y`` with a ``(T,)`` weight vector and ``(B, T, C)`` samples: ``(B, C)``, the samples staying on
+    the first dimension (``C == M * B`` and ``B == M`` make every other reading the same shape)."""
+
+    def __init__(self, channels: int, out: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(channels, channels)
+        self.head = nn.Linear(channels, out)
+
+    def forward(self, x):
+        y = self.fc(x)
+        w = torch.linspace(0.5, 1.5, y.shape[1], dtype=y.dtype)
+        return self.head(w @ y)
+
+
+@pytest.mark.parametrize("num_models,batch", [(2, 2), (3, 3), (2, 5)])
+def test_vector_times_samples_is_exact(num_models: int, batch: int) -> None:
+    factory = lambda: _VectorTimesBatch(num_models * batch, num_models)  # noqa: E731
+    models = [seeded(factory, i) for i in range(num_models)]
+    x = torch.randn(num_models, batch, 3, num_models * batch, dtype=torch.float64)
+    out = stack(models)(x)
+    expected = torch.stack([m(x[i]) for i, m in enumerate(models)])
+    assert_close(out, expected, msg="w @ y")
+
+
 class _CountedAll(nn.Module):
     def __init__(self) -> None:
         super().__init__()
