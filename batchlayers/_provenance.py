@@ -307,6 +307,11 @@ class Tracker(TorchFunctionMode):
             _tag_all(out, lost or Lost(f"{_name(func)} (batchlayers has no rule for it)"))
         else:
             entry.rule(self, entry.name, args, kwargs, out, tagged)
+        written = kwargs.get(
+            "out", args[0] if args and (_IN_PLACE.get(func, False) or _SETS.get(func, False)) else None
+        )
+        if isinstance(written, Tensor) and written._base is not None:
+            _refuse_lost_write_into_a_view(func, written, tagged)
         if torch.compiler.is_compiling() and _IN_PLACE.get(func, False) and args and isinstance(args[0], Tensor):
             # torch.compile traces the result of an in-place op (``x += y``, ``x.relu_()``) as another tensor
             # than its input, one without the input's tag: give back the input, as eager torch does.
@@ -453,6 +458,24 @@ def _tag_all(out: object, tag: Tag) -> None:
 
 def _first_lost(tagged: list[_In]) -> Lost | None:
     return next((i.tag for i in tagged if isinstance(i.tag, Lost)), None)
+
+
+def _refuse_lost_write_into_a_view(func: Callable, written: Tensor, tagged: list[_In]) -> None:
+    """An in-place write (``copy_``, ``x[...] = v``, ``out=``) into a view of a tensor that held the models'
+    samples, of values whose rows cannot be assigned to models: the view's tag says so, but the tensor it
+    views (``y`` after ``y[:, :2].copy_(...)``), or other views of it, would still claim per-model rows."""
+    before = next((i.tag for i in tagged if i.tensor is written), None)
+    after = get_tag(written)
+    if not isinstance(before, int) or after == before:
+        return
+    if after is None and not _differs_along(written, before):
+        return set_tag(written, before)  # a value the same for every sample (a constant) written into them
+    what = f"values made by {after.reason}" if isinstance(after, Lost) else "values that differ along the models"
+    raise ValueError(
+        f"batchlayers: {_name(func)} writes {what} into part of a tensor that holds the models' "
+        "samples: the tensor it is a view of would hold rows that cannot be assigned to models. Compute it out "
+        "of place, or stack with execution='model_by_model'"
+    )
 
 
 def _refuse_escape(func: Callable, tagged: list[_In]) -> None:
@@ -1404,6 +1427,7 @@ _ESCAPES: dict[Callable, bool] = dict.fromkeys(
 for _escape in _ESCAPES:
     _RULES.setdefault(_escape, _Rule(lambda *a: None, ""))
 
+_SETS = dict.fromkeys((torch.Tensor.__setitem__,), True)
 _EQUALS = dict.fromkeys((torch.Tensor.__eq__, torch.Tensor.eq, torch.eq), True)
 
 _IN_PLACE = _in_place_functions()

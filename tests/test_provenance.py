@@ -140,6 +140,18 @@ class _Mixes(_Pattern):
             x = x.clone()
             x[:, 0] = torch.arange(B, dtype=x.dtype)
             return self.fc(x)
+        if self.pattern == "rolled rows copied into a view":
+            h = self.fc(x)
+            h[:, :2].copy_(torch.roll(h, 1, 0)[:, :2].detach())
+            return self.fc(h)
+        if self.pattern == "per-sample arange copied into a view":
+            z = torch.zeros(B, 4, dtype=x.dtype)
+            z[:, 0].copy_(torch.arange(B, dtype=x.dtype))
+            return self.fc(x + z)
+        if self.pattern == "arange out= a view":
+            z = torch.zeros(B, 4, dtype=x.dtype)
+            torch.arange(B, out=z[:, 0])
+            return self.fc(x + z)
         if self.pattern == "msort over the batch":
             return self.fc(torch.msort(x))
         if self.pattern == "gather by per-sample positions":
@@ -167,6 +179,9 @@ REFUSED = {
     "per-sample arange written into samples": r"fc.*__setitem__ combines the models' samples with a value that differs",
     "shared tensor clamped in place by all models' max": r"Tensor.clamp_ .*writes per-model values into a tensor all",
     "msort over the batch": r"fc.*torch.msort along the dimension that holds the models' samples",
+    "rolled rows copied into a view": r"Tensor.copy_ writes values made by torch.roll .* into part of a tensor",
+    "per-sample arange copied into a view": r"Tensor.copy_ writes values that differ along the models into part of",
+    "arange out= a view": r"torch.arange writes values made by .* into part of a tensor that holds",
     "gather by per-sample positions": r"fc.*Tensor.gather combines the models' samples with a value that differs",
     "scatter of per-sample positions": r"fc.*Tensor.scatter combines the models' samples with a value that differs",
     "index_add of per-sample positions": r"fc.*Tensor.index_add combines the models' samples with a value that",
