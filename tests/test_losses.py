@@ -27,21 +27,28 @@ def probabilities(*shape):
     return torch.softmax(torch.randn(*shape, dtype=torch.float64), dim=2)
 
 
-def check_against_loop(batched_fn, torch_fn, input, target, **kwargs):
+def assert_close_or_both_nan(actual: torch.Tensor, expected: torch.Tensor, *, msg: str = "") -> None:
+    """:func:`assert_close` where NaN must stand exactly where torch has NaN."""
+    assert torch.equal(actual.isnan(), expected.isnan()), f"{msg}: NaN elsewhere than torch's\n{actual}\n{expected}"
+    assert_close(actual.nan_to_num(), expected.nan_to_num(), msg=msg)
+
+
+def check_against_loop(batched_fn, torch_fn, input, target, *, equal_nan=False, **kwargs):
     """``batched_fn`` on (M, B, *) equals ``torch_fn`` per model, and the SUM of the (M,) vector gives each
-    model's input exactly the gradient of its own loss."""
+    model's input exactly the gradient of its own loss (``equal_nan``: NaN where torch has NaN)."""
+    compare = assert_close_or_both_nan if equal_nan else assert_close
     x = input.detach().clone().requires_grad_(True)
     losses = batched_fn(x, target, **kwargs)
     refs_x = [input[m].detach().clone().requires_grad_(True) for m in range(input.shape[0])]
     refs = [torch_fn(refs_x[m], target[m], **kwargs) for m in range(input.shape[0])]
-    assert_close(losses, torch.stack(refs), msg="per-model losses")
+    compare(losses, torch.stack(refs), msg="per-model losses")
     if kwargs.get("reduction", "mean") == "none":
         losses = losses.sum()
         refs = [r.sum() for r in refs]
     losses.sum().backward()
     for m, (rx, r) in enumerate(zip(refs_x, refs)):
         r.backward()
-        assert_close(x.grad[m], rx.grad, msg=f"gradient of model {m}")
+        compare(x.grad[m], rx.grad, msg=f"gradient of model {m}")
 
 
 CLASSIFICATION = [
@@ -277,9 +284,122 @@ def test_two_class_cross_entropy_refuses_targets_out_of_range(bad) -> None:
         BL.cross_entropy(input, target)
 
 
-def test_two_class_cross_entropy_refuses_double_backward() -> None:
-    """The two-class formula's backward is hand-written: a second derivative raises, never a wrong one."""
-    input = logits(M, B, 2).requires_grad_(True)
-    (grad,) = torch.autograd.grad(BL.cross_entropy(input, torch.randint(0, 2, (M, B))).sum(), input, create_graph=True)
-    with pytest.raises(RuntimeError, match="once_differentiable|does not require grad"):
-        grad.sum().backward()
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize(
+    "spatial,dtype",
+    [((), torch.long), ((3,), torch.long), ((), torch.uint8)],  # torch takes uint8 targets without spatial dims
+    ids=["flat", "spatial", "flat-uint8"],
+)
+@pytest.mark.parametrize("ignore_index", [0, 1])
+def test_two_class_cross_entropy_ignores_a_class_given_as_ignore_index(ignore_index, spatial, dtype, reduction) -> None:
+    """``ignore_index`` 0 or 1 is a real class: torch skips every target of that class, so must we (also
+    when every target is 0 or 1, the case that otherwise counts every target in one node)."""
+    torch.manual_seed(0)
+    target = torch.randint(0, 2, (M, B, *spatial)).to(dtype)
+    target[:, 0] = 1 - ignore_index  # every model keeps a counted target (else 0/0 in both)
+    check_against_loop(
+        BL.cross_entropy,
+        F.cross_entropy,
+        logits(M, B, 2, *spatial),
+        target,
+        reduction=reduction,
+        ignore_index=ignore_index,
+    )
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("ignore", [False, True], ids=["all-counted", "ignore_index"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_two_class_cross_entropy_under_autocast_follows_torch(dtype, ignore, reduction) -> None:
+    """CPU autocast runs torch's cross_entropy in float32 (it is on autocast's float32 list): the two-class
+    formula must too, returning float32 losses and gradients of the low-precision logits' dtype."""
+    torch.manual_seed(0)
+    target = torch.randint(0, 2, (M, B))
+    if ignore:
+        target[0, :2] = -100
+    with torch.autocast("cpu", dtype=dtype):
+        check_against_loop(BL.cross_entropy, F.cross_entropy, logits(M, B, 2, dtype=dtype), target, reduction=reduction)
+
+
+def _gradient_penalty_grad(loss_fn, weight, features, target, **kwargs):
+    """d(loss + ||d loss / d features||^2) / d weight: the loss's input gradient differentiated again."""
+    loss = loss_fn(features @ weight, target, **kwargs).sum()
+    (by_features,) = torch.autograd.grad(loss, features, create_graph=True)
+    (by_weight,) = torch.autograd.grad(loss + by_features.pow(2).sum(), weight)
+    return by_weight
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("ignore_index", [None, -100, 1], ids=["all-counted", "some-ignored", "ignore-class-1"])
+def test_two_class_cross_entropy_double_backward_matches_loop(ignore_index, reduction) -> None:
+    """A gradient penalty differentiates the two-class formula's hand-written backward: with
+    ``create_graph=True`` it must be exactly torch's second derivative, never a silently constant gradient."""
+    torch.manual_seed(0)
+    features = torch.randn(M, B, 4, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(M, 4, 2, dtype=torch.float64, requires_grad=True)
+    target = torch.randint(0, 2, (M, B))
+    target[:, 0] = 0  # every model keeps a counted target
+    kwargs = {"reduction": reduction}
+    if ignore_index is not None:
+        kwargs["ignore_index"] = ignore_index
+        target[0, 1:3] = ignore_index
+    batched = _gradient_penalty_grad(BL.cross_entropy, weight, features, target, **kwargs)
+    for m in range(M):
+        expected = _gradient_penalty_grad(
+            F.cross_entropy,
+            weight[m].detach().requires_grad_(True),
+            features[m].detach().requires_grad_(True),
+            target[m],
+            **kwargs,
+        )
+        assert_close(batched[m], expected, msg=f"penalised gradient of model {m}")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("ignore_index", [-100, 0])
+def test_two_class_cross_entropy_model_with_every_target_ignored(ignore_index, reduction) -> None:
+    """A model whose targets are all ignored: torch's 'mean' is 0/0 = NaN, but its gradient is 0, and the
+    other models are untouched."""
+    torch.manual_seed(0)
+    target = torch.randint(0, 2, (M, B))
+    target[:, 0] = 1
+    target[1] = ignore_index
+    check_against_loop(
+        BL.cross_entropy,
+        F.cross_entropy,
+        logits(M, B, 2),
+        target,
+        equal_nan=True,
+        reduction=reduction,
+        ignore_index=ignore_index,
+    )
+
+
+INF = float("inf")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("ignore_index", [-100, 1])
+def test_two_class_cross_entropy_infinite_logits_follow_torch(ignore_index, reduction) -> None:
+    """A +inf logit makes torch's loss and gradient NaN (a diverged model must not look finite); a -inf
+    logit alone does not. Every row ``(x_0, x_1, target)`` below, and the models without one, as torch."""
+    rows = [
+        (INF, 0.0, 0),
+        (INF, 0.0, 1),
+        (0.0, INF, 0),
+        (INF, -INF, 1),
+        (-INF, 0.0, 0),
+        (-INF, 0.0, 1),
+        (0.0, -INF, 0),
+        (-INF, -INF, 1),
+        (INF, 1.0, -100),  # ignored (when ignore_index is -100): torch's gradient is NaN even so
+    ]
+    torch.manual_seed(0)
+    input = logits(len(rows) + 1, B, 2)
+    target = torch.randint(0, 2, (len(rows) + 1, B))
+    target[:, 0] = 0
+    for m, (x0, x1, t) in enumerate(rows):
+        input[m, 1, 0], input[m, 1, 1], target[m, 1] = x0, x1, t if t != -100 else ignore_index
+    check_against_loop(
+        BL.cross_entropy, F.cross_entropy, input, target, equal_nan=True, reduction=reduction, ignore_index=ignore_index
+    )
