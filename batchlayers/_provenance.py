@@ -277,6 +277,8 @@ class Tracker(TorchFunctionMode):
             if self.size_read and func in _CREATORS:
                 _CREATORS[func](self, out)
             return out
+        if self.size_read and self.num_models > 1 and _ARITHMETIC.get(func, False):
+            self._refuse_folded_size_as_a_value(func, args, kwargs)
         if any(i.tag is PerModel for i in tagged):
             if isinstance(func, torch._ops.OpOverload):
                 return func(*args, **kwargs)  # a compiled graph running: its ops are on the stored tensors
@@ -344,6 +346,20 @@ class Tracker(TorchFunctionMode):
         if isinstance(indices, Tensor):
             set_tag(indices, Lost(f"the indices of {name} over the models' samples"))
         return out
+
+    def _refuse_folded_size_as_a_value(self, func: Callable, args: tuple, kwargs: dict) -> None:
+        """Arithmetic with the number ``M * B`` once a size holding the batch was read (``y / x.size(0)``,
+        ``count += x.shape[0]`` in a running mean): the folded batch size used as a value, where each original
+        uses its own ``B``. (A number that merely equals it is refused too: never a silent ``M``-fold value.)"""
+        for value in (*args, *kwargs.values()):
+            if type(value) in (int, float) and value == self.folded:
+                raise ValueError(
+                    f"batchlayers: {_name(func)} uses the number {value}, which is the folded batch size "
+                    f"(M * B = {self.num_models} * {self.folded // self.num_models}) read from a tensor's size, "
+                    f"as a value: each original model uses its own batch size {self.folded // self.num_models}. "
+                    "Compute it from the samples (x.mean(0) rather than x.sum(0) / x.size(0)), or stack with "
+                    "execution='model_by_model'"
+                )
 
     def _all_idiom(self, args: tuple) -> object:
         """``mask.sum() == mask.numel()`` (transformers' ``fast_all``): over the models' samples, each model's
@@ -1428,6 +1444,17 @@ for _escape in _ESCAPES:
     _RULES.setdefault(_escape, _Rule(lambda *a: None, ""))
 
 _SETS = dict.fromkeys((torch.Tensor.__setitem__,), True)
+# Arithmetic whose number arguments are values (see Tracker._refuse_folded_size_as_a_value)
+_ARITHMETIC: dict[Callable, bool] = {}
+for _op in (
+    "add sub subtract mul multiply div divide true_divide floor_divide remainder fmod pow float_power "
+    "add_ sub_ mul_ div_ pow_ __add__ __radd__ __sub__ __rsub__ __mul__ __rmul__ __truediv__ __rtruediv__ "
+    "__floordiv__ __rfloordiv__ __pow__ __rpow__ __iadd__ __isub__ __imul__ __itruediv__"
+).split():
+    for _owner in (torch, torch.Tensor):
+        _arithmetic = getattr(_owner, _op, None)
+        if callable(_arithmetic):
+            _ARITHMETIC[_arithmetic] = True
 _EQUALS = dict.fromkeys((torch.Tensor.__eq__, torch.Tensor.eq, torch.eq), True)
 
 _IN_PLACE = _in_place_functions()

@@ -387,7 +387,7 @@ class _Sums(_Pattern):
 
 
 SUMS = {
-    "sum / x.size(0)": r"0-dim value.*Tensor.sum over the models' samples.*not any one model's",
+    "sum / x.size(0)": r"Tensor.div uses the number 6, which is the folded batch size \(M \* B = 2 \* 3\)",
     "sum / x.numel()": r"0-dim value.*Tensor.sum over the models' samples",
     "masked sum / mask.sum()": r"0-dim value.*Tensor.sum over the models' samples",
     "loss with reduction='sum'": r"0-dim value.*F.l1_loss with reduction='sum'",
@@ -441,6 +441,51 @@ class _Escapes(_Pattern):
             h.register_hook(lambda g: g / g.norm())
             return h
         raise AssertionError(self.pattern)
+
+
+class _FoldedSizes(_Pattern):
+    """The batch size read from the input used as a number: M * B in a batched forward."""
+
+    def __init__(self, pattern: str) -> None:
+        super().__init__(pattern)
+        # different in every model (as after some training), so stored per model
+        self.register_buffer("mean", torch.randn(4))
+        self.register_buffer("count", torch.rand(()) + 1)
+        self.register_buffer("seen", torch.rand(()))
+
+    def forward(self, x):
+        h = self.fc(x)
+        if self.pattern == "running mean (RL observation normaliser)":
+            batch_mean, batch_count = x.detach().mean(0), x.shape[0]
+            total = self.count + batch_count
+            self.mean += (batch_mean - self.mean) * batch_count / total
+            self.count.copy_(total)
+            return h - self.mean
+        if self.pattern == "samples seen":
+            self.seen.add_(x.size(0))
+            return h * self.seen
+        if self.pattern == "sum / batch size":
+            return h / x.size(0)
+        raise AssertionError(self.pattern)
+
+
+FOLDED_SIZES = ["running mean (RL observation normaliser)", "samples seen", "sum / batch size"]
+
+
+@pytest.mark.parametrize("pattern", FOLDED_SIZES)
+def test_the_folded_batch_size_as_a_value_is_refused(pattern: str) -> None:
+    """``x.size(0)`` is ``M * B`` in a batched forward: used as a number it would be M times each model's
+    own; refused, naming it. Model by model it is each model's B: exact, buffers included."""
+    models = [seeded(lambda: _FoldedSizes(pattern), i) for i in range(3)]
+    x = torch.randn(3, 2, 4, dtype=torch.float64)
+    _refused(stack(models), x, r"uses the number 6, which is the folded batch size \(M \* B = 3 \* 2\)")
+    stacked = stack(models, execution="model_by_model")
+    for _ in range(2):
+        out = stacked(x)
+        expected = torch.stack([m(x[i]) for i, m in enumerate(models)])
+        assert_close(out, expected, msg=pattern)
+    for key, value in stacked.named_buffers():
+        assert_close(value, torch.stack([dict(m.named_buffers())[key] for m in models]), msg=key)
 
 
 ESCAPES = {
