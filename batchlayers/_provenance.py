@@ -285,7 +285,7 @@ class Tracker(TorchFunctionMode):
             return _per_model.call(self, func, args, kwargs)
         if self.copied_views:
             self.check_copied_views()
-        if _ESCAPES.get(func, False):
+        if _ESCAPES.get(func, False) and self.num_models > 1:  # (one model: every value is its own)
             _refuse_escape(func, tagged)
         if _EQUALS.get(func, False):
             found = self._all_idiom(args)
@@ -312,7 +312,12 @@ class Tracker(TorchFunctionMode):
         written = kwargs.get(
             "out", args[0] if args and (_IN_PLACE.get(func, False) or _SETS.get(func, False)) else None
         )
-        if isinstance(written, Tensor) and written._base is not None:
+        if (
+            isinstance(written, Tensor)
+            and self.num_models > 1
+            and not torch.compiler.is_compiling()  # (an eager check: it compares values)
+            and written._base is not None
+        ):
             _refuse_lost_write_into_a_view(func, written, tagged)
         if torch.compiler.is_compiling() and _IN_PLACE.get(func, False) and args and isinstance(args[0], Tensor):
             # torch.compile traces the result of an in-place op (``x += y``, ``x.relu_()``) as another tensor
@@ -1175,7 +1180,7 @@ def _size(ctx, name, args, kwargs, out, tagged) -> None:
     as an int (see "Sizes" in the module docstring)."""
     x = args[0]
     d = get_tag(x)
-    if isinstance(d, Lost) and d.data_sized:
+    if isinstance(d, Lost) and d.data_sized and ctx.num_models > 1:
         raise ValueError(
             f"batchlayers: {name} reads the size of a tensor computed from the models' samples ({d.reason}), "
             "which depends on the values of every model's samples: one number for all models, where each "

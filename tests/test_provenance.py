@@ -523,6 +523,16 @@ def test_samples_read_into_python_are_refused(pattern: str, batch: int) -> None:
         assert_close(p.grad, torch.stack([dict(m.named_parameters())[key].grad for m in models]), msg=key)
 
 
+@pytest.mark.parametrize("pattern", [*ESCAPES, "sum / batch size"])
+def test_reading_into_python_is_exact_for_one_model(pattern: str) -> None:
+    """With M=1 the folded batch is the one model's: whatever Python reads from it is its own. (The buffer
+    patterns of FOLDED_SIZES are left out: with one model every buffer is equal in all models, so shared.)"""
+    factory = (lambda: _FoldedSizes(pattern)) if pattern in FOLDED_SIZES else (lambda: _Escapes(pattern))
+    model = seeded(factory, 0).double()
+    x = torch.randn(1, 3, 4, dtype=torch.float64)
+    assert_close(stack([seeded(factory, 0)])(x), model(x[0])[None], msg=pattern)
+
+
 def test_per_model_values_read_into_python_stay_allowed() -> None:
     """A per-model value (a mean over the samples, each model's own) read into Python is allowed where every
     model reads the same (here: whether anything is NaN), as before; so is a count of a mask compared with
