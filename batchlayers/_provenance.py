@@ -67,7 +67,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["Lost", "PerModel", "Tracker", "get_tag", "set_tag"]
+__all__ = ["FoldedSize", "Lost", "PerModel", "Tracker", "get_tag", "set_tag"]
 
 _ATTR = "_batchlayers_models"
 _VIEWS = frozenset({Tensor.view, Tensor.view_as})
@@ -277,7 +277,7 @@ class Tracker(TorchFunctionMode):
             if self.size_read and func in _CREATORS:
                 _CREATORS[func](self, out)
             return out
-        if self.size_read and self.num_models > 1 and _ARITHMETIC.get(func, False):
+        if self.num_models > 1 and _ARITHMETIC.get(func, False):
             self._refuse_folded_size_as_a_value(func, args, kwargs)
         if any(i.tag is PerModel for i in tagged):
             if isinstance(func, torch._ops.OpOverload):
@@ -309,6 +309,8 @@ class Tracker(TorchFunctionMode):
             _tag_all(out, lost or Lost(f"{_name(func)} (batchlayers has no rule for it)"))
         else:
             entry.rule(self, entry.name, args, kwargs, out, tagged)
+        if _SIZES.get(func, False) and self.num_models > 1 and not torch.compiler.is_compiling():
+            out = _marked_sizes(func, args, kwargs, out)
         written = kwargs.get(
             "out", args[0] if args and (_IN_PLACE.get(func, False) or _SETS.get(func, False)) else None
         )
@@ -353,17 +355,16 @@ class Tracker(TorchFunctionMode):
         return out
 
     def _refuse_folded_size_as_a_value(self, func: Callable, args: tuple, kwargs: dict) -> None:
-        """Arithmetic with the number ``M * B`` once a size holding the batch was read (``y / x.size(0)``,
-        ``count += x.shape[0]`` in a running mean): the folded batch size used as a value, where each original
-        uses its own ``B``. (A number that merely equals it is refused too: never a silent ``M``-fold value.)"""
+        """Arithmetic with a :class:`FoldedSize` (``y / x.size(0)``, ``count += x.shape[0]`` in a running mean):
+        a size that holds all models' samples used as a value, where each original uses its own."""
         for value in (*args, *kwargs.values()):
-            if type(value) in (int, float) and value == self.folded:
+            if isinstance(value, FoldedSize):
+                m = self.num_models
                 raise ValueError(
-                    f"batchlayers: {_name(func)} uses the number {value}, which is the folded batch size "
-                    f"(M * B = {self.num_models} * {self.folded // self.num_models}) read from a tensor's size, "
-                    f"as a value: each original model uses its own batch size {self.folded // self.num_models}. "
-                    "Compute it from the samples (x.mean(0) rather than x.sum(0) / x.size(0)), or stack with "
-                    "execution='model_by_model'"
+                    f"batchlayers: {_name(func)} uses the number {value}, read from the size of a tensor that "
+                    f"holds the models' samples (M * B = {m} * {self.folded // m} there), as a value: each "
+                    f"original model reads its own ({value // m}). Compute it from the samples (x.mean(0) rather "
+                    "than x.sum(0) / x.size(0)), or stack with execution='model_by_model'"
                 )
 
     def _all_idiom(self, args: tuple) -> object:
@@ -374,7 +375,12 @@ class Tracker(TorchFunctionMode):
             return None
         for count, size in (args, args[::-1]):
             tag = get_tag(count) if isinstance(count, Tensor) else None
-            if isinstance(tag, Lost) and tag.all_of is not None and type(size) is int and size == tag.all_of.numel():
+            if (
+                isinstance(tag, Lost)
+                and tag.all_of is not None
+                and isinstance(size, int)
+                and size == tag.all_of.numel()
+            ):
                 return self._over_samples("Tensor.all", torch.Tensor.all, (tag.all_of,), {})
         return None
 
@@ -479,6 +485,32 @@ def _tag_all(out: object, tag: Tag) -> None:
 
 def _first_lost(tagged: list[_In]) -> Lost | None:
     return next((i.tag for i in tagged if isinstance(i.tag, Lost)), None)
+
+
+class FoldedSize(int):
+    """A size read from a tensor that holds the models' samples, along their dimension (``x.size(0)``,
+    ``x.shape[0]``, ``x.numel()``): ``M`` times one model's. An ordinary int for shapes (``x.view(B, -1)``,
+    ``torch.zeros(B, T)``); arithmetic with tensors that uses it as a value is refused (see
+    :meth:`Tracker._refuse_folded_size_as_a_value`). What is computed from it in Python is a plain int."""
+
+    __slots__ = ()
+
+
+def _marked_sizes(func: Callable, args: tuple, kwargs: dict, out: object) -> object:
+    """The sizes ``x.size()``, ``x.shape``, ``x.size(d)``, ``x.numel()`` returned with the ones that count the
+    models' samples as :class:`FoldedSize`."""
+    x = args[0] if args else None
+    d = get_tag(x) if isinstance(x, Tensor) else None
+    if not isinstance(d, int) or isinstance(out, FoldedSize):
+        return out
+    if isinstance(out, torch.Size):
+        return torch.Size([FoldedSize(n) if i == d else n for i, n in enumerate(out)])
+    if type(out) is not int:
+        return out
+    if func is not torch.Tensor.size:  # numel
+        return FoldedSize(out)
+    dim = _arg(args, kwargs, 1, "dim", None)
+    return FoldedSize(out) if dim is not None and _norm(dim, cast(Tensor, x).dim()) == d else out
 
 
 def _refuse_lost_write_into_a_view(func: Callable, written: Tensor, tagged: list[_In]) -> None:
@@ -1449,6 +1481,9 @@ for _escape in _ESCAPES:
     _RULES.setdefault(_escape, _Rule(lambda *a: None, ""))
 
 _SETS = dict.fromkeys((torch.Tensor.__setitem__,), True)
+_SIZES: dict[Callable, bool] = dict.fromkeys(
+    (torch.Tensor.size, _getter("shape"), torch.Tensor.numel, torch.numel, torch.Tensor.nelement), True
+)
 # Arithmetic whose number arguments are values (see Tracker._refuse_folded_size_as_a_value)
 _ARITHMETIC: dict[Callable, bool] = {}
 for _op in (

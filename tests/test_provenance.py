@@ -387,8 +387,8 @@ class _Sums(_Pattern):
 
 
 SUMS = {
-    "sum / x.size(0)": r"Tensor.div uses the number 6, which is the folded batch size \(M \* B = 2 \* 3\)",
-    "sum / x.numel()": r"0-dim value.*Tensor.sum over the models' samples",
+    "sum / x.size(0)": r"Tensor.div uses the number 6, read from the size of a tensor that holds the models' samples",
+    "sum / x.numel()": r"Tensor.div uses the number 18, read from the size of a tensor that holds the models'",
     "masked sum / mask.sum()": r"0-dim value.*Tensor.sum over the models' samples",
     "loss with reduction='sum'": r"0-dim value.*F.l1_loss with reduction='sum'",
     "legacy size_average=False": r"0-dim value.*F.l1_loss with reduction='sum'",
@@ -466,6 +466,9 @@ class _FoldedSizes(_Pattern):
             return h * self.seen
         if self.pattern == "sum / batch size":
             return h / x.size(0)
+        if self.pattern == "a literal that equals M * B":  # Swin v2: 16 * sigmoid(bias), here with M * B == 6
+            B, C = x.shape
+            return h.view(B, C) * (6 * torch.sigmoid(self.mean))
         raise AssertionError(self.pattern)
 
 
@@ -478,7 +481,11 @@ def test_the_folded_batch_size_as_a_value_is_refused(pattern: str) -> None:
     own; refused, naming it. Model by model it is each model's B: exact, buffers included."""
     models = [seeded(lambda: _FoldedSizes(pattern), i) for i in range(3)]
     x = torch.randn(3, 2, 4, dtype=torch.float64)
-    _refused(stack(models), x, r"uses the number 6, which is the folded batch size \(M \* B = 3 \* 2\)")
+    _refused(
+        stack(models),
+        x,
+        r"uses the number 6, read from the size of a tensor that holds the models' samples \(M \* B = 3 \* 2",
+    )
     stacked = stack(models, execution="model_by_model")
     for _ in range(2):
         out = stacked(x)
@@ -521,6 +528,14 @@ def test_samples_read_into_python_are_refused(pattern: str, batch: int) -> None:
     expected.sum().backward()
     for key, p in stacked.named_parameters():
         assert_close(p.grad, torch.stack([dict(m.named_parameters())[key].grad for m in models]), msg=key)
+
+
+def test_a_number_that_merely_equals_the_folded_size_is_exact() -> None:
+    """Only sizes read from the samples are refused as values: a literal equal to M * B is a number."""
+    models = [seeded(lambda: _FoldedSizes("a literal that equals M * B"), i) for i in range(3)]
+    x = torch.randn(3, 2, 4, dtype=torch.float64)
+    compare = torch.stack([m(x[i]) for i, m in enumerate(models)])
+    assert_close(stack(models)(x), compare, msg="literal")
 
 
 @pytest.mark.parametrize("pattern", [*ESCAPES, "sum / batch size"])
