@@ -594,6 +594,7 @@ class BatchedOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_step(active)
         # One pass over the parameters, the checks included: on small models this loop is a good part of the step.
         for group in self.param_groups:
             params, grads = [], []
@@ -618,13 +619,11 @@ class BatchedOptimizer(Optimizer):
                 if not state:  # before the snapshot below, so new state is masked too
                     state.update(self._init_state(p, group))
                 states.append(state)
-            saved = None
-            if inactive is not None and inactive.numel() > 0:
-                # Put inactive models' slices back afterwards: exact, and it covers every state entry.
-                saved = [
-                    [(t, t.index_select(0, inactive)) for t in (p, *s.values()) if isinstance(t, Tensor)]
-                    for p, s in zip(params, states)
-                ]
+            # Put inactive models' slices back afterwards: exact, and it covers every state entry.
+            idle = inactive if inactive is not None and inactive.numel() > 0 else None
+            saved = save_models(
+                (t for p, s in zip(params, states) for t in (p, *s.values()) if isinstance(t, Tensor)), idle
+            )
             update = self._update_fused if group.get("fused") else self._update
             device, dtype = params[0].device, params[0].dtype
             if all(p.dtype == dtype and p.device == device for p in params):
@@ -641,12 +640,11 @@ class BatchedOptimizer(Optimizer):
                         [states[i] for i in indices],
                         num_models,
                     )
-            if saved is not None:
-                assert inactive is not None  # (saved only then)
-                for entries in saved:
-                    for tensor, old in entries:
-                        tensor.index_copy_(0, inactive, old)
+            restore_models(saved, idle)
         return loss
+
+    def _check_step(self, active: Tensor | None) -> None:
+        """Refuse a step before anything changes (after the closure): none by default."""
 
     def _inactive_models(self, active: Tensor | None, num_models: int, device: torch.device) -> Tensor | None:
         if active is None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -96,18 +95,11 @@ class RMSprop(BatchedOptimizer):
         }
         super().__init__(params, defaults)
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None, *, active: Tensor | None = None) -> Any:
-        """:meth:`BatchedOptimizer.step`, first refusing (``KeyError``, nothing changed) a step with momentum > 0
-        for a model that has no momentum buffer, as torch's RMSprop does."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    def _check_step(self, active: Tensor | None) -> None:
+        """Refuse (``KeyError``, nothing changed) a step with momentum > 0 for a model that has no momentum
+        buffer, as torch's RMSprop does."""
         for group in self.param_groups:
             self._check_momentum_buffers(group, active)
-        super().step(active=active)
-        return loss
 
     def _check_momentum_buffers(self, group: dict[str, Any], active: Tensor | None) -> None:
         """Raise, before anything changes, where torch's RMSprop raises ``KeyError('momentum_buffer')``: a
