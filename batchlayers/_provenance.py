@@ -312,7 +312,7 @@ class Tracker(TorchFunctionMode):
         if _SIZES.get(func, False) and self.num_models > 1 and not torch.compiler.is_compiling():
             out = _marked_sizes(func, args, kwargs, out)
         written = kwargs.get(
-            "out", args[0] if args and (_IN_PLACE.get(func, False) or _SETS.get(func, False)) else None
+            "out", args[0] if args and (_IN_PLACE.get(func, False) or func is torch.Tensor.__setitem__) else None
         )
         if (
             isinstance(written, Tensor)
@@ -1480,7 +1480,6 @@ _ESCAPES: dict[Callable, bool] = dict.fromkeys(
 for _escape in _ESCAPES:
     _RULES.setdefault(_escape, _Rule(lambda *a: None, ""))
 
-_SETS = dict.fromkeys((torch.Tensor.__setitem__,), True)
 _SIZES: dict[Callable, bool] = dict.fromkeys(
     (torch.Tensor.size, _getter("shape"), torch.Tensor.numel, torch.numel, torch.Tensor.nelement), True
 )
