@@ -370,7 +370,7 @@ class Tracker(TorchFunctionMode):
     def _all_idiom(self, args: tuple) -> object:
         """``mask.sum() == mask.numel()`` (transformers' ``fast_all``): over the models' samples, each model's
         own ``mask.all()`` (a per-model value), as each original model computes it; None for any other
-        comparison."""
+        comparison (a literal that equals the mask's size is not its size: ``mask.sum() == T`` stays a count)."""
         if len(args) != 2:
             return None
         for count, size in (args, args[::-1]):
@@ -378,7 +378,7 @@ class Tracker(TorchFunctionMode):
             if (
                 isinstance(tag, Lost)
                 and tag.all_of is not None
-                and isinstance(size, int)
+                and isinstance(size, FoldedSize)
                 and size == tag.all_of.numel()
             ):
                 return self._over_samples("Tensor.all", torch.Tensor.all, (tag.all_of,), {})

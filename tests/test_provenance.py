@@ -640,13 +640,15 @@ def test_vector_times_samples_is_exact(num_models: int, batch: int) -> None:
 
 
 class _CountedAll(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, against: int | None = None) -> None:
         super().__init__()
         self.fc = nn.Linear(4, 4)
+        self.against = against
 
     def forward(self, x):
         positive = x[..., 0] > 0
-        return self.fc(x) * 2 if positive.sum() == positive.numel() else self.fc(x)
+        size = positive.numel() if self.against is None else self.against
+        return self.fc(x) * 2 if positive.sum() == size else self.fc(x)
 
 
 def test_all_as_a_count_follows_each_model() -> None:
@@ -657,6 +659,9 @@ def test_all_as_a_count_follows_each_model() -> None:
     assert_close(stack(models)(x), torch.stack([m(x[i]) for i, m in enumerate(models)]))
     x[1, 0, 0] = -1.0  # model 1 alone takes the other branch
     _refused(stack(models), x, r"Tensor.__bool__ .*gives different results for different models")
+    # a literal that equals the folded mask's size (M * B = 6) is a count, not each model's size: refused
+    literal = [seeded(lambda: _CountedAll(against=6), i) for i in range(3)]
+    _refused(stack(literal), torch.rand(3, 2, 4, dtype=torch.float64), r"Tensor.__bool__ reads a value computed")
 
 
 class BatchSized(nn.Module):
