@@ -19,6 +19,7 @@ significant bits: its ulp is at most 2^-7 of the largest magnitude. Tolerances, 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 import pathlib
@@ -84,6 +85,50 @@ def leaf(t: Tensor) -> Tensor:
     return t.detach().clone().requires_grad_(t.is_floating_point())
 
 
+def _lstm_as_autocast_asks(self: nn.LSTM, input: Tensor, hx: tuple[Tensor, Tensor] | None = None):
+    """``nn.LSTM.forward`` under CPU autocast where this CPU's oneDNN has no bfloat16 LSTM (AVX2 only: the AMD EPYC
+    development VM). torch sends a float32 input to oneDNN's ``mkldnn_rnn_layer``, which autocast casts to
+    bfloat16 and oneDNN then cannot run ("could not create a primitive descriptor"): torch's own call fails. This
+    runs what autocast asks for, every operand cast to bfloat16, on torch's native LSTM kernel instead."""
+    bf16, batched = torch.bfloat16, input.dim() == 3
+    if not batched:
+        input = input.unsqueeze(1)
+        hx = None if hx is None else (hx[0].unsqueeze(1), hx[1].unsqueeze(1))
+    if hx is None:
+        zeros = input.new_zeros(
+            self.num_layers * (2 if self.bidirectional else 1),
+            input.size(0 if self.batch_first else 1),
+            self.hidden_size,
+        )
+        hx = (zeros, zeros)
+    with torch.autocast("cpu", enabled=False):
+        out, h, c = torch._VF.lstm(input.to(bf16), [t.to(bf16) for t in hx], [w.to(bf16) for w in self._flat_weights],
+                                   self.bias, self.num_layers, float(self.dropout), self.training,
+                                   self.bidirectional, self.batch_first)  # fmt: skip
+    return (out, (h, c)) if batched else (out.squeeze(1), (h.squeeze(1), c.squeeze(1)))
+
+
+@contextlib.contextmanager
+def torch_lstm_where_onednn_lacks_bfloat16():
+    """Around the reference calls: torch's LSTM as autocast asks for it (:func:`_lstm_as_autocast_asks`), where this
+    CPU's oneDNN cannot run it in bfloat16; torch's own call everywhere else (an Intel CPU with AVX-512)."""
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported() or not torch.backends.mkldnn.is_available():
+        yield
+        return
+    forward = nn.LSTM.forward
+
+    def patched(self, input, hx=None):
+        if self.proj_size == 0 and input.dtype == torch.float32 and torch.backends.mkldnn.enabled:
+            return _lstm_as_autocast_asks(self, input, hx)
+        return forward(self, input, hx)
+
+    nn.LSTM.forward = patched  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.LSTM.forward = forward  # type: ignore[method-assign]
+
+
 def run_and_compare(
     batched: nn.Module,
     modules: list[nn.Module],
@@ -101,7 +146,8 @@ def run_and_compare(
     xr = [leaf(t) for t in inputs]
     with autocast():
         y = call(batched, *[t.expand(M, *t.shape) if shared else t for t in xb])
-        ys = [call(m, *[t if shared else t[i] for t in xr]) for i, m in enumerate(modules)]
+        with torch_lstm_where_onednn_lacks_bfloat16():
+            ys = [call(m, *[t if shared else t[i] for t in xr]) for i, m in enumerate(modules)]
     outs, _ = tree_flatten(y)
     refs = list(zip(*[tree_flatten(yi)[0] for yi in ys]))
     assert len(outs) == len(refs)

@@ -475,7 +475,10 @@ def test_fused_float32_differs_from_foreach_only_by_the_square_root(config, exac
                 assert_equal(a.detach(), b.detach(), f"step {step}, parameter {i}")
             else:
                 ulps = ulps_of_parameter(a.detach(), b.detach(), old)
-                assert ulps.max() <= 16 and (ulps > 0).float().mean() < 0.01, f"step {step}, parameter {i}"
+                # How many elements differ, and by how much, depends on the CPU's sqrt: at most 0.15% and 11 ulps on
+                # an AVX-512 Xeon; 4.4% and 31 ulps for RMSprop with momentum on an AVX2-only EPYC. A wrong formula
+                # moves nearly every element by far more.
+                assert ulps.max() <= 64 and (ulps > 0).float().mean() < 0.1, f"step {step}, parameter {i}"
 
 
 @pytest.mark.parametrize("config", [FUSED_CONFIGS[1], FUSED_CONFIGS[4], FUSED_CONFIGS[8]], ids=config_id)
