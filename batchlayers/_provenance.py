@@ -52,8 +52,10 @@ traces both into one graph (the tags decide at trace time, like any Python contr
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
+import operator
 import os
 import string
 import sys
@@ -310,7 +312,7 @@ class Tracker(TorchFunctionMode):
         else:
             entry.rule(self, entry.name, args, kwargs, out, tagged)
         if _SIZES.get(func, False) and self.num_models > 1 and not torch.compiler.is_compiling():
-            out = _marked_sizes(func, args, kwargs, out)
+            out = _marked_sizes(func, args, kwargs, out, self.num_models)
         written = kwargs.get(
             "out", args[0] if args and (_IN_PLACE.get(func, False) or func is torch.Tensor.__setitem__) else None
         )
@@ -363,8 +365,8 @@ class Tracker(TorchFunctionMode):
                 raise ValueError(
                     f"batchlayers: {_name(func)} uses the number {value}, read from the size of a tensor that "
                     f"holds the models' samples (M * B = {m} * {self.folded // m} there), as a value: each "
-                    f"original model reads its own ({value // m}). Compute it from the samples (x.mean(0) rather "
-                    "than x.sum(0) / x.size(0)), or stack with execution='model_by_model'"
+                    f"original model reads its own ({value.one_model()}). Compute it from the samples (x.mean(0) "
+                    "rather than x.sum(0) / x.size(0)), or stack with execution='model_by_model'"
                 )
 
     def _all_idiom(self, args: tuple) -> object:
@@ -379,7 +381,7 @@ class Tracker(TorchFunctionMode):
                 isinstance(tag, Lost)
                 and tag.all_of is not None
                 and isinstance(size, FoldedSize)
-                and size == tag.all_of.numel()
+                and int(size) == tag.all_of.numel()
             ):
                 return self._over_samples("Tensor.all", torch.Tensor.all, (tag.all_of,), {})
         return None
@@ -490,13 +492,71 @@ def _first_lost(tagged: list[_In]) -> Lost | None:
 class FoldedSize(int):
     """A size read from a tensor that holds the models' samples, along their dimension (``x.size(0)``,
     ``x.shape[0]``, ``x.numel()``): ``M`` times one model's. An ordinary int for shapes (``x.view(B, -1)``,
-    ``torch.zeros(B, T)``); arithmetic with tensors that uses it as a value is refused (see
-    :meth:`Tracker._refuse_folded_size_as_a_value`). What is computed from it in Python is a plain int."""
+    ``torch.zeros(B, T)``), and what is computed from it stays marked where it still counts the samples
+    (``B * T``, ``B // 2`` where each model's ``B`` divides, ``B1 + B2``), so a reshape can tell such a size
+    from a literal (see :func:`_reshape`). Arithmetic with tensors that uses it as a value is refused (see
+    :meth:`Tracker._refuse_folded_size_as_a_value`), and so is a comparison whose answer differs from each
+    original model's (``if B > 4`` with ``M * B = 6``, ``B = 3``). Copied or pickled, it is a plain int."""
 
-    __slots__ = ()
+    num_models: int
+
+    def __new__(cls, value: int, num_models: int) -> FoldedSize:
+        size = super().__new__(cls, value)
+        size.num_models = num_models
+        return size
+
+    def __reduce__(self) -> tuple:
+        return int, (int(self),)
+
+    def one_model(self) -> int:
+        """Each model's own size: ``B`` of ``M * B``."""
+        return int(self) // self.num_models
+
+    def __mul__(self, other: object) -> Any:
+        out = int.__mul__(self, other)  # type: ignore[operator]
+        return FoldedSize(out, self.num_models) if type(other) is int else out
+
+    __rmul__ = __mul__
+
+    def __floordiv__(self, other: object) -> Any:
+        out = int.__floordiv__(self, other)  # type: ignore[operator]
+        counts = type(other) is int and other > 0 and self.one_model() % other == 0
+        return FoldedSize(out, self.num_models) if counts else out
+
+    def __add__(self, other: object) -> Any:
+        out = int.__add__(self, other)  # type: ignore[operator]
+        return FoldedSize(out, self.num_models) if isinstance(other, FoldedSize) else out
+
+    __radd__ = __add__
+
+    def _compare(self, other: object, op: Callable, symbol: str) -> Any:
+        folded = op(int(self), other if not isinstance(other, FoldedSize) else int(other))
+        if isinstance(other, FoldedSize):
+            own: object = op(self.one_model(), other.one_model())
+        elif isinstance(other, (int, float)) and other != int(self):  # (equal: a size of the samples unmarked)
+            own = op(self.one_model(), other)
+        else:
+            return folded
+        if own != folded:
+            m = self.num_models
+            raise ValueError(
+                f"batchlayers: a stacked model's forward compares {int(self)}, read from the size of a tensor that "
+                f"holds the models' samples (M * B = {m} * {self.one_model()}), with {other} ({symbol}): each "
+                f"original model compares its own ({self.one_model()}) and gets {own}, the folded batch {folded}. "
+                "Stack with execution='model_by_model', which runs each model's forward on its own samples"
+            )
+        return folded
+
+    __lt__ = functools.partialmethod(_compare, op=operator.lt, symbol="<")
+    __le__ = functools.partialmethod(_compare, op=operator.le, symbol="<=")
+    __gt__ = functools.partialmethod(_compare, op=operator.gt, symbol=">")
+    __ge__ = functools.partialmethod(_compare, op=operator.ge, symbol=">=")
+    __eq__ = functools.partialmethod(_compare, op=operator.eq, symbol="==")
+    __ne__ = functools.partialmethod(_compare, op=operator.ne, symbol="!=")
+    __hash__ = int.__hash__
 
 
-def _marked_sizes(func: Callable, args: tuple, kwargs: dict, out: object) -> object:
+def _marked_sizes(func: Callable, args: tuple, kwargs: dict, out: object, num_models: int) -> object:
     """The sizes ``x.size()``, ``x.shape``, ``x.size(d)``, ``x.numel()`` returned with the ones that count the
     models' samples as :class:`FoldedSize`."""
     x = args[0] if args else None
@@ -504,13 +564,13 @@ def _marked_sizes(func: Callable, args: tuple, kwargs: dict, out: object) -> obj
     if not isinstance(d, int) or isinstance(out, FoldedSize):
         return out
     if isinstance(out, torch.Size):
-        return torch.Size([FoldedSize(n) if i == d else n for i, n in enumerate(out)])
+        return torch.Size([FoldedSize(n, num_models) if i == d else n for i, n in enumerate(out)])
     if type(out) is not int:
         return out
     if func is not torch.Tensor.size:  # numel
-        return FoldedSize(out)
+        return FoldedSize(out, num_models)
     dim = _arg(args, kwargs, 1, "dim", None)
-    return FoldedSize(out) if dim is not None and _norm(dim, cast(Tensor, x).dim()) == d else out
+    return FoldedSize(out, num_models) if dim is not None and _norm(dim, cast(Tensor, x).dim()) == d else out
 
 
 def _refuse_lost_write_into_a_view(func: Callable, written: Tensor, tagged: list[_In]) -> None:
@@ -937,7 +997,48 @@ def _reshape(ctx, name, args, kwargs, out, tagged) -> None:
     if isinstance(first.tag, Lost):
         return _tag_all(out, first.tag)
     outs = _outputs(out)
-    _tag_all(out, _reshaped(first.tag, first.shape, outs[0].shape, ctx.num_models, name))
+    tag = _reshaped(first.tag, first.shape, outs[0].shape, ctx.num_models, name)
+    if isinstance(tag, int) and ctx.num_models > 1 and not torch.compiler.is_compiling():
+        tag = _given_size_counts_the_samples(name, args, kwargs, first.shape, tag)
+    _tag_all(out, tag)
+
+
+def _given_size_counts_the_samples(name: str, args: tuple, kwargs: dict, before: Sequence[int], k: int) -> Tag:
+    """``x.view(B, -1)``, ``x.reshape(2, -1)``: the size a reshape is given for the dimension ``k`` that holds
+    the models' samples must count them (``M`` times each original's), which a number read from them does (a
+    :class:`FoldedSize`, ``-1``, or a size the reshape keeps) and a literal does not: with ``M = 2``,
+    ``h.view(2, -1)`` would split the models where each original splits its batch in halves. Under
+    torch.compile sizes are not marked, and this is not checked."""
+    given = _given_sizes(name, args, kwargs, before)
+    if given is None or k >= len(given):
+        return k
+    size = given[k]
+    if size is None or isinstance(size, FoldedSize) or size == -1:
+        return k
+    shape = tuple(-1 if n is None else n for n in given)
+    return Lost(
+        f"{name} to {shape}, whose size {size} on the dimension of the models' samples is a number, not a size read "
+        "from them (x.size(0), or -1): each original model would get it as its own"
+    )
+
+
+def _given_sizes(name: str, args: tuple, kwargs: dict, before: Sequence[int]) -> list | None:
+    """The sizes a reshape is given, one per dimension of its result (None: kept from the input); None
+    where it is given none (``flatten``, ``squeeze``, ``view_as``) or another kind of argument (``view(dtype)``)."""
+    if name.endswith(".unflatten"):
+        dim, sizes = _arg(args, kwargs, 1, "dim"), _arg(args, kwargs, 2, "sizes")
+        if not isinstance(dim, int) or not isinstance(sizes, (list, tuple)):
+            return None
+        dim = _norm(dim, len(before))
+        return [None] * dim + list(sizes) + [None] * (len(before) - dim - 1)
+    if not (name.endswith(".view") or name.endswith(".reshape")):
+        return None
+    shape = args[1:] if len(args) > 1 and not isinstance(args[1], (list, tuple)) else _arg(args, kwargs, 1, "shape")
+    if shape is None:
+        shape = kwargs.get("size")
+    if not isinstance(shape, (list, tuple)) or not all(isinstance(n, int) for n in shape):
+        return None
+    return list(shape)
 
 
 def _reshaped(d: int, before: Sequence[int], after: Sequence[int], num_models: int, what: str) -> Tag:

@@ -4,6 +4,9 @@ wrong result (batchlayers._provenance knows which tensors carry samples instead 
 
 from __future__ import annotations
 
+import copy
+import math
+import pickle
 import random
 
 import models as zoo
@@ -14,6 +17,7 @@ from convert_harness import assert_threads_get_their_own, compare_training, seed
 from harness import assert_close
 from torch import nn
 
+from batchlayers._provenance import FoldedSize
 from batchlayers.convert import stack
 
 
@@ -570,6 +574,100 @@ def test_per_model_values_read_into_python_stay_allowed() -> None:
     models = [seeded(NanGuard, i) for i in range(2)]
     x = torch.randn(2, 3, 4, dtype=torch.float64)
     assert_close(stack(models)(x), torch.stack([m(x[i]) for i, m in enumerate(models)]))
+
+
+class _Sizes(_Pattern):
+    """Sizes read from the samples, computed with in Python, then used to shape a tensor or to decide."""
+
+    def forward(self, x):  # x: (B, T, 4)
+        h = self.fc(x)
+        B, T, C = h.shape
+        p = self.pattern
+        # exact: sizes that count the samples, however they are computed
+        if p == "B * T rows":
+            return self.fc(h.reshape(B * T, C)).view(B, T, C)
+        if p == "product of the leading sizes":
+            return self.fc(h.reshape(math.prod(h.shape[:2]), -1)).view(h.shape)
+        if p == "pairs of samples, B // 2":
+            return h.view(B // 2, 2, T, C).flip(1).reshape(B, T, C)
+        if p == "pairs of samples, -1":
+            return h.view(-1, 2, T, C).flip(1).reshape(B, T, C)
+        if p == "unflatten by B":
+            return self.fc(h.flatten(0, 1)).unflatten(0, (B, T))
+        if p == "sizes of another tensor of samples":
+            return self.fc(h.reshape(x.size(0) * x.size(1), C)).view(x.shape[0], -1, C)
+        if p == "a comparison every model answers alike":
+            return h * 2 if B > 0 and B != x.size(1) * 100 else h
+        # refused: a number used where each original model has its own
+        if p == "halves of the batch, a literal 2":
+            return h.view(2, -1).softmax(-1).view(B, T, C)
+        if p == "a hard-coded batch size":
+            return h.reshape(4, -1).softmax(-1).view(B, T, C)
+        if p == "branch on the batch size":
+            return h * 2 if B > 4 else h
+        if p == "at most 4":
+            return h * min(B, 4)
+        if p == "a batch of one":
+            return h.squeeze(0).unsqueeze(0) * 2 if B == 1 else h
+        raise AssertionError(self.pattern)
+
+
+SIZES_EXACT = [
+    "B * T rows",
+    "product of the leading sizes",
+    "pairs of samples, B // 2",
+    "pairs of samples, -1",
+    "unflatten by B",
+    "sizes of another tensor of samples",
+    "a comparison every model answers alike",
+]
+# pattern: (batch, what the error names); M = 2 models
+SIZES_REFUSED = {
+    "halves of the batch, a literal 2": (4, r"Tensor.view to \(2, -1\).* size 2 .*not a size read from them"),
+    "a hard-coded batch size": (4, r"Tensor.reshape to \(4, -1\).* size 4 .*not a size read from them"),
+    "branch on the batch size": (
+        3,
+        r"compares 6, read from the size .* \(M \* B = 2 \* 3\), with 4 \(>\): "
+        r"each original model compares its own \(3\) and gets False",
+    ),
+    "at most 4": (3, r"compares 6, read from the size"),
+    "a batch of one": (1, r"compares 2, read from the size .* with 1"),
+}
+
+
+@pytest.mark.parametrize("num_models", [2, 3])
+@pytest.mark.parametrize("pattern", SIZES_EXACT)
+def test_sizes_computed_from_the_samples_are_exact(pattern: str, num_models: int) -> None:
+    """``B * T``, ``B // 2``, ``math.prod(x.shape[:2])`` count the samples as ``B`` does: reshapes by them
+    and comparisons that every model answers alike are exact against the originals, gradients included."""
+    models = [seeded(lambda: _Sizes(pattern), i) for i in range(num_models)]
+    compare_training(stack(models), [seeded(lambda: _Sizes(pattern), i) for i in range(num_models)],
+                     lambda lead: torch.randn(*lead, 3, 4, dtype=torch.float64), batch=4)  # fmt: skip
+
+
+@pytest.mark.parametrize("pattern", list(SIZES_REFUSED))
+def test_numbers_that_count_one_models_samples_are_refused(pattern: str) -> None:
+    """A literal where the models' samples go in a reshape (``h.view(2, -1)`` to split each batch in halves:
+    with M = 2 it would split the models instead), or a comparison of a read size whose answer differs from
+    each original's (``if B > 4`` with M * B = 6, B = 3): refused, never one model's number read as all
+    models'. Model by model each model reads its own: exact, and with one model nothing is refused."""
+    batch, match = SIZES_REFUSED[pattern]
+    models = [seeded(lambda: _Sizes(pattern), i) for i in range(2)]
+    x = torch.randn(2, batch, 3, 4, dtype=torch.float64)
+    _refused(stack(models), x, match)
+    for stacked, used in ((stack(models, execution="model_by_model"), models), (stack(models[:1]), models[:1])):
+        expected = torch.stack([m(x[i]) for i, m in enumerate(used)])
+        assert_close(stacked(x[: len(used)]), expected, msg=pattern)
+
+
+def test_folded_sizes_copy_and_pickle_as_plain_ints() -> None:
+    """A size kept past the call (``self.last = x.size(0)``) copies and pickles as the number it is."""
+    size = FoldedSize(12, 2)  # M * B = 2 * 6
+    for copied in (copy.deepcopy(size), pickle.loads(pickle.dumps(size))):
+        assert type(copied) is int and copied == 12
+    assert (size * 3, size // 2, size + size) == (36, 6, 24)
+    assert all(isinstance(v, FoldedSize) for v in (size * 3, 3 * size, size // 2, size + size))
+    assert not any(isinstance(v, FoldedSize) for v in (size // 4, size + 1, size * size, size * True))
 
 
 class _LayoutAlias(nn.Module):
