@@ -38,7 +38,9 @@ length equal to ``M * B``), so batchlayers follows where every tensor came from:
   layers such as Linear also take it on another dimension), broadcasts an untagged one, and refuses a
   :class:`Lost` one with the reason. The stacked root unfolds tagged outputs and refuses lost ones.
 
-- **Sizes.** ``B = x.size(0)`` puts ``M * B`` into plain ints. The mode notes when the folded size of a
+- **Sizes.** ``B = x.size(0)`` is ``M * B``, returned as a :class:`FoldedSize` (an int that knows it counts
+  the samples: a reshape by it, or by ``B * T``, is known, a literal is not; arithmetic with tensors and
+  comparisons whose answer differs per model are refused). The mode notes when the folded size of a
   tagged tensor is read; from then on, tensors created with that size are known to be batch-sized: those
   with equal (``zeros``, ``ones``, ``full``, ``empty``) or independent random values (``rand``, ``randn``)
   are model-major on that dimension (every split of equal values is right). Any other untagged tensor of
@@ -1015,10 +1017,11 @@ def _given_size_counts_the_samples(name: str, args: tuple, kwargs: dict, before:
     size = given[k]
     if size is None or isinstance(size, FoldedSize) or size == -1:
         return k
-    shape = tuple(-1 if n is None else n for n in given)
+    given_as = "sizes" if name.endswith(".unflatten") else "shape"
+    shown = tuple(_arg(args, kwargs, 2, "sizes") if given_as == "sizes" else (n for n in given))
     return Lost(
-        f"{name} to {shape}, whose size {size} on the dimension of the models' samples is a number, not a size read "
-        "from them (x.size(0), or -1): each original model would get it as its own"
+        f"{name} with the {given_as} {shown}, whose size {size} on the dimension of the models' samples is a number, "
+        "not a size read from them (x.size(0), or -1): each original model would get it as its own"
     )
 
 

@@ -603,6 +603,8 @@ class _Sizes(_Pattern):
             return h.view(2, -1).softmax(-1).view(B, T, C)
         if p == "a hard-coded batch size":
             return h.reshape(4, -1).softmax(-1).view(B, T, C)
+        if p == "unflatten into halves, a literal 2":
+            return h.flatten(0, 1).unflatten(0, (2, -1)).softmax(1).reshape(B, T, C)
         if p == "branch on the batch size":
             return h * 2 if B > 4 else h
         if p == "at most 4":
@@ -623,8 +625,15 @@ SIZES_EXACT = [
 ]
 # pattern: (batch, what the error names); M = 2 models
 SIZES_REFUSED = {
-    "halves of the batch, a literal 2": (4, r"Tensor.view to \(2, -1\).* size 2 .*not a size read from them"),
-    "a hard-coded batch size": (4, r"Tensor.reshape to \(4, -1\).* size 4 .*not a size read from them"),
+    "halves of the batch, a literal 2": (
+        4,
+        r"Tensor.view with the shape \(2, -1\), whose size 2 .*not a size read from them",
+    ),
+    "a hard-coded batch size": (
+        4,
+        r"Tensor.reshape with the shape \(4, -1\), whose size 4 .*not a size read from them",
+    ),
+    "unflatten into halves, a literal 2": (4, r"Tensor.unflatten with the sizes \(2, -1\), whose size 2"),
     "branch on the batch size": (
         3,
         r"compares 6, read from the size .* \(M \* B = 2 \* 3\), with 4 \(>\): "
