@@ -71,7 +71,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["FoldedSize", "Lost", "PerModel", "Tracker", "get_tag", "set_tag"]
+__all__ = ["FoldedSize", "FoldedValue", "Lost", "PerModel", "Tracker", "get_tag", "set_tag"]
 
 _ATTR = "_batchlayers_models"
 _VIEWS = frozenset({Tensor.view, Tensor.view_as})
@@ -362,13 +362,15 @@ class Tracker(TorchFunctionMode):
         """Arithmetic with a :class:`FoldedSize` (``y / x.size(0)``, ``count += x.shape[0]`` in a running mean):
         a size that holds all models' samples used as a value, where each original uses its own."""
         for value in (*args, *kwargs.values()):
-            if isinstance(value, FoldedSize):
+            if isinstance(value, (FoldedSize, FoldedValue)):
                 m = self.num_models
+                own = f"reads its own ({value.one_model()})" if isinstance(value, FoldedSize) else "computes its own"
+                made = "read from" if isinstance(value, FoldedSize) else "computed from"
                 raise ValueError(
-                    f"batchlayers: {_name(func)} uses the number {value}, read from the size of a tensor that "
+                    f"batchlayers: {_name(func)} uses the number {value}, {made} the size of a tensor that "
                     f"holds the models' samples (M * B = {m} * {self.folded // m} there), as a value: each "
-                    f"original model reads its own ({value.one_model()}). Compute it from the samples (x.mean(0) "
-                    "rather than x.sum(0) / x.size(0)), or stack with execution='model_by_model'"
+                    f"original model {own}. Compute it from the samples (x.mean(0) rather than "
+                    "x.sum(0) / x.size(0)), or stack with execution='model_by_model'"
                 )
 
     def _all_idiom(self, args: tuple) -> object:
@@ -531,6 +533,30 @@ class FoldedSize(int):
 
     __radd__ = __add__
 
+    def _value(self, op: Callable, a: object, b: object) -> Any:
+        """``B / k``, ``k / B``, ``B ** 0.5``: a number, not a size, that is ``M`` times (or a power of) each
+        original's; a :class:`FoldedValue`. With another :class:`FoldedSize` (``B1 / B2``, each model's own
+        ratio) or anything but a Python number (a tensor: refused there), as int's own."""
+        other = b if a is self else a
+        if isinstance(other, FoldedSize):
+            return op(int(cast(int, a)), int(cast(int, b)))
+        if type(other) not in (int, float):
+            return NotImplemented
+        out = op(int(self) if a is self else a, int(self) if b is self else b)
+        return FoldedValue(out) if isinstance(out, float) else out
+
+    def __truediv__(self, other: object) -> Any:
+        return self._value(operator.truediv, self, other)
+
+    def __rtruediv__(self, other: object) -> Any:
+        return self._value(operator.truediv, other, self)
+
+    def __pow__(self, other: Any, modulo: Any = None) -> Any:
+        return self._value(operator.pow, self, other) if modulo is None else int.__pow__(self, other, modulo)
+
+    def __rpow__(self, other: Any, modulo: Any = None) -> Any:
+        return self._value(operator.pow, other, self) if modulo is None else int.__rpow__(self, other, modulo)
+
     def _compare(self, other: object, op: Callable, symbol: str) -> Any:
         folded = op(int(self), other if not isinstance(other, FoldedSize) else int(other))
         if isinstance(other, FoldedSize):
@@ -556,6 +582,17 @@ class FoldedSize(int):
     __eq__ = functools.partialmethod(_compare, op=operator.eq, symbol="==")
     __ne__ = functools.partialmethod(_compare, op=operator.ne, symbol="!=")
     __hash__ = int.__hash__
+
+
+class FoldedValue(float):
+    """A number computed from a :class:`FoldedSize` by division or a power (``B / 2``, ``1 / B``,
+    ``B ** -0.5``): each original model computes it from its own ``B``. Refused in arithmetic with tensors, as
+    the size itself (what Python computes from it further is a plain float)."""
+
+    __slots__ = ()
+
+    def __reduce__(self) -> tuple:
+        return float, (float(self),)
 
 
 def _marked_sizes(func: Callable, args: tuple, kwargs: dict, out: object, num_models: int) -> object:

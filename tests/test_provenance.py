@@ -470,13 +470,26 @@ class _FoldedSizes(_Pattern):
             return h * self.seen
         if self.pattern == "sum / batch size":
             return h / x.size(0)
+        if self.pattern == "scaled by 1 / B":
+            return h * (1 / x.size(0))
+        if self.pattern == "divided by the square root of B":
+            return h / x.shape[0] ** 0.5
+        if self.pattern == "divided by half the batch":
+            return h / (x.size(0) / 2)
         if self.pattern == "a literal that equals M * B":  # Swin v2: 16 * sigmoid(bias), here with M * B == 6
             B, C = x.shape
             return h.view(B, C) * (6 * torch.sigmoid(self.mean))
         raise AssertionError(self.pattern)
 
 
-FOLDED_SIZES = ["running mean (RL observation normaliser)", "samples seen", "sum / batch size"]
+FOLDED_SIZES = [
+    "running mean (RL observation normaliser)",
+    "samples seen",
+    "sum / batch size",
+    "scaled by 1 / B",
+    "divided by the square root of B",
+    "divided by half the batch",
+]
 
 
 @pytest.mark.parametrize("pattern", FOLDED_SIZES)
@@ -488,7 +501,8 @@ def test_the_folded_batch_size_as_a_value_is_refused(pattern: str) -> None:
     _refused(
         stack(models),
         x,
-        r"uses the number 6, read from the size of a tensor that holds the models' samples \(M \* B = 3 \* 2",
+        r"uses the number [\d.]+, (read|computed) from the size of a tensor that holds the models' samples "
+        r"\(M \* B = 3 \* 2",
     )
     stacked = stack(models, execution="model_by_model")
     for _ in range(2):
@@ -542,7 +556,7 @@ def test_a_number_that_merely_equals_the_folded_size_is_exact() -> None:
     assert_close(stack(models)(x), compare, msg="literal")
 
 
-@pytest.mark.parametrize("pattern", [*ESCAPES, "sum / batch size"])
+@pytest.mark.parametrize("pattern", [*ESCAPES, *FOLDED_SIZES[2:]])
 def test_reading_into_python_is_exact_for_one_model(pattern: str) -> None:
     """With M=1 the folded batch is the one model's: whatever Python reads from it is its own. (The buffer
     patterns of FOLDED_SIZES are left out: with one model every buffer is equal in all models, so shared.)"""
