@@ -1055,7 +1055,7 @@ def _given_size_counts_the_samples(name: str, args: tuple, kwargs: dict, before:
     if size is None or isinstance(size, FoldedSize) or size == -1:
         return k
     given_as = "sizes" if name.endswith(".unflatten") else "shape"
-    shown = tuple(_arg(args, kwargs, 2, "sizes") if given_as == "sizes" else (n for n in given))
+    shown = tuple(_arg(args, kwargs, 2, "sizes") if given_as == "sizes" else given)
     return Lost(
         f"{name} with the {given_as} {shown}, whose size {size} on the dimension of the models' samples is a number, "
         "not a size read from them (x.size(0), or -1): each original model would get it as its own"
