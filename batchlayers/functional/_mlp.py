@@ -6,11 +6,12 @@ most of the step. :func:`fused_linear_chain` computes the same ops (``baddbmm``,
 output) and writes the backward by hand: the activation's backward is torch's own kernel, from what autograd
 would save (``threshold_backward`` and ``tanh_backward`` from the output, ``gelu_backward``, ``silu_backward``
 and ``leaky_relu_backward`` from the input), written into the gradient it reads. On CPU every product is
-computed with the long side of its result last (:func:`_product`): a weight gradient as ``grad^T @ input``
-directly in the weight's ``(M, out, in)`` layout where ``out <= in`` (autograd computes ``input^T @ grad``
-and copies its transpose), as that transpose and a copy where ``out > in``; a layer's output with fewer
-features than samples as the transposed product, a transposed view between the layers and copied once
-(with the bias) at the chain's end, so the output is contiguous as ``nn.Linear``'s. Results equal the
+computed with the long side of its result last where the other is short (:func:`_product`): a weight
+gradient as ``grad^T @ input`` directly in the weight's ``(M, out, in)`` layout (autograd computes
+``input^T @ grad`` and copies its transpose), or as that transpose and a copy where ``in`` is short and
+``out`` longer; a layer with few outputs and more samples as the transposed product, a transposed view
+between the layers (the gradients follow the hidden tensors' layout) and copied once with the bias at the
+chain's end, so the output is contiguous as ``nn.Linear``'s. Results equal the
 unfused layers up to that summation order and the bias's rounding (float64 to ~1e-15).
 """
 
@@ -91,17 +92,32 @@ def _forward(x: Tensor, weights, biases, activations, *, inplace: bool) -> tuple
     return h, hidden, pre
 
 
-def _product(a: Tensor, b: Tensor) -> Tensor:
-    """``a @ b`` for ``(M, r, k)`` and ``(M, k, c)``, computed as ``(b^T @ a^T)^T`` when ``r > c``: a small
-    CPU GEMM runs much faster with the long side of its result last. The result is then a transposed view.
+# A result side shorter than this is short: a CPU GEMM whose result has such a side last fills a fraction of
+# its vector registers (see :func:`_product`).
+SHORT_SIDE = 32
+
+
+def _product(a: Tensor, b: Tensor, like: Tensor | None = None) -> Tensor:
+    """``a @ b`` for ``(M, r, k)`` and ``(M, k, c)``, computed as ``(b^T @ a^T)^T`` when ``c`` is short
+    (:data:`SHORT_SIDE`) and ``r`` longer: a CPU GEMM runs much faster with the long side of its result last.
+    The result is then a transposed view.
+    With ``like``, in ``like``'s layout instead (transposed where it is not contiguous): an elementwise kernel
+    that reads both runs several times slower on two layouts (``gelu_backward`` on GPT-mini's 512 x 256
+    hidden gradient, M=8: 1.3 -> 7.8 ms a call).
 
     Measured on a 2-core AMD EPYC (torch 2.13, float32, 2 threads, medians), ``(M, r, c)`` products of a
     10-20-2 MLP with 64 samples a model: its output layer's 64 x 2 products 92 -> 48 us at M=64 and
     1287 -> 476 us at M=1024; the first layer's 20 x 10 weight gradient 177 -> 56 us and 2510 -> 770 us;
     a 784-256-256-10 MLP's 128 x 10 output products (M=64) 1.73 -> 0.86 ms. Where ``r <= c`` the direct
     product was as fast or faster (the same MLP's 256 x 784 weight gradient 52 ms against 107 ms with its
-    transpose copied). Other devices take the direct product (unmeasured: no GPU was available)."""
-    if a.shape[1] > b.shape[2] and a.device.type == "cpu":
+    transpose copied), and so it was where both sides are long (GPT-mini's 256 x 64 weight gradients
+    summed over 512 tokens, M=8: 1.55-1.59 ms either way, the copy of the transpose added). Other devices
+    take the direct product (unmeasured: no GPU was available)."""
+    if like is not None:
+        transposed = not like.is_contiguous()
+    else:
+        transposed = SHORT_SIDE > b.shape[2] and a.shape[1] > b.shape[2] and a.device.type == "cpu"
+    if transposed:
         return torch.bmm(b.transpose(1, 2), a.transpose(1, 2)).transpose(1, 2)
     return torch.bmm(a, b)
 
@@ -187,7 +203,8 @@ class _LinearChain(torch.autograd.Function):
                 grads[2 * i + 1] = grad.sum(1)
             if i:
                 # The activation's backward overwrites the product it reads: one buffer, not two.
-                grad = _product(grad, weights[i])
+                # in the layout of the activation's saved tensors, which its backward reads beside it
+                grad = _product(grad, weights[i], like=hidden[i - 1])
                 name, argument = ctx.activations[i - 1]
                 _activation_backward_(grad, name, argument, hidden[i - 1], pre[i - 1])
             elif needs[1]:
