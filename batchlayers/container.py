@@ -146,8 +146,8 @@ class BatchedSequential(nn.Sequential):
     ``nn.Tanh``, ``nn.GELU``, ``nn.SiLU`` or ``nn.LeakyReLU``; while training, its forward is the same
     ``baddbmm`` (small layers on CPU: ``bmm`` and an in-place bias add) and activation kernels, and its
     backward is written by hand (the activations' own backward kernels, writing into the gradient they read;
-    every product computed with the long side of its result last). Results equal ``nn.Sequential``'s up to
-    the summation order of the weight gradients.
+    on CPU a product whose result has a short side is computed with that side first). Results equal
+    ``nn.Sequential``'s up to the summation order of the weight gradients.
     Measured on a 2-core CPU (forward, loss and backward; the table is in ``docs/layers.md``): a 10-20-2 MLP
     1.03-1.09x at M=64 and 1.7-1.8x at M=1024, 784-256-256-10 at M=64 1.19x, an SAC critic 17-256-256-1 at
     M=10 1.15x (1.05-1.18x with GELU). Runs below ``batchlayers.functional._mlp.CHAIN_MIN_MACS``
