@@ -105,7 +105,11 @@ def config_id(config) -> str:
 
 @pytest.mark.parametrize("config", CONFIGS, ids=[config_id(c) for c in CONFIGS])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
-def test_matches_torch_optim(config, dtype) -> None:
+# A per-model scale multiplies the whole tensor first, or each model's slice takes it as a float (large
+# slices), or both in one step (the (4, 3) weights sliced, the rest whole).
+@pytest.mark.parametrize("sliced_from", [1 << 16, 0, 12], ids=["whole", "sliced", "mixed"])
+def test_matches_torch_optim(config, dtype, sliced_from, monkeypatch) -> None:
+    monkeypatch.setattr(_base, "SLICED_SCALE_MIN_NUMEL", sliced_from)
     torch.manual_seed(0)
     pair = Pair(*config, dtype=dtype)
     for step in range(5):
