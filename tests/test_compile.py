@@ -61,11 +61,13 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
-# Each case compiles a forward, a backward and a step with inductor (10-30 s each on 2 CPU cores): SGD on one,
-# and one compiled with nn.Module.compile, which runs a stacked root's folding hooks inside its compiled frame.
+# Each case compiles a forward, a backward and a step with inductor (10-30 s each on 2 CPU cores): Adam, or
+# SGD with momentum for the ResNet (Adam's compiled step is the same over any parameters: the other cases run
+# it), and the GPT also with nn.Module.compile, which runs a stacked root's folding hooks inside its compiled
+# frame.
 @pytest.mark.parametrize(
     ("case", "optimizer", "how"),
-    [(case, "Adam", "torch.compile") for case in CASES]
+    [(case, "Adam", "torch.compile") for case in CASES if case != "stacked-ResNet-BatchNorm"]
     + [("stacked-ResNet-BatchNorm", "SGD", "torch.compile"), ("stacked-GPT", "Adam", "module.compile")],
 )
 def test_inductor_fullgraph_training_equals_the_original_models(case: str, optimizer: str, how: str) -> None:
