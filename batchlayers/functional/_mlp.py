@@ -135,8 +135,7 @@ def _unrecorded_affine(x: Tensor, w: Tensor, b: Tensor | None, *, contiguous: bo
     """:func:`_affine` where autograd records nothing, so the bias may be added in place, computed by
     :func:`_product`; ``contiguous`` asks for a contiguous result (the bias is then added in the copy)."""
     if x.device.type != "cpu" or x.shape[1] * w.shape[1] > PRODUCT_THEN_BIAS_MAX_OUTPUTS:
-        y = _affine(x, w, b)
-        return y.contiguous() if contiguous else y
+        return _affine(x, w, b)  # a new (b)addbmm result: contiguous
     y = _product(x, w.transpose(1, 2))
     if contiguous and not y.is_contiguous():
         out = torch.empty(y.shape, dtype=y.dtype, device=y.device)
