@@ -135,6 +135,18 @@ def test_matches_loop(structure, shared, input_grad, extra):
     _compare(model, loops, _input(structure, leading), shared, input_grad)
 
 
+# Sizes of one where the products choose their orientation: one sample a model, a hidden layer and an output
+# of one feature (a critic's value head), where a transposed result and a contiguous one share their layout.
+@pytest.mark.parametrize("sizes", [[(5, 7), nn.ReLU(), (7, 1)], [(5, 1), nn.ReLU(), (1, 3), nn.Tanh(), (3, 1)]],
+                         ids=["output-1", "hidden-1"])  # fmt: skip
+@pytest.mark.parametrize("batch", [1, 40], ids=["one-sample", "many-samples"])
+@pytest.mark.parametrize("shared", [False, True], ids=["per-model", "shared"])
+def test_sizes_of_one_match_loop(sizes, batch, shared):
+    model, loops = _build(sizes)
+    leading = (batch,) if shared else (M, batch)
+    _compare(model, loops, torch.randn(*leading, 5, dtype=F64), shared, True)
+
+
 def test_float32_matches_loop():
     model, loops = _build(STRUCTURES["relu-tanh-3"], torch.float32)
     _compare(model, loops, _input("relu-tanh-3", (M, 64), torch.float32), False, True)
