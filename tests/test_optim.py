@@ -421,6 +421,9 @@ FUSED_CONFIGS = [
         {"lr": tensor(1e-2, 1e-3, 3e-2), "momentum": tensor(0.9, 0.0, 0.5), "weight_decay": 0.1},
     ),
     (RMSprop, torch.optim.RMSprop, {"lr": 1e-2, "centered": True, "alpha": tensor(0.99, 0.5, 0.9), "maximize": True}),
+    # Float averaging weights (1 - beta1, 1 - alpha) of 0.5 and more: the kernel's lerp takes its second formula.
+    (Adam, torch.optim.Adam, {"lr": tensor(1e-2, 1e-3, 3e-2), "betas": (0.3, 0.99), "weight_decay": 0.1}),
+    (RMSprop, torch.optim.RMSprop, {"lr": 1e-2, "centered": True, "alpha": 0.2}),
 ]
 MASKS = [None, [False, True, True], None, [True, False, True], [False] * 3, None]
 

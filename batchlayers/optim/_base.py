@@ -289,13 +289,28 @@ def fma(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
     return torch.addcmul(c, a, b)
 
 
-def lerp(start: Tensor, end: Tensor, weight: Tensor) -> Tensor:
+def lerp(start: Tensor, end: Tensor, weight: Tensor, form: str | None = None) -> Tensor:
     """``torch.lerp`` as ATen's CPU kernel rounds it: ``fma(weight, end - start, start)`` for ``|weight| <
-    0.5``, else ``fma(weight - 1, end - start, end)``."""
+    0.5``, else ``fma(weight - 1, end - start, end)``; ``form`` (:func:`lerp_form`) names the one every weight
+    takes, where the host knows it."""
     if torch.compiler.is_compiling():
+        if form == "start":
+            return fma(weight, end - start, start)
+        if form == "end":
+            return fma(weight - 1, end - start, end)
         small = weight.abs() < 0.5
         return fma(torch.where(small, weight, weight - 1), end - start, torch.where(small, start, end))
     return torch.lerp(start, end, weight)
+
+
+def lerp_form(weight: float | Tensor) -> str | None:
+    """Which of :func:`lerp`'s two formulas a float ``weight`` takes, ``"start"`` (``|weight| < 0.5``) or
+    ``"end"``, for a compiled kernel to compute that one alone rather than both and a select per element.
+    ``None`` for an ``(M,)`` weight, or a float so close to 0.5 that rounding it to the parameters' dtype
+    (bfloat16: steps of 2**-9) decides: the kernel then picks per element."""
+    if isinstance(weight, Tensor):
+        return None
+    return "start" if abs(weight) < 0.49 else "end" if abs(weight) > 0.51 else None
 
 
 # The dtypes in which a compiled kernel takes its square root from torch's own sqrt kernel, between two

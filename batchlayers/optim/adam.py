@@ -20,6 +20,7 @@ from ._base import (
     kernel_sqrt,
     kernel_value,
     lerp,
+    lerp_form,
     new_step_counts,
     pack_kernel_inputs,
     per_model_inputs,
@@ -171,6 +172,7 @@ class Adam(BatchedOptimizer):
             maximize=bool(group["maximize"]),
             has_weight_decay=not is_zero(weight_decay),
             decoupled_weight_decay=bool(group["decoupled_weight_decay"]),
+            average_form=lerp_form(1 - beta1),
         )
         self._counted(steps, step)
 
@@ -201,6 +203,7 @@ def adam_kernel(
     maximize: bool,
     has_weight_decay: bool,
     decoupled_weight_decay: bool,
+    average_form: str | None,
 ) -> None:
     """The foreach path's arithmetic, op for op, per parameter: ``torch.compile`` makes one loop of each."""
     lr, beta1, beta2, eps, weight_decay, neg_step_size, bias_correction2_sqrt = unpack_kernel_inputs(
@@ -216,7 +219,7 @@ def adam_kernel(
                 decayed = param * kernel_value(1 - lr * weight_decay, param, i)
             else:
                 grad = fma(param, kernel_value(weight_decay, param, i), grad)
-        new_exp_avg = lerp(exp_avg, grad, kernel_value(1 - beta1, param, i))
+        new_exp_avg = lerp(exp_avg, grad, kernel_value(1 - beta1, param, i), average_form)
         new_exp_avg_sq = fma(grad * kernel_value(1 - beta2, param, i), grad, exp_avg_sq * kernel_value(beta2, param, i))
         exp_avg.copy_(new_exp_avg)
         exp_avg_sq.copy_(new_exp_avg_sq)

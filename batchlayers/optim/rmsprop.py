@@ -20,6 +20,7 @@ from ._base import (
     kernel_sqrt,
     kernel_value,
     lerp,
+    lerp_form,
     new_step_counts,
     pack_kernel_inputs,
     restore_models,
@@ -218,6 +219,7 @@ class RMSprop(BatchedOptimizer):
             maximize=bool(group["maximize"]),
             has_weight_decay=not is_zero(weight_decay),
             per_model_momentum=isinstance(momentum, Tensor),
+            average_form=lerp_form(1 - alpha),
         )
         restore_models(saved, idle)
 
@@ -245,6 +247,7 @@ def rmsprop_kernel(
     maximize: bool,
     has_weight_decay: bool,
     per_model_momentum: bool,
+    average_form: str | None,
 ) -> None:
     """The foreach path's arithmetic, op for op, per parameter: ``torch.compile`` makes one loop of each."""
     lr, alpha, eps, weight_decay, momentum = unpack_kernel_inputs(scalars, tensors, layout)
@@ -257,7 +260,7 @@ def rmsprop_kernel(
         new_square_avg = fma(grad * kernel_value(1 - alpha, param, i), grad, square_avg * kernel_value(alpha, param, i))
         square_avg.copy_(new_square_avg)
         if grad_avgs:
-            new_grad_avg = lerp(grad_avgs[i], grad, kernel_value(1 - alpha, param, i))
+            new_grad_avg = lerp(grad_avgs[i], grad, kernel_value(1 - alpha, param, i), average_form)
             grad_avgs[i].copy_(new_grad_avg)
             avg = kernel_sqrt(fma(-new_grad_avg, new_grad_avg, new_square_avg))
         else:
