@@ -134,6 +134,7 @@ def foreach_addcdiv_scaled_(
 # its six tensors sliced) with an (M,) learning rate, as a ratio to torch's foreach step in the same run
 # (``python -m benchmarks.optimizers --sets mlp-wide-64``): Adam 1.40x -> 1.01x, AdamW 1.17x -> 0.95x.
 SLICED_SCALE_MIN_NUMEL = 1 << 16
+_SLICED_DTYPES = (torch.float32, torch.float64)
 
 
 def _per_model_scaled_(
@@ -144,8 +145,11 @@ def _per_model_scaled_(
     whole: list[int] = []
     sliced: list[int] = []
     for i, t in enumerate(tensors):
-        can_slice = t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64) and t.dim() > 0
-        (sliced if can_slice and t[0].numel() >= SLICED_SCALE_MIN_NUMEL else whole).append(i)
+        large = t.dim() > 0 and t.numel() >= SLICED_SCALE_MIN_NUMEL * t.shape[0]
+        (sliced if large and t.device.type == "cpu" and t.dtype in _SLICED_DTYPES else whole).append(i)
+    if not sliced:  # (small models: no list copies)
+        op(tensors, torch._foreach_mul(first, scale), second)
+        return
     if whole:
         scaled = torch._foreach_mul([first[i] for i in whole], [scale[i] for i in whole])
         op([tensors[i] for i in whole], scaled, [second[i] for i in whole])
