@@ -73,7 +73,7 @@ def check_input(
     if not isinstance(x, Tensor):
         raise TypeError(f"{layer_name(module)}: expected the {what} to be a Tensor, got {type(x).__name__}")
     check_device(module, x, what)
-    check_layout(layer_name(module), cast(int, module.num_models), x, channels, trailing, ndims, min_ndim, what, layout)
+    check_layout(module, cast(int, module.num_models), x, channels, trailing, ndims, min_ndim, what, layout)
     if check_dtype:
         _check_input_dtype(module, x, what)
 
@@ -97,7 +97,7 @@ def check_call_input(
 
 
 def check_layout(
-    name: str,
+    name: str | nn.Module,
     num_models: int,
     x: Tensor,
     channels: tuple[str, int] | None,
@@ -107,28 +107,39 @@ def check_layout(
     what: str,
     layout: str,
 ) -> None:
+    """Raise naming ``name`` (a layer: its :func:`layer_name`) where ``x``'s dimensions are not the layout's.
+    Every batched layer checks every call, so the message is only written for an input that fails."""
+    dim, shape = x.dim(), x.shape
+    if (
+        (ndims is None or dim in ndims)
+        and dim >= max(min_ndim, 1 + len(trailing), 3 if channels is not None else 0)
+        and shape[0] == num_models
+        and (channels is None or shape[2] == channels[1])
+        and all(shape[dim - 1 - k] == size for k, (_, size) in enumerate(reversed(trailing)))
+    ):
+        return
+    name = layer_name(name) if isinstance(name, nn.Module) else name
     named = [channels, *trailing] if channels is not None else list(trailing)
     expected = f"{layout} with M={num_models}" + "".join(f", {n}={s}" for n, s in named)
-    if ndims is not None and x.dim() not in ndims:
+    if ndims is not None and dim not in ndims:
         allowed = " or ".join(str(n) for n in ndims)
-        raise ValueError(f"{name}: expected a {allowed}-D {what} {expected}, got {x.dim()}-D shape {_fmt(x.shape)}")
-    if x.dim() < max(min_ndim, 1 + len(trailing), 3 if channels is not None else 0):
-        raise ValueError(f"{name}: expected {what} {expected}, got too few dimensions: shape {_fmt(x.shape)}")
-    if x.shape[0] != num_models:
+        raise ValueError(f"{name}: expected a {allowed}-D {what} {expected}, got {dim}-D shape {_fmt(shape)}")
+    if dim < max(min_ndim, 1 + len(trailing), 3 if channels is not None else 0):
+        raise ValueError(f"{name}: expected {what} {expected}, got too few dimensions: shape {_fmt(shape)}")
+    if shape[0] != num_models:
         raise ValueError(
             f"{name}: expected {what} {expected}, but dimension 0 (models) is "
-            f"{x.shape[0]}, not {num_models}: shape {_fmt(x.shape)}"
+            f"{shape[0]}, not {num_models}: shape {_fmt(shape)}"
         )
-    if channels is not None and x.shape[2] != channels[1]:
+    if channels is not None and shape[2] != channels[1]:
         raise ValueError(
-            f"{name}: expected {what} {expected}, but dimension 2 (channels) is {x.shape[2]}: shape {_fmt(x.shape)}"
+            f"{name}: expected {what} {expected}, but dimension 2 (channels) is {shape[2]}: shape {_fmt(shape)}"
         )
     for k, (dim_name, size) in enumerate(reversed(trailing)):
-        dim = x.dim() - 1 - k
-        if x.shape[dim] != size:
+        d = dim - 1 - k
+        if shape[d] != size:
             raise ValueError(
-                f"{name}: expected {what} {expected}, but dimension {dim} ({dim_name}) is "
-                f"{x.shape[dim]}: shape {_fmt(x.shape)}"
+                f"{name}: expected {what} {expected}, but dimension {d} ({dim_name}) is {shape[d]}: shape {_fmt(shape)}"
             )
 
 
