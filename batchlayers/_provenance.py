@@ -516,6 +516,14 @@ class FoldedSize(int):
         """Each model's own size: ``B`` of ``M * B``."""
         return int(self) // self.num_models
 
+    def __float__(self) -> float:
+        """``float(B)``, ``math.sqrt(B)``: a plain float, which nothing could follow further: refused (M > 1)."""
+        if self.num_models > 1:
+            raise ValueError(
+                _plain_number_message("float()", "a size read from the models' samples", int(self), self.num_models)
+            )
+        return int.__float__(self)
+
     def __mul__(self, other: object) -> Any:
         out = int.__mul__(self, other)  # type: ignore[operator]
         return FoldedSize(out, self.num_models) if type(other) is int else out
@@ -1364,7 +1372,24 @@ def _size(ctx, name, args, kwargs, out, tagged) -> None:
         return
     which = 0 if name.endswith("__len__") else _arg(args, kwargs, 1, "dim", None) if name.endswith("size") else None
     if which is None or _norm(which, x.dim()) == d:
+        if which == 0 and name.endswith("__len__") and ctx.num_models > 1:
+            raise ValueError(
+                _plain_number_message(
+                    "len()", "a tensor that holds the models' samples", int(x.shape[0]), ctx.num_models
+                )
+            )
         ctx.size_read = True
+
+
+def _plain_number_message(how: str, of: str, value: int, num_models: int) -> str:
+    """Why a read of the folded batch size into a plain Python number is refused (``len(x)``, ``float(B)``)."""
+    own = value // num_models
+    return (
+        f"batchlayers: {how} of {of} gives {value}, every model's samples (M * B = {num_models} * {own} there), "
+        f"as a plain Python number that batchlayers cannot follow, where each original model counts its own "
+        f"({own}). Read the size with x.size(0) or x.shape[0], which batchlayers follows (as a shape it works, "
+        "as a value it is refused), or stack with execution='model_by_model'"
+    )
 
 
 def loss_arguments(fn: Callable, args: Sequence, kwargs: dict) -> dict:

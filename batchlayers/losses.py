@@ -432,7 +432,7 @@ def _two_class_cross_entropy(input: Tensor, target: Tensor, ignore_index: int, r
         sign = _two_class_sign_if_counted(target, input.dtype)
         if sign is not None:
             num_models = input.shape[0]
-            divisor = float(target.numel() // num_models) if reduction == "mean" else 1.0
+            divisor = float(int(target.numel()) // num_models) if reduction == "mean" else 1.0
             return _TwoClassCrossEntropyReduced.apply(input, target, ignore_index, sign, divisor)
     second = target == 1
     classes = second | (target == 0)

@@ -476,34 +476,44 @@ class _FoldedSizes(_Pattern):
             return h / x.shape[0] ** 0.5
         if self.pattern == "divided by half the batch":
             return h / (x.size(0) / 2)
+        if self.pattern == "divided by len(x)":  # Python makes len() a plain int
+            return h / len(x)
+        if self.pattern == "divided by float(B)":
+            return h / float(x.size(0))
+        if self.pattern == "divided by math.sqrt(B)":
+            return h / math.sqrt(x.shape[0])
         if self.pattern == "a literal that equals M * B":  # Swin v2: 16 * sigmoid(bias), here with M * B == 6
             B, C = x.shape
             return h.view(B, C) * (6 * torch.sigmoid(self.mean))
         raise AssertionError(self.pattern)
 
 
-FOLDED_SIZES = [
-    "running mean (RL observation normaliser)",
-    "samples seen",
-    "sum / batch size",
-    "scaled by 1 / B",
-    "divided by the square root of B",
-    "divided by half the batch",
-]
+AS_A_VALUE = (
+    r"uses the number [\d.]+, (read|computed) from the size of a tensor that holds the models' samples "
+    r"\(M \* B = 3 \* 2"
+)
+# Python turns these into plain numbers that batchlayers cannot follow, so they are refused where read.
+AS_A_PLAIN_NUMBER = r"(len\(\)|float\(\)) of {} gives 6, every model's samples \(M \* B = 3 \* 2 there\).*x\.size\(0\)"
+FOLDED_SIZES = {
+    "running mean (RL observation normaliser)": AS_A_VALUE,
+    "samples seen": AS_A_VALUE,
+    "sum / batch size": AS_A_VALUE,
+    "scaled by 1 / B": AS_A_VALUE,
+    "divided by the square root of B": AS_A_VALUE,
+    "divided by half the batch": AS_A_VALUE,
+    "divided by len(x)": AS_A_PLAIN_NUMBER.format("a tensor that holds the models' samples"),
+    "divided by float(B)": AS_A_PLAIN_NUMBER.format("a size read from the models' samples"),
+    "divided by math.sqrt(B)": AS_A_PLAIN_NUMBER.format("a size read from the models' samples"),
+}
 
 
-@pytest.mark.parametrize("pattern", FOLDED_SIZES)
+@pytest.mark.parametrize("pattern", list(FOLDED_SIZES))
 def test_the_folded_batch_size_as_a_value_is_refused(pattern: str) -> None:
     """``x.size(0)`` is ``M * B`` in a batched forward: used as a number it would be M times each model's
     own; refused, naming it. Model by model it is each model's B: exact, buffers included."""
     models = [seeded(lambda: _FoldedSizes(pattern), i) for i in range(3)]
     x = torch.randn(3, 2, 4, dtype=torch.float64)
-    _refused(
-        stack(models),
-        x,
-        r"uses the number [\d.]+, (read|computed) from the size of a tensor that holds the models' samples "
-        r"\(M \* B = 3 \* 2",
-    )
+    _refused(stack(models), x, FOLDED_SIZES[pattern])
     stacked = stack(models, execution="model_by_model")
     for _ in range(2):
         out = stacked(x)
@@ -556,7 +566,7 @@ def test_a_number_that_merely_equals_the_folded_size_is_exact() -> None:
     assert_close(stack(models)(x), compare, msg="literal")
 
 
-@pytest.mark.parametrize("pattern", [*ESCAPES, *FOLDED_SIZES[2:]])
+@pytest.mark.parametrize("pattern", [*ESCAPES, *list(FOLDED_SIZES)[2:]])
 def test_reading_into_python_is_exact_for_one_model(pattern: str) -> None:
     """With M=1 the folded batch is the one model's: whatever Python reads from it is its own. (The buffer
     patterns of FOLDED_SIZES are left out: with one model every buffer is equal in all models, so shared.)"""
