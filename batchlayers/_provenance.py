@@ -1372,7 +1372,7 @@ def _size(ctx, name, args, kwargs, out, tagged) -> None:
         return
     which = 0 if name.endswith("__len__") else _arg(args, kwargs, 1, "dim", None) if name.endswith("size") else None
     if which is None or _norm(which, x.dim()) == d:
-        if which == 0 and name.endswith("__len__") and ctx.num_models > 1:
+        if name.endswith("__len__") and ctx.num_models > 1:
             # A TypeError, as Python's own for len() of what has none: list(x) and tuple(x), which ask len()
             # for a length hint only, go on without one (they iterate over the samples as before).
             raise TypeError(

@@ -110,37 +110,29 @@ def check_layout(
     """Raise naming ``name`` (a layer: its :func:`layer_name`) where ``x``'s dimensions are not the layout's.
     Every batched layer checks every call, so the message is only written for an input that fails."""
     dim, shape = x.dim(), x.shape
-    if (
-        (ndims is None or dim in ndims)
-        and dim >= max(min_ndim, 1 + len(trailing), 3 if channels is not None else 0)
-        and shape[0] == num_models
-        and (channels is None or shape[2] == channels[1])
-        and all(shape[dim - 1 - k] == size for k, (_, size) in enumerate(reversed(trailing)))
-    ):
-        return
-    name = layer_name(name) if isinstance(name, nn.Module) else name
-    named = [channels, *trailing] if channels is not None else list(trailing)
-    expected = f"{layout} with M={num_models}" + "".join(f", {n}={s}" for n, s in named)
+
+    def expected(article: str = "") -> str:  # the message's start, written only for an input that fails
+        named = [channels, *trailing] if channels is not None else list(trailing)
+        label = layer_name(name) if isinstance(name, nn.Module) else name
+        return f"{label}: expected {article}{what} {layout} with M={num_models}" + "".join(
+            f", {n}={s}" for n, s in named
+        )
+
     if ndims is not None and dim not in ndims:
         allowed = " or ".join(str(n) for n in ndims)
-        raise ValueError(f"{name}: expected a {allowed}-D {what} {expected}, got {dim}-D shape {_fmt(shape)}")
+        raise ValueError(expected(f"a {allowed}-D ") + f", got {dim}-D shape {_fmt(shape)}")
     if dim < max(min_ndim, 1 + len(trailing), 3 if channels is not None else 0):
-        raise ValueError(f"{name}: expected {what} {expected}, got too few dimensions: shape {_fmt(shape)}")
+        raise ValueError(expected() + f", got too few dimensions: shape {_fmt(shape)}")
     if shape[0] != num_models:
         raise ValueError(
-            f"{name}: expected {what} {expected}, but dimension 0 (models) is "
-            f"{shape[0]}, not {num_models}: shape {_fmt(shape)}"
+            expected() + f", but dimension 0 (models) is {shape[0]}, not {num_models}: shape {_fmt(shape)}"
         )
     if channels is not None and shape[2] != channels[1]:
-        raise ValueError(
-            f"{name}: expected {what} {expected}, but dimension 2 (channels) is {shape[2]}: shape {_fmt(shape)}"
-        )
+        raise ValueError(expected() + f", but dimension 2 (channels) is {shape[2]}: shape {_fmt(shape)}")
     for k, (dim_name, size) in enumerate(reversed(trailing)):
         d = dim - 1 - k
         if shape[d] != size:
-            raise ValueError(
-                f"{name}: expected {what} {expected}, but dimension {d} ({dim_name}) is {shape[d]}: shape {_fmt(shape)}"
-            )
+            raise ValueError(expected() + f", but dimension {d} ({dim_name}) is {shape[d]}: shape {_fmt(shape)}")
 
 
 def _check_input_dtype(module: nn.Module, x: Tensor, what: str) -> None:

@@ -153,10 +153,9 @@ def _per_model_scaled_(
     if whole:
         scaled = torch._foreach_mul([first[i] for i in whole], [scale[i] for i in whole])
         op([tensors[i] for i in whole], scaled, [second[i] for i in whole])
-    if sliced:
-        values = [value for i in sliced for value in scale[i].reshape(-1).tolist()]
-        slices = [[t[i][m] for i in sliced for m in range(tensors[i].shape[0])] for t in (tensors, first, second)]
-        op(*slices, values)
+    values = [value for i in sliced for value in scale[i].reshape(-1).tolist()]
+    slices = [[t[i][m] for i in sliced for m in range(tensors[i].shape[0])] for t in (tensors, first, second)]
+    op(*slices, values)
 
 
 def new_step_counts(param: Tensor) -> Tensor:
