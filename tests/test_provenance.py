@@ -523,6 +523,24 @@ def test_the_folded_batch_size_as_a_value_is_refused(pattern: str) -> None:
         assert_close(value, torch.stack([dict(m.named_buffers())[key] for m in models]), msg=key)
 
 
+def test_len_of_a_dimension_that_merely_equals_the_folded_size_is_exact() -> None:
+    """``len(h)`` of a time-major ``(T, B, C)`` tensor reads T, not the samples: exact, also where T equals
+    M * B (6 = 3 * 2 here), the size a ``len()`` of the samples would be refused for."""
+
+    class TimeMajor(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):  # x: (B, T, 4)
+            h = self.fc(x).transpose(0, 1)
+            return (h / len(h)).transpose(0, 1)
+
+    models = [seeded(TimeMajor, i) for i in range(3)]
+    x = torch.randn(3, 2, 6, 4, dtype=torch.float64)
+    assert_close(stack(models)(x), torch.stack([m(x[i]) for i, m in enumerate(models)]), msg="time-major len")
+
+
 ESCAPES = {
     "item of a sum": r"Tensor.item.*computed from the models' samples.*Tensor.sum over the models' samples",
     "if on a sum": r"Tensor.__bool__.*computed from the models' samples",
