@@ -39,8 +39,10 @@ length equal to ``M * B``), so batchlayers follows where every tensor came from:
   :class:`Lost` one with the reason. The stacked root unfolds tagged outputs and refuses lost ones.
 
 - **Sizes.** ``B = x.size(0)`` is ``M * B``, returned as a :class:`FoldedSize` (an int that knows it counts
-  the samples: a reshape by it, or by ``B * T``, is known, a literal is not; arithmetic with tensors and
-  comparisons whose answer differs per model are refused). The mode notes when the folded size of a
+  the samples: a reshape by it, or by ``B * T``, is known, a literal is not). What Python computes from it
+  carries each original model's value too (``batchlayers._numbers``): torch is given a number that differs
+  per model only where it takes it as the size of the samples (reshapes, creation, indexing; elsewhere it
+  is refused), and comparisons whose answer differs per model are refused. The mode notes when the folded size of a
   tagged tensor is read; from then on, tensors created with that size are known to be batch-sized: those
   with equal (``zeros``, ``ones``, ``full``, ``empty``) or independent random values (``rand``, ``randn``)
   are model-major on that dimension (every split of equal values is right). Any other untagged tensor of
@@ -54,10 +56,8 @@ traces both into one graph (the tags decide at trace time, like any Python contr
 
 from __future__ import annotations
 
-import functools
 import inspect
 import math
-import operator
 import os
 import string
 import sys
@@ -71,7 +71,9 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["FoldedSize", "FoldedValue", "Lost", "PerModel", "Tracker", "get_tag", "set_tag"]
+from ._numbers import FoldedInt, FoldedSize, FoldedValue, differs, plain_number_message
+
+__all__ = ["FoldedInt", "FoldedSize", "FoldedValue", "Lost", "PerModel", "Tracker", "get_tag", "set_tag"]
 
 _ATTR = "_batchlayers_models"
 _VIEWS = frozenset({Tensor.view, Tensor.view_as})
@@ -275,14 +277,16 @@ class Tracker(TorchFunctionMode):
                 "batchlayers: this stacked model's own code uses per-model tensors, whose sizes torch.compile "
                 "would read as the stored (M, *) ones; it runs without compiling (torch.compile falls back)"
             )
+        if self.num_models > 1 and not isinstance(func, torch._ops.OpOverload):  # (a compiled graph's ops)
+            numbers = _numbers_that_differ(args, kwargs)
+            if numbers and not (_EQUALS.get(func, False) and self._all_idiom(args) is not None):
+                self._refuse_numbers_that_differ(func, numbers)
         tagged = _tagged(args, kwargs)
         if not tagged:
             out = func(*args, **kwargs)
             if self.size_read and func in _CREATORS:
                 _CREATORS[func](self, out)
             return out
-        if self.num_models > 1 and _ARITHMETIC.get(func, False):
-            self._refuse_folded_size_as_a_value(func, args, kwargs)
         if any(i.tag is PerModel for i in tagged):
             if isinstance(func, torch._ops.OpOverload):
                 return func(*args, **kwargs)  # a compiled graph running: its ops are on the stored tensors
@@ -358,20 +362,22 @@ class Tracker(TorchFunctionMode):
             set_tag(indices, Lost(f"the indices of {name} over the models' samples"))
         return out
 
-    def _refuse_folded_size_as_a_value(self, func: Callable, args: tuple, kwargs: dict) -> None:
-        """Arithmetic with a :class:`FoldedSize` (``y / x.size(0)``, ``count += x.shape[0]`` in a running mean):
-        a size that holds all models' samples used as a value, where each original uses its own."""
-        for value in (*args, *kwargs.values()):
-            if isinstance(value, (FoldedSize, FoldedValue)):
-                m = self.num_models
-                own = f"reads its own ({value.one_model()})" if isinstance(value, FoldedSize) else "computes its own"
-                made = "read from" if isinstance(value, FoldedSize) else "computed from"
-                raise ValueError(
-                    f"batchlayers: {_name(func)} uses the number {value}, {made} the size of a tensor that "
-                    f"holds the models' samples (M * B = {m} * {self.folded // m} there), as a value: each "
-                    f"original model {own}. Compute it from the samples (x.mean(0) rather than "
-                    "x.sum(0) / x.size(0)), or stack with execution='model_by_model'"
-                )
+    def _refuse_numbers_that_differ(self, func: Callable, numbers: list[tuple[Any, object, bool]]) -> None:
+        """A number that differs per model (a :class:`FoldedSize` ``B``, or ``B - 1``, ``1 / B``: see
+        ``batchlayers._numbers``) given to torch anywhere but as the size of the models' samples (``y / B``,
+        ``count += x.shape[0]`` in a running mean, ``torch.full(shape, B)``): each original model would use its own."""
+        values = _SIZE_TAKING.get(func)
+        for number, where, top_level in numbers:
+            if values is not None and isinstance(number, FoldedSize) and not (top_level and where in values):
+                continue  # a size: reshapes, creation and indexing follow it
+            m = self.num_models
+            own = f"{'reads' if isinstance(number, FoldedSize) else 'computes'} its own ({number.own})"
+            raise ValueError(
+                f"batchlayers: {_name(func)} uses the number {number}, {number.made} the size of a tensor that "
+                f"holds the models' samples (M * B = {m} * {self.folded // m} there), as a value (or as the size of "
+                f"something else than the samples): each original model {own}. Compute it from the samples "
+                "(x.mean(0) rather than x.sum(0) / x.size(0)), or stack with execution='model_by_model'"
+            )
 
     def _all_idiom(self, args: tuple) -> object:
         """``mask.sum() == mask.numel()`` (transformers' ``fast_all``): over the models' samples, each model's
@@ -385,7 +391,7 @@ class Tracker(TorchFunctionMode):
                 isinstance(tag, Lost)
                 and tag.all_of is not None
                 and isinstance(size, FoldedSize)
-                and int(size) == tag.all_of.numel()
+                and size.folded() == tag.all_of.numel()
             ):
                 return self._over_samples("Tensor.all", torch.Tensor.all, (tag.all_of,), {})
         return None
@@ -450,6 +456,29 @@ def _tagged(args: Sequence, kwargs: dict) -> list[_In]:
     return found
 
 
+def _numbers_that_differ(args: Sequence, kwargs: dict) -> list[tuple[Any, object, bool]]:
+    """``(number, position or keyword, top level)`` of every number among the arguments (in lists, tuples
+    and slices too) that differs per model (see ``batchlayers._numbers``)."""
+    found: list[tuple[Any, object, bool]] = []
+    for where, a in enumerate(args) if not kwargs else (*enumerate(args), *kwargs.items()):
+        if type(a) in _MARKED:
+            if differs(a):
+                found.append((a, where, True))
+        elif isinstance(a, (list, tuple, slice)):
+            for b in (a.start, a.stop, a.step) if isinstance(a, slice) else a:
+                if type(b) in _MARKED:
+                    if differs(b):
+                        found.append((b, where, False))
+                elif isinstance(b, (list, tuple, slice)):
+                    for c in (b.start, b.stop, b.step) if isinstance(b, slice) else b:
+                        if differs(c):
+                            found.append((c, where, False))
+    return found
+
+
+_MARKED = frozenset({FoldedSize, FoldedInt, FoldedValue})
+
+
 def _name(func: Callable) -> str:
     name = getattr(func, "__name__", None) or repr(func)
     if name == "__get__":  # a property: its getter is a method of the descriptor
@@ -491,116 +520,6 @@ def _tag_all(out: object, tag: Tag) -> None:
 
 def _first_lost(tagged: list[_In]) -> Lost | None:
     return next((i.tag for i in tagged if isinstance(i.tag, Lost)), None)
-
-
-class FoldedSize(int):
-    """A size read from a tensor that holds the models' samples, along their dimension (``x.size(0)``,
-    ``x.shape[0]``, ``x.numel()``): ``M`` times one model's. An ordinary int for shapes (``x.view(B, -1)``,
-    ``torch.zeros(B, T)``), and what is computed from it stays marked where it still counts the samples
-    (``B * T``, ``B // 2`` where each model's ``B`` divides, ``B1 + B2``), so a reshape can tell such a size
-    from a literal (see :func:`_reshape`). Arithmetic with tensors that uses it as a value is refused (see
-    :meth:`Tracker._refuse_folded_size_as_a_value`), and so is a comparison whose answer differs from each
-    original model's (``if B > 4`` with ``M * B = 6``, ``B = 3``). Copied or pickled, it is a plain int."""
-
-    num_models: int
-
-    def __new__(cls, value: int, num_models: int) -> FoldedSize:
-        size = super().__new__(cls, value)
-        size.num_models = num_models
-        return size
-
-    def __reduce__(self) -> tuple:
-        return int, (int(self),)
-
-    def one_model(self) -> int:
-        """Each model's own size: ``B`` of ``M * B``."""
-        return int(self) // self.num_models
-
-    def __float__(self) -> float:
-        """``float(B)``, ``math.sqrt(B)``: a plain float, which nothing could follow further: refused (M > 1)."""
-        if self.num_models > 1:
-            raise ValueError(
-                _plain_number_message("float()", "a size read from the models' samples", int(self), self.num_models)
-            )
-        return int.__float__(self)
-
-    def __mul__(self, other: object) -> Any:
-        out = int.__mul__(self, other)  # type: ignore[operator]
-        return FoldedSize(out, self.num_models) if type(other) is int else out
-
-    __rmul__ = __mul__
-
-    def __floordiv__(self, other: object) -> Any:
-        out = int.__floordiv__(self, other)  # type: ignore[operator]
-        counts = type(other) is int and other > 0 and self.one_model() % other == 0
-        return FoldedSize(out, self.num_models) if counts else out
-
-    def __add__(self, other: object) -> Any:
-        out = int.__add__(self, other)  # type: ignore[operator]
-        return FoldedSize(out, self.num_models) if isinstance(other, FoldedSize) else out
-
-    __radd__ = __add__
-
-    def _value(self, op: Callable, a: object, b: object) -> Any:
-        """``B / k``, ``k / B``, ``B ** 0.5``: a number, not a size, that is ``M`` times (or a power of) each
-        original's; a :class:`FoldedValue`. With another :class:`FoldedSize` (``B1 / B2``, each model's own
-        ratio) or anything but a Python number (a tensor: refused there), as int's own."""
-        other = b if a is self else a
-        if isinstance(other, FoldedSize):
-            return op(int(cast(int, a)), int(cast(int, b)))
-        if type(other) not in (int, float):
-            return NotImplemented
-        out = op(int(self) if a is self else a, int(self) if b is self else b)
-        return FoldedValue(out) if isinstance(out, float) else out
-
-    def __truediv__(self, other: object) -> Any:
-        return self._value(operator.truediv, self, other)
-
-    def __rtruediv__(self, other: object) -> Any:
-        return self._value(operator.truediv, other, self)
-
-    def __pow__(self, other: Any, modulo: Any = None) -> Any:
-        return self._value(operator.pow, self, other) if modulo is None else int.__pow__(self, other, modulo)
-
-    def __rpow__(self, other: Any, modulo: Any = None) -> Any:
-        return self._value(operator.pow, other, self) if modulo is None else int.__rpow__(self, other, modulo)
-
-    def _compare(self, other: object, op: Callable, symbol: str) -> Any:
-        folded = op(int(self), other if not isinstance(other, FoldedSize) else int(other))
-        if isinstance(other, FoldedSize):
-            own: object = op(self.one_model(), other.one_model())
-        elif isinstance(other, (int, float)) and other != int(self):  # (equal: a size of the samples unmarked)
-            own = op(self.one_model(), other)
-        else:
-            return folded
-        if own != folded:
-            m = self.num_models
-            raise ValueError(
-                f"batchlayers: a stacked model's forward compares {int(self)}, read from the size of a tensor that "
-                f"holds the models' samples (M * B = {m} * {self.one_model()}), with {other} ({symbol}): each "
-                f"original model compares its own ({self.one_model()}) and gets {own}, the folded batch {folded}. "
-                "Stack with execution='model_by_model', which runs each model's forward on its own samples"
-            )
-        return folded
-
-    __lt__ = functools.partialmethod(_compare, op=operator.lt, symbol="<")
-    __le__ = functools.partialmethod(_compare, op=operator.le, symbol="<=")
-    __gt__ = functools.partialmethod(_compare, op=operator.gt, symbol=">")
-    __ge__ = functools.partialmethod(_compare, op=operator.ge, symbol=">=")
-    __eq__ = functools.partialmethod(_compare, op=operator.eq, symbol="==")
-    __ne__ = functools.partialmethod(_compare, op=operator.ne, symbol="!=")
-    __hash__ = int.__hash__
-
-
-class FoldedValue(float):
-    """A number computed from a :class:`FoldedSize` by division or a power (``B / 2``, ``1 / B``,
-    ``B ** -0.5``): each original model computes it from its own ``B``. Refused in arithmetic with tensors, as
-    the size itself (what Python computes from it further is a plain float)."""
-
-    __slots__ = ()
-
-    def __reduce__(self) -> tuple:
-        return float, (float(self),)
 
 
 def _marked_sizes(func: Callable, args: tuple, kwargs: dict, out: object, num_models: int) -> object:
@@ -1376,22 +1295,15 @@ def _size(ctx, name, args, kwargs, out, tagged) -> None:
             # A TypeError, as Python's own for len() of what has none: list(x) and tuple(x), which ask len()
             # for a length hint only, go on without one (they iterate over the samples as before).
             raise TypeError(
-                _plain_number_message(
-                    "len()", "a tensor that holds the models' samples", int(x.shape[0]), ctx.num_models
+                plain_number_message(
+                    "len()",
+                    "a tensor that holds the models' samples",
+                    x.shape[0],
+                    f"every model's samples (M * B = {ctx.num_models} * {x.shape[0] // ctx.num_models} there)",
+                    x.shape[0] // ctx.num_models,
                 )
             )
         ctx.size_read = True
-
-
-def _plain_number_message(how: str, of: str, value: int, num_models: int) -> str:
-    """Why a read of the folded batch size into a plain Python number is refused (``len(x)``, ``float(B)``)."""
-    own = value // num_models
-    return (
-        f"batchlayers: {how} of {of} gives {value}, every model's samples (M * B = {num_models} * {own} there), "
-        f"as a plain Python number that batchlayers cannot follow, where each original model counts its own "
-        f"({own}). Read the size with x.size(0) or x.shape[0], which batchlayers follows (as a shape it works, "
-        "as a value it is refused), or stack with execution='model_by_model'"
-    )
 
 
 def loss_arguments(fn: Callable, args: Sequence, kwargs: dict) -> dict:
@@ -1651,17 +1563,39 @@ for _escape in _ESCAPES:
 _SIZES: dict[Callable, bool] = dict.fromkeys(
     (torch.Tensor.size, _getter("shape"), torch.Tensor.numel, torch.numel, torch.Tensor.nelement), True
 )
-# Arithmetic whose number arguments are values (see Tracker._refuse_folded_size_as_a_value)
-_ARITHMETIC: dict[Callable, bool] = {}
-for _op in (
-    "add sub subtract mul multiply div divide true_divide floor_divide remainder fmod pow float_power "
-    "add_ sub_ mul_ div_ pow_ __add__ __radd__ __sub__ __rsub__ __mul__ __rmul__ __truediv__ __rtruediv__ "
-    "__floordiv__ __rfloordiv__ __pow__ __rpow__ __iadd__ __isub__ __imul__ __itruediv__"
-).split():
-    for _owner in (torch, torch.Tensor):
-        _arithmetic = getattr(_owner, _op, None)
-        if callable(_arithmetic):
-            _ARITHMETIC[_arithmetic] = True
+# Where torch takes a number as a size (of a shape, a slice, a split), a FoldedSize is the size of the models'
+# samples and followed by the rules; anywhere else a number that differs per model is refused (see
+# Tracker._refuse_numbers_that_differ). Each function maps to the positions and keywords that take a value.
+_SIZE_TAKING: dict[Callable, frozenset] = {}
+for _owners, _names, _values in (
+    (
+        (Tensor,),
+        "view reshape expand broadcast_to repeat tile unflatten new_zeros new_ones new_empty __getitem__ "
+        "split split_with_sizes tensor_split chunk narrow select unfold as_strided repeat_interleave new_empty_strided",
+        (),
+    ),
+    (
+        (torch,),
+        "reshape broadcast_to tile unflatten zeros ones empty rand randn randperm eye arange split "
+        "tensor_split chunk narrow select as_strided repeat_interleave empty_strided",
+        (),
+    ),
+    (
+        (F,),
+        "interpolate pad adaptive_avg_pool1d adaptive_avg_pool2d adaptive_avg_pool3d adaptive_max_pool1d "
+        "adaptive_max_pool2d adaptive_max_pool3d unfold fold",
+        (),
+    ),
+    ((torch,), "full", (1, "fill_value")),
+    ((Tensor,), "new_full", (2, "fill_value")),
+    ((Tensor,), "__setitem__", (2, "value")),
+    ((torch,), "randint", (0, 1, "low", "high")),
+    ((torch,), "linspace logspace", (0, 1, "start", "end")),
+    ((torch,), "normal", (0, 1, "mean", "std")),
+):
+    for _owner in _owners:
+        for _n in _names.split():
+            _SIZE_TAKING[getattr(_owner, _n)] = frozenset(_values)
 _EQUALS = dict.fromkeys((torch.Tensor.__eq__, torch.Tensor.eq, torch.eq), True)
 
 _IN_PLACE = _in_place_functions()

@@ -17,7 +17,7 @@ from convert_harness import assert_threads_get_their_own, compare_training, seed
 from harness import assert_close
 from torch import nn
 
-from batchlayers._provenance import FoldedSize
+from batchlayers._numbers import FoldedInt, FoldedSize, FoldedValue
 from batchlayers.convert import stack
 
 
@@ -482,6 +482,24 @@ class _FoldedSizes(_Pattern):
             return h / float(x.size(0))
         if self.pattern == "divided by math.sqrt(B)":
             return h / math.sqrt(x.shape[0])
+        if self.pattern == "divided by B - 1 (unbiased)":
+            return h / (x.size(0) - 1)
+        if self.pattern == "scaled by B * 0.5":
+            return h * (x.size(0) * 0.5)
+        if self.pattern == "scaled by -B":
+            return h * -x.shape[0]
+        if self.pattern == "divided by int(B)":
+            return h / int(x.size(0))
+        if self.pattern == "divided by a tensor made from B":
+            return h / torch.tensor(x.size(0))
+        if self.pattern == "divided by a tensor filled with B":
+            return h / torch.full((4,), x.size(0), dtype=h.dtype)
+        if self.pattern == "times a constant tensor divided by B":
+            return h * (torch.ones(4, dtype=h.dtype) / x.size(0))
+        if self.pattern == "clamped at B - 1":
+            return h.clamp(max=x.size(0) - 1)
+        if self.pattern == "a branch on B - 1":
+            return h * 2 if x.size(0) - 1 > 2 else h
         if self.pattern == "a literal that equals M * B":  # Swin v2: 16 * sigmoid(bias), here with M * B == 6
             B, C = x.shape
             return h.view(B, C) * (6 * torch.sigmoid(self.mean))
@@ -489,11 +507,14 @@ class _FoldedSizes(_Pattern):
 
 
 AS_A_VALUE = (
-    r"uses the number [\d.]+, (read|computed) from the size of a tensor that holds the models' samples "
+    r"uses the number -?[\d.]+, (read|computed) from the size of a tensor that holds the models' samples "
     r"\(M \* B = 3 \* 2"
 )
 # Python turns these into plain numbers that batchlayers cannot follow, so they are refused where read.
-AS_A_PLAIN_NUMBER = r"(len\(\)|float\(\)) of {} gives 6, every model's samples \(M \* B = 3 \* 2 there\).*x\.size\(0\)"
+AS_A_PLAIN_NUMBER = (
+    r"(len|float|int)\(\) of {} gives 6, {} \(M \* B = 3 \* 2( there)?\), as a plain.*own \(2\).*x\.size\(0\)"
+)
+A_SIZE = ("a size", "read from the size of a tensor that holds the models' samples")
 FOLDED_SIZES = {
     "running mean (RL observation normaliser)": AS_A_VALUE,
     "samples seen": AS_A_VALUE,
@@ -501,9 +522,20 @@ FOLDED_SIZES = {
     "scaled by 1 / B": AS_A_VALUE,
     "divided by the square root of B": AS_A_VALUE,
     "divided by half the batch": AS_A_VALUE,
-    "divided by len(x)": AS_A_PLAIN_NUMBER.format("a tensor that holds the models' samples"),  # a TypeError
-    "divided by float(B)": AS_A_PLAIN_NUMBER.format("a size read from the models' samples"),
-    "divided by math.sqrt(B)": AS_A_PLAIN_NUMBER.format("a size read from the models' samples"),
+    "divided by len(x)": AS_A_PLAIN_NUMBER.format("a tensor that holds the models' samples", "every model's samples"),
+    "divided by float(B)": AS_A_PLAIN_NUMBER.format(*A_SIZE),
+    "divided by math.sqrt(B)": AS_A_PLAIN_NUMBER.format(*A_SIZE),
+    # what Python computes from B stays marked (batchlayers._numbers), with each model's own value
+    "divided by B - 1 (unbiased)": AS_A_VALUE,
+    "scaled by B * 0.5": AS_A_VALUE,
+    "scaled by -B": AS_A_VALUE,
+    "divided by int(B)": AS_A_PLAIN_NUMBER.format(*A_SIZE),
+    "divided by a tensor made from B": AS_A_VALUE,
+    "divided by a tensor filled with B": AS_A_VALUE,
+    "times a constant tensor divided by B": AS_A_VALUE,
+    "clamped at B - 1": AS_A_VALUE,
+    "a branch on B - 1": r"compares 5, computed from the size .* with 2 \(>\): each original model compares its "
+    r"own \(1\) and gets False",
 }
 
 
@@ -719,6 +751,88 @@ def test_folded_sizes_copy_and_pickle_as_plain_ints() -> None:
     assert (size * 3, size // 2, size + size) == (36, 6, 24)
     assert all(isinstance(v, FoldedSize) for v in (size * 3, 3 * size, size // 2, size + size))
     assert not any(isinstance(v, FoldedSize) for v in (size // 4, size + 1, size * size, size * True))
+    for number in (size - 1, size * 0.5, -size, 1 / size):
+        for copied in (copy.deepcopy(number), pickle.loads(pickle.dumps(number))):
+            assert type(copied) in (int, float) and copied == number.folded()
+
+
+def test_numbers_the_same_in_every_model_are_exact() -> None:
+    """A number computed from read sizes that every original model computes alike (the elements per sample,
+    ``x.numel() / x.size(0)``) is each model's own: used as a value it is allowed, and exact."""
+
+    class PerSample(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):  # x: (B, T, 4)
+            h = self.fc(x)
+            return h / (x.numel() / x.size(0)) + torch.full((4,), x.size(1) * 1.0, dtype=h.dtype)
+
+    models = [seeded(PerSample, i) for i in range(3)]
+    x = torch.randn(3, 2, 5, 4, dtype=torch.float64)
+    assert_close(stack(models)(x), torch.stack([m(x[i]) for i, m in enumerate(models)]))
+
+
+# What Python computes from a size read from the samples, written as each original model would: computed on
+# M * B = 12 (M = 2), the result carries both that value and the one each model computes from its own B = 6.
+COMPUTED = {
+    "B - 1": lambda b: b - 1,
+    "1 - B": lambda b: 1 - b,
+    "B + 1": lambda b: b + 1,
+    "2 + B": lambda b: 2 + b,
+    "-B": lambda b: -b,
+    "B * 0.5": lambda b: b * 0.5,
+    "B * B": lambda b: b * b,
+    "B / 4": lambda b: b / 4,
+    "3 / B": lambda b: 3 / b,
+    "B ** 2": lambda b: b**2,
+    "B ** -0.5": lambda b: b**-0.5,
+    "2 ** B": lambda b: 2**b,
+    "B % 5": lambda b: b % 5,
+    "7 % B": lambda b: 7 % b,
+    "B // 5": lambda b: b // 5,
+    "30 // B": lambda b: 30 // b,
+    "divmod(B, 5)": lambda b: divmod(b, 5)[1],
+    "round(B / 5)": lambda b: round(b / 5),
+    "round(B / 5, 1)": lambda b: round(b / 5, 1),
+    "abs(1 - B)": lambda b: abs(1 - b),
+    "math.floor(B / 5)": lambda b: math.floor(b / 5),
+    "math.ceil(B / 5)": lambda b: math.ceil(b / 5),
+    "math.trunc(-B / 5)": lambda b: math.trunc(-b / 5),
+    "(B - 1) * 3 - B": lambda b: (b - 1) * 3 - b,
+    "(B - 1) / 2": lambda b: (b - 1) / 2,
+    "B << 1, B >> 1, B & 3, B | 1, B ^ 1": lambda b: (b << 1) + (b >> 1) + (b & 3) + (b | 1) + (b ^ 1),
+    "sum([B, B - 1])": lambda b: sum([b, b - 1]),
+    "max(B - 1, 2)": lambda b: max(b - 1, 2),
+}
+
+
+@pytest.mark.parametrize("expression", list(COMPUTED))
+def test_numbers_computed_from_a_read_size_carry_each_models_value(expression: str) -> None:
+    """Python's own arithmetic on the folded size (12) and on each model's (6) is the reference: the result
+    holds both, so the tracker can tell a number that differs per model wherever it goes."""
+    compute = COMPUTED[expression]
+    out = compute(FoldedSize(12, 2))
+    assert isinstance(out, (FoldedInt, FoldedValue)), type(out)
+    assert type(out.folded()) is type(compute(12)) and out.folded() == compute(12)
+    assert type(out.own) is type(compute(6)) and out.own == compute(6)
+
+
+@pytest.mark.parametrize(
+    ("how", "refused"),
+    [("int", int), ("float", float), ("math.sqrt", math.sqrt), ("comparison", lambda n: n > 8)],
+)
+def test_numbers_that_differ_are_not_made_plain(how: str, refused) -> None:
+    """``int()``, ``float()`` (``math.sqrt`` of an int calls it; of a float it reads the float itself) and a
+    comparison whose answer differs from each model's would make a number that differs per model plain:
+    refused. Where every model has the same value they are allowed and plain."""
+    numbers = [FoldedSize(12, 2), FoldedSize(12, 2) - 1]
+    for number in numbers if how == "math.sqrt" else [*numbers, FoldedSize(12, 2) * 0.75]:
+        with pytest.raises(ValueError, match="(plain Python number|compares)"):
+            refused(number)
+    same = FoldedSize(12, 2) / FoldedSize(6, 2)  # a ratio of two sizes: 2 in every model
+    assert refused(same) == refused(2.0)
 
 
 class _LayoutAlias(nn.Module):

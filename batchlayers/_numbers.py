@@ -1,0 +1,301 @@
+"""Numbers read from the folded batch, and every number Python computes from them, marked.
+
+Inside a stacked model's batched ``forward``, ``B = x.size(0)`` is ``M * B``: every model's samples. Each
+original model reads its own ``B``. A number that differs between the two must never reach a tensor as if it
+were each model's, so the number read and everything computed from it carry both values:
+
+- :class:`FoldedSize` (an ``int``) counts the models' samples: ``M`` times each original's. Where torch takes it
+  as the size of the samples' dimension (``x.view(B, -1)``, ``torch.zeros(B, T)``) it is right for every
+  model; so are ``B * T``, ``B // k`` where each model's ``B`` divides, and ``B1 + B2``, which stay sizes.
+- :class:`FoldedInt` and :class:`FoldedValue` (an ``int``, a ``float``) are anything else computed from one:
+  ``B - 1``, ``-B``, ``B % 4``, ``B * 0.5``, ``1 / B``, ``B ** 0.5``. Each carries the value every original
+  model computes (``own``); where the two are equal (``B1 / B2``, the same ratio in every model) it is each
+  model's number.
+
+Python's own operators, comparisons and ``round``/``abs``/``math.floor`` on these give marked numbers again, a
+comparison whose answer differs from each original model's is refused, and ``int()``/``float()`` (which
+Python makes plain whatever they return) are refused where they would lose a number that differs. The tracker
+(``batchlayers._provenance``) refuses a number that differs anywhere torch would use it as a value.
+
+What Python computes without asking the number cannot be followed: a ``float`` on the left of an operator
+(``1.0 / B``, ``0.5 * B``: float's own operator reads the int directly), ``math.log(B)`` (which reads an int's
+digits), ``math`` functions of a :class:`FoldedValue` (``math.sqrt(B / 2)`` reads the float itself),
+``range(B - 1)``. Those stay plain numbers.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import operator
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["FoldedInt", "FoldedSize", "FoldedValue", "differs", "plain_number_message"]
+
+
+def plain_number_message(how: str, of: str, value: object, where: str, own: object) -> str:
+    """Why a read of a number that differs per model into a plain Python number is refused (``len(x)``,
+    ``float(B)``, ``int(B - 1)``); ``where`` says what the number is made of."""
+    return (
+        f"batchlayers: {how} of {of} gives {value}, {where}, as a plain Python number that batchlayers cannot "
+        f"follow, where each original model has its own ({own}). "
+        "Read the size with x.size(0) or x.shape[0] and compute with it, which batchlayers follows (as a shape "
+        "it works, as a value it is refused), or stack with execution='model_by_model'"
+    )
+
+
+def _parts(x: object) -> tuple[Any, Any] | None:
+    """``(folded, own)``: a marked number's two values, a plain Python number's one twice; None otherwise."""
+    if isinstance(x, _Marked):
+        return x.folded(), x.own
+    if type(x) in (int, float, bool):
+        return x, x
+    return None
+
+
+def _mark(folded: object, own: object, num_models: int) -> Any:
+    if isinstance(folded, bool):
+        return folded
+    if isinstance(folded, int) and isinstance(own, int):
+        return FoldedInt(folded, own, num_models)
+    if isinstance(folded, (int, float)) and isinstance(own, (int, float)):
+        return FoldedValue(folded, own, num_models)
+    return folded  # (complex: not followed)
+
+
+def _derive(op: Callable, a: object, b: object) -> Any:
+    """``op(a, b)`` with one or both marked: both values computed, the result marked (never a size)."""
+    pa, pb = _parts(a), _parts(b)
+    if pa is None or pb is None:
+        return NotImplemented  # a tensor, numpy's numbers: their own reflected operator
+    m = a.num_models if isinstance(a, _Marked) else getattr(b, "num_models", 1)
+    return _mark(op(pa[0], pb[0]), op(pa[1], pb[1]), m)
+
+
+class _Marked:
+    """What :class:`FoldedSize`, :class:`FoldedInt` and :class:`FoldedValue` share: the number each original
+    model has (``own``) beside the folded one, Python's operators on both, comparisons checked."""
+
+    __slots__ = ()
+    num_models: int
+    own: Any
+
+    def folded(self) -> Any:
+        raise NotImplementedError
+
+    made = "computed from"  # (FoldedSize: "read from")
+
+    def where(self) -> str:
+        """What the number is made of, for messages."""
+        return f"{self.made} the size of a tensor that holds the models' samples ({self.num_models} models folded)"
+
+    def _one(self, op: Callable) -> Any:
+        return _mark(op(self.folded()), op(self.own), self.num_models)
+
+    def _compare(self, other: object, op: Callable, symbol: str) -> Any:
+        theirs = _parts(other)
+        if theirs is None:
+            return NotImplemented  # a tensor: its own comparison, where the tracker sees the number
+        if self._unmarked_size(other):
+            return op(self.folded(), other)
+        folded, own = op(self.folded(), theirs[0]), op(self.own, theirs[1])
+        if own != folded:
+            raise ValueError(
+                f"batchlayers: a stacked model's forward compares {self.folded()}, {self.where()}, with {other} "
+                f"({symbol}): each original model compares its own ({self.own}) and gets {own}, the folded batch "
+                f"{folded}. Stack with execution='model_by_model', which runs each model's forward on its own samples"
+            )
+        return folded
+
+    def _unmarked_size(self, other: object) -> bool:
+        return False
+
+    def _refuse_plain(self, how: str) -> None:
+        if differs(self):
+            of = "a size" if isinstance(self, FoldedSize) else "a number"
+            raise ValueError(plain_number_message(how, of, self.folded(), self.where(), self.own))
+
+    __lt__ = functools.partialmethod(_compare, op=operator.lt, symbol="<")
+    __le__ = functools.partialmethod(_compare, op=operator.le, symbol="<=")
+    __gt__ = functools.partialmethod(_compare, op=operator.gt, symbol=">")
+    __ge__ = functools.partialmethod(_compare, op=operator.ge, symbol=">=")
+    __eq__ = functools.partialmethod(_compare, op=operator.eq, symbol="==")
+    __ne__ = functools.partialmethod(_compare, op=operator.ne, symbol="!=")
+
+    def __bool__(self) -> bool:
+        return bool(self._compare(0, operator.ne, "!="))
+
+    def __int__(self) -> int:
+        self._refuse_plain("int()")
+        return int(self.folded())
+
+    def __float__(self) -> float:
+        self._refuse_plain("float()")
+        return float(self.folded())
+
+    def __reduce__(self) -> tuple:
+        return type(self.folded()), (self.folded(),)
+
+    def __neg__(self) -> Any:
+        return self._one(operator.neg)
+
+    def __pos__(self) -> Any:
+        return self
+
+    def __abs__(self) -> Any:
+        return self._one(abs)
+
+    def __round__(self, ndigits: Any = None) -> Any:
+        return self._one(lambda v: round(v, ndigits))
+
+    def __divmod__(self, other: object) -> Any:
+        return self // other, self % other  # type: ignore[operator]
+
+    def __rdivmod__(self, other: object) -> Any:
+        return other // self, other % self  # type: ignore[operator]
+
+
+def _binary(op: Callable) -> tuple[Callable, Callable]:
+    """``__op__`` and ``__rop__`` that compute both values."""
+
+    def forward(self: object, other: object) -> Any:
+        return _derive(op, self, other)
+
+    def reflected(self: object, other: object) -> Any:
+        return _derive(op, other, self)
+
+    return forward, reflected
+
+
+_OPERATORS = {
+    name: _binary(pow if name == "pow" else getattr(operator, name))
+    for name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "lshift", "rshift", "and_", "or_", "xor")
+}
+
+
+def _with_operators(cls: type) -> type:
+    for name, (forward, reflected) in _OPERATORS.items():
+        name = name.rstrip("_")
+        setattr(cls, f"__{name}__", forward)
+        setattr(cls, f"__r{name}__", reflected)
+    return cls
+
+
+@_with_operators
+class FoldedInt(_Marked, int):
+    """An int computed from a :class:`FoldedSize` that is not a size of the models' samples (``B - 1``,
+    ``B % 4``, ``-B``, ``B * B``); ``own`` is each original model's. Refused where torch would use it while it
+    differs from ``own``. Copied or pickled, it is a plain int."""
+
+    own: int
+    num_models: int
+
+    def __new__(cls, value: int, own: int, num_models: int) -> FoldedInt:
+        number = super().__new__(cls, value)
+        number.own, number.num_models = own, num_models
+        return number
+
+    def folded(self) -> int:
+        return int.__int__(self)
+
+    def __invert__(self) -> Any:
+        return self._one(operator.invert)
+
+    def __trunc__(self) -> Any:
+        return self
+
+    __floor__ = __ceil__ = __trunc__
+    __hash__ = int.__hash__
+
+
+@_with_operators
+class FoldedValue(_Marked, float):
+    """A float computed from a :class:`FoldedSize` (``B / 2``, ``1 / B``, ``B * 0.5``, ``B ** -0.5``);
+    ``own`` is each original model's. Refused where torch would use it while it differs from ``own``. Copied
+    or pickled, it is a plain float."""
+
+    own: float
+    num_models: int
+
+    def __new__(cls, value: float, own: float, num_models: int) -> FoldedValue:
+        number = super().__new__(cls, value)
+        number.own, number.num_models = own, num_models
+        return number
+
+    def folded(self) -> float:
+        return float.__float__(self)
+
+    def __trunc__(self) -> Any:
+        return self._one(math.trunc)
+
+    def __floor__(self) -> Any:
+        return self._one(math.floor)
+
+    def __ceil__(self) -> Any:
+        return self._one(math.ceil)
+
+    __hash__ = float.__hash__
+
+
+class FoldedSize(FoldedInt):
+    """A size read from a tensor that holds the models' samples, along their dimension (``x.size(0)``,
+    ``x.shape[0]``, ``x.numel()``): ``M`` times one model's. An ordinary int for shapes (``x.view(B, -1)``,
+    ``torch.zeros(B, T)``), and what is computed from it stays marked where it still counts the samples
+    (``B * T``, ``B // 2`` where each model's ``B`` divides, ``B1 + B2``, ``B1 - B2``), so a reshape can tell
+    such a size from a literal (see ``batchlayers._provenance._reshape``); anything else computed from it is a
+    :class:`FoldedInt` or :class:`FoldedValue`. Copied or pickled, it is a plain int."""
+
+    made = "read from"
+
+    def __new__(cls, value: int, num_models: int) -> FoldedSize:
+        return super().__new__(cls, value, value // num_models, num_models)  # type: ignore[return-value]
+
+    def one_model(self) -> int:
+        """Each model's own size: ``B`` of ``M * B``."""
+        return self.own
+
+    def where(self) -> str:
+        m, own = self.num_models, self.own
+        return f"{self.made} the size of a tensor that holds the models' samples (M * B = {m} * {own})"
+
+    def _unmarked_size(self, other: object) -> bool:
+        """A plain int equal to the folded size: a size of the samples read where batchlayers did not mark it."""
+        return type(other) is int and other == self.folded()
+
+    def _sized(self, out: object) -> Any:
+        return FoldedSize(out.folded(), self.num_models) if isinstance(out, _Marked) else out
+
+    def __mul__(self, other: object) -> Any:
+        out = _derive(operator.mul, self, other)
+        return self._sized(out) if type(other) is int else out
+
+    __rmul__ = __mul__
+
+    def __floordiv__(self, other: object) -> Any:
+        out = _derive(operator.floordiv, self, other)
+        divides = type(other) is int and other > 0 and self.one_model() % other == 0
+        return self._sized(out) if divides else out
+
+    def __add__(self, other: object) -> Any:
+        out = _derive(operator.add, self, other)
+        return self._sized(out) if isinstance(other, FoldedSize) else out
+
+    __radd__ = __add__
+
+    def __sub__(self, other: object) -> Any:
+        out = _derive(operator.sub, self, other)
+        return self._sized(out) if isinstance(other, FoldedSize) else out
+
+    def __abs__(self) -> Any:
+        return self
+
+    def __round__(self, ndigits: Any = None) -> Any:
+        return self
+
+    __hash__ = int.__hash__
+
+
+def differs(x: object) -> bool:
+    """Whether ``x`` is a marked number whose folded value differs from each original model's."""
+    return isinstance(x, _Marked) and x.num_models > 1 and x.own != x.folded()
