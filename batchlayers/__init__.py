@@ -51,7 +51,7 @@ from .recurrent import BatchedGRU, BatchedGRUCell, BatchedLSTM, BatchedLSTMCell,
 from .registry import isinstance_torch, register
 from .sparse import BatchedEmbedding, BatchedEmbeddingBag
 from .train_state import TrainState
-from .verify import Verification, verify
+from .verify import Verification, check_batched, verify
 
 __version__ = "0.1.0"
 
@@ -103,6 +103,7 @@ __all__ = [
     "isinstance_torch",
     "verify",
     "Verification",
+    "check_batched",
     # training toolkit
     "clip_grad_norm_",
     "clip_grad_value_",

@@ -54,6 +54,7 @@ class _Call:
     leaves: dict[int, list[tuple[bool, int, bool | None]]] = field(default_factory=dict)
     # (module, name, tensor) of every per-model parameter and buffer at the start of the call (see UnfoldOutputs)
     per_model_slots: list[tuple[nn.Module, str, Tensor | None]] = field(default_factory=list)
+    signature: tuple = ()  # see _signature
 
 
 def _calls() -> list[_Call]:
@@ -101,8 +102,15 @@ def _tensors(obj: object, where: str) -> list[tuple[str, Tensor]]:
 
 
 def runs_model_by_model(root: nn.Module) -> bool:
-    """Whether ``root`` was stacked with ``execution="model_by_model"`` and runs so now (not while compiling)."""
-    return getattr(root.__dict__.get("forward"), "model_by_model", False) and not torch.compiler.is_compiling()
+    """Whether ``root`` was stacked with ``execution="model_by_model"`` and runs so now (not while compiling,
+    nor in the eager check of what a compiled call would run, see :func:`_run_eagerly`)."""
+    return getattr(root.__dict__.get("forward"), "model_by_model", False) and not runs_batched_anyway()
+
+
+def runs_batched_anyway() -> bool:
+    """Whether a stacked root runs its batched forward whatever its execution: compiled, or checked eagerly
+    before it is compiled."""
+    return torch.compiler.is_compiling() or getattr(_local, "checking", False)
 
 
 def check_inputs(root: nn.Module, args: tuple, kwargs: dict) -> int:
@@ -153,6 +161,9 @@ class FoldInputs:
             return None  # its forward runs the architecture once per model, on (B, *) inputs
         num_models = cast(int, root.num_models)  # set by stack(); torch's stubs type module attributes as tensors
         batch = check_inputs(root, args, kwargs)
+        signature = _signature(root, args, kwargs)
+        if torch.compiler.is_compiling() and num_models > 1 and signature not in getattr(root, _CHECKED, ()):
+            _check_eagerly(root, args, kwargs)
 
         # A shared input (stride-0 expand) is copied here: the user's forward needs one ordinary batch.
         def fold(t: Tensor, where: str) -> Tensor:
@@ -179,6 +190,7 @@ class FoldInputs:
                 tracker=tracker,
                 shared_buffer_versions=[(n, b, b._version) for n, b in buffers],
                 per_model_slots=slots,
+                signature=signature,
             )
         )
         tracker.__enter__()
@@ -343,7 +355,71 @@ class UnfoldOutputs:
             _refuse_batch_sized(name, f"output{where}", t, call, anywhere=True)
             return t.expand(num_models, *t.shape)  # the same value for every model
 
-        return map_tensors(output, unfold)
+        output = map_tensors(output, unfold)
+        if not torch.compiler.is_compiling() and call.signature not in getattr(root, _CHECKED, ()):
+            root.__dict__[_CHECKED] = (*root.__dict__.get(_CHECKED, ()), call.signature)  # checked eagerly: passed
+        return output
+
+
+# The signatures (see _signature) of the calls a stacked root has run eagerly, each followed by the tracker
+# from start to end: a compiled call unlike them is checked by one eager call first (see _check_eagerly).
+_CHECKED = "_batchlayers_checked_calls"
+
+
+def _signature(root: nn.Module, args: tuple, kwargs: dict) -> tuple:
+    """What a compiled call of ``root`` must share with an eager one that passed: train or eval mode, and each
+    tensor input's number of dimensions and dtype (the code a forward runs depends on them, rarely on sizes)."""
+    leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+    return (root.training, *[(t.dim(), t.dtype) for t in leaves if isinstance(t, Tensor)])
+
+
+def check_batched_forward(root: nn.Module, args: tuple, kwargs: dict) -> None:
+    """One call of ``root`` without torch.compile and without effects: on copies of its arguments (a cache
+    object passed in is not appended to; a stride-0 shared batch is not copied: a write into it fails anyway),
+    with the random number generators forked and every buffer (running statistics, caches) put back as it
+    was (nothing is differentiated); the batched forward also for a root stacked to run model by model (see
+    :func:`batchlayers.check_batched`)."""
+    if not isinstance(root, nn.Module) or _CHECKED not in root.__dict__:
+        raise TypeError(f"check_batched: expected a stacked model (from batchlayers.stack), got {type(root).__name__}")
+    leaves = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
+    memo: dict[int, object] = {id(t): t if 0 in t.stride() else t.detach().clone() for t in leaves}
+    try:
+        args, kwargs = copy.deepcopy((args, kwargs), memo)
+    except Exception as exc:
+        raise RuntimeError(
+            f"stacked {type(root).__name__}: its first compiled call with inputs like these runs once without "
+            f"compiling first, on copies of the arguments, which could not be copied ({type(exc).__name__}: {exc}). "
+            "Call the stacked model once without compiling on such inputs before compiling it"
+        ) from exc
+    saved = [
+        (module, name, b, b.clone())
+        for module in root.modules()
+        for name, b in module._buffers.items()
+        if b is not None
+    ]
+    devices = sorted({t.device.index or 0 for t in leaves if t.device.type == "cuda"})
+    _local.checking = True
+    try:
+        with torch.random.fork_rng(devices=devices):  # (gradients recorded as the call would: its paths)
+            root(*args, **kwargs)
+    finally:
+        _local.checking = False
+        with torch.no_grad():
+            for module, name, b, value in saved:
+                module._buffers[name] = b
+                b.copy_(value)
+
+
+_check_eagerly = torch.compiler.disable(
+    check_batched_forward,
+    reason=(
+        "batchlayers: the first compiled call of a stacked model with inputs like these (number of dimensions, "
+        "dtypes, train/eval mode) runs once without compiling first, so that batchlayers checks its forward: "
+        "under torch.compile it cannot follow a batch size read with x.size(0), and code such as "
+        "h / x.size(0) would give every model a wrong result without an error. With fullgraph=True, call "
+        "batchlayers.check_batched(stacked, *inputs) (or the stacked model) once before compiling it"
+    ),
+)
 
 
 def _refuse_batch_sized(name: str, what: str, t: Tensor, call: _Call, anywhere: bool) -> None:
@@ -627,6 +703,7 @@ def attach_root_hooks(
     root: nn.Module, shared_buffers: Iterable[str], per_model: Iterable[str] = (), own_code: Iterable[str] = ()
 ) -> None:
     shared_buffers = list(shared_buffers)
+    root.__dict__[_CHECKED] = ()  # no call checked yet (see FoldInputs)
     root.register_forward_pre_hook(FoldInputs(shared_buffers, per_model, own_code), with_kwargs=True)
     root.register_forward_hook(UnfoldOutputs(), always_call=True)
     if shared_buffers:

@@ -84,7 +84,7 @@ class ModelByModel:
 
     def __call__(self, *args: object, **kwargs: object) -> object:
         root = self.root
-        if torch.compiler.is_compiling():  # the root's hooks folded the inputs: the batched forward
+        if _fold.runs_batched_anyway():  # the root's hooks folded the inputs: the batched forward
             return type(root).forward(root, *args, **kwargs)
         with self._lock:
             if self._depth:

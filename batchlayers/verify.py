@@ -9,9 +9,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from ._fold import map_tensors
+from ._fold import check_batched_forward, map_tensors
 
-__all__ = ["Verification", "verify"]
+__all__ = ["Verification", "check_batched", "verify"]
 
 
 @dataclass(frozen=True)
@@ -214,3 +214,27 @@ _TOLERANCES = {
     torch.float16: (1e-3, 1e-5),
     torch.bfloat16: (1.6e-2, 1e-5),
 }
+
+
+def check_batched(stacked: nn.Module, *inputs: object, **kwargs: object) -> None:
+    """Run the batched forward of a stacked model once, eagerly and without effects, so that batchlayers
+    checks it; then ``torch.compile`` runs calls like it in one graph.
+
+    Under ``torch.compile`` batchlayers cannot follow a batch size that ``forward`` reads (``x.size(0)``):
+    code such as ``h / x.size(0)`` would give every model a wrong result without an error. So the first
+    compiled call with inputs of a kind (each tensor input's number of dimensions and dtype, train or eval
+    mode) runs this check itself, as a graph break. With ``fullgraph=True`` it cannot: call this (or the
+    stacked model itself, a real call) once before compiling. It also checks the batched forward of a model
+    stacked with ``execution="model_by_model"``, which compiled runs batched.
+
+    Args:
+        stacked: a model from :func:`batchlayers.stack`.
+        *inputs, **kwargs: what you will call it with, ``(M, B, *)`` tensors.
+
+    Raises:
+        ValueError, TypeError: what an eager call would raise (the code that batchlayers refuses, named).
+
+    Nothing is changed: the call runs on copies of the arguments, with the random number generators forked,
+    and every buffer put back (its graph is recorded, as the call's would be, and dropped).
+    """
+    check_batched_forward(stacked, inputs, kwargs)

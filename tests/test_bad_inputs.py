@@ -376,6 +376,9 @@ CONVERTERS = [
     pytest.param(lambda: bl.verify([zoo.MLP()] * 2, stacked_mlp(), r(M, 4, 6)), ValueError, ("verify", "holds 3 models", "2 originals"), id="verify-model-count"),  # noqa: E501
     pytest.param(lambda: bl.verify(zoo.MLP(), stacked_mlp(), r(M, 4, 6)), TypeError, ("verify", "list of the original models", "MLP"), id="verify-one-model"),  # noqa: E501
     pytest.param(lambda: bl.verify([zoo.MLP()] * M, "stacked", r(M, 4, 6)), TypeError, ("verify", "stacked model", "str"), id="verify-stacked-not-module"),  # noqa: E501
+    pytest.param(lambda: bl.check_batched(nn.Sequential(bl.BatchedLinear(M, 6, 3)), r(M, 4, 6)), TypeError, ("check_batched", "stacked model", "Sequential"), id="check-batched-not-stacked"),  # noqa: E501
+    pytest.param(lambda: bl.check_batched("stacked", r(M, 4, 6)), TypeError, ("check_batched", "stacked model", "str"), id="check-batched-not-module"),  # noqa: E501
+    pytest.param(lambda: bl.check_batched(stacked_mlp(), r(2, 4, 6)), ValueError, ("MLP", "M=3", "(2, 4, 6)"), id="check-batched-input-of-other-models"),  # noqa: E501
     pytest.param(lambda: bl.register(nn.Linear(2, 2), bl.BatchedLinear), TypeError, ("register", "torch_type", "nn.Module subclass"), id="register-instance"),  # noqa: E501
     pytest.param(lambda: bl.isinstance_torch(bl.BatchedLinear(M, 2, 2), "Linear"), TypeError, ("isinstance_torch", "classinfo", "'Linear'"), id="isinstance_torch-string"),  # noqa: E501
 ]  # fmt: skip

@@ -81,6 +81,9 @@ def test_inductor_fullgraph_training_equals_the_original_models(case: str, optim
         xs = torch.randn(STEPS, M, *sample_shape, generator=gen, dtype=torch.float64)
         targets = torch.randint(0, 3, (STEPS, M, sample_shape[0]), generator=gen)
     options = {"momentum": 0.9} if optimizer == "SGD" else {}
+    if case != "batched-layers":
+        # fullgraph=True: the batched forward is checked first (see test_a_compiled_stacked_forward_is_checked_...)
+        bl.check_batched(batched, xs[0])
 
     references = [getattr(torch.optim, optimizer)(m.parameters(), lr=lr, **options) for m, lr in zip(originals, LRS)]
     expected_outputs = []
@@ -117,6 +120,57 @@ def test_inductor_fullgraph_training_equals_the_original_models(case: str, optim
             assert_close(batched.state_dict()[name][i], value, msg=f"{case}: model {i}'s {name} after {STEPS} steps")
 
 
+class _ReadsTheBatchSize(nn.Module):
+    """A forward that reads the batch size: as a shape (exact) or as a number (refused in a stacked model:
+    it would be every model's samples), with BatchNorm running statistics to show the check has no effects."""
+
+    def __init__(self, as_a_number: bool) -> None:
+        super().__init__()
+        self.as_a_number = as_a_number
+        self.fc, self.norm = nn.Linear(4, 4), nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        h = self.norm(self.fc(x).view(x.size(0), -1))
+        return h / x.size(0) if self.as_a_number else h * 2
+
+
+@pytest.mark.parametrize("execution", ["batched", "model_by_model"])
+@pytest.mark.parametrize("fullgraph", [False, True])
+@pytest.mark.parametrize("as_a_number", [False, True])
+def test_a_compiled_stacked_forward_is_checked_eagerly_first(
+    as_a_number: bool, fullgraph: bool, execution: str
+) -> None:
+    """Under torch.compile batchlayers cannot follow a read batch size: ``h / x.size(0)`` would divide by every
+    model's samples. The first compiled call with inputs of a kind runs the batched forward once eagerly first
+    (on copies, random state and buffers put back), which refuses such code as an eager
+    call does; so for a model stacked to run model by model, whose compiled calls run batched. With
+    ``fullgraph=True`` that run cannot happen inside the compiled call: it is refused until ``check_batched``
+    ran. Exact models train exactly, buffers included."""
+    models = [seeded(lambda: _ReadsTheBatchSize(as_a_number), i) for i in range(M)]
+    stacked = bl.stack(models, execution=execution)
+    compiled = torch.compile(stacked, backend="aot_eager", fullgraph=fullgraph)
+    xs = torch.randn(3, M, 5, 4, dtype=torch.float64)
+    if fullgraph:
+        with pytest.raises(torch._dynamo.exc.Unsupported, match="runs once without compiling first"):
+            compiled(xs[0])
+        torch._dynamo.reset()
+    if as_a_number:
+        with pytest.raises(ValueError, match="Tensor.div uses the number 15, read from the size"):
+            bl.check_batched(stacked, xs[0]) if fullgraph else compiled(xs[0])
+        return
+    if fullgraph:
+        bl.check_batched(stacked, xs[0])  # changes nothing: the originals are the reference as they are
+    for x in xs:
+        assert_close(compiled(x), torch.stack([m(x[i]) for i, m in enumerate(models)]), msg="compiled output")
+    for name, value in stacked.state_dict().items():
+        assert_close(value, torch.stack([m.state_dict()[name] for m in models]), msg=f"{name} after the calls")
+
+
+def test_check_batched_takes_stacked_models_only() -> None:
+    with pytest.raises(TypeError, match="check_batched: expected a stacked model .* got Sequential"):
+        bl.check_batched(nn.Sequential(bl.BatchedLinear(M, 4, 4)), torch.randn(M, 2, 4))
+
+
 class _InPlace(nn.Module):
     """Residual code as real models write it: in-place ops on a layer output, then another layer."""
 
@@ -144,7 +198,9 @@ def test_in_place_ops_keep_the_samples_under_compile(how: str) -> None:
     the next layer took the folded samples for a shared constant and the output came back (M, B, M*B, 3)."""
     models = [seeded(lambda: _InPlace(how), i) for i in range(M)]
     x = torch.randn(M, 2, 4, dtype=torch.float64)
-    out = torch.compile(bl.stack(models), fullgraph=True, backend="aot_eager")(x)
+    stacked = bl.stack(models)
+    bl.check_batched(stacked, x)  # fullgraph=True: checked first
+    out = torch.compile(stacked, fullgraph=True, backend="aot_eager")(x)
     assert_close(out, torch.stack([m(x[i]) for i, m in enumerate(models)]), msg=f"compiled output with {how}")
 
 

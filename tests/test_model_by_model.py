@@ -492,6 +492,7 @@ def test_errors_name_what_is_wrong() -> None:
 @pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")
 def test_torch_compile_runs_the_batched_forward() -> None:
     batched, references = _stacked(zoo.MLP, 2)
-    batched.compile(backend="aot_eager", fullgraph=True)
     x = torch.randn(2, 4, 6, dtype=torch.float64)
+    bl.check_batched(batched, x)  # fullgraph=True: its batched forward checked first
+    batched.compile(backend="aot_eager", fullgraph=True)
     assert_close(batched(x), torch.stack([r(x[i]) for i, r in enumerate(references)]), msg="compiled")
