@@ -103,7 +103,7 @@ def _tensors(obj: object, where: str) -> list[tuple[str, Tensor]]:
 
 def runs_model_by_model(root: nn.Module) -> bool:
     """Whether ``root`` was stacked with ``execution="model_by_model"`` and runs so now (not while compiling,
-    nor in the eager check of what a compiled call would run, see :func:`_run_eagerly`)."""
+    nor in the eager check of what a compiled call would run, see :func:`check_batched_forward`)."""
     return getattr(root.__dict__.get("forward"), "model_by_model", False) and not runs_batched_anyway()
 
 
@@ -317,6 +317,7 @@ class UnfoldOutputs:
         _keep_replaced_per_model(root, call)
         call.tracker.check_copied_views()
         if output is None:
+            _passed(root, call)
             return None
         num_models = call.num_models
         name = f"stacked {type(root).__name__}"
@@ -356,14 +357,20 @@ class UnfoldOutputs:
             return t.expand(num_models, *t.shape)  # the same value for every model
 
         output = map_tensors(output, unfold)
-        if not torch.compiler.is_compiling() and call.signature not in getattr(root, _CHECKED, ()):
-            root.__dict__[_CHECKED] = (*root.__dict__.get(_CHECKED, ()), call.signature)  # checked eagerly: passed
+        _passed(root, call)
         return output
 
 
 # The signatures (see _signature) of the calls a stacked root has run eagerly, each followed by the tracker
 # from start to end: a compiled call unlike them is checked by one eager call first (see _check_eagerly).
 _CHECKED = "_batchlayers_checked_calls"
+
+
+def _passed(root: nn.Module, call: _Call) -> None:
+    """An eager call that the tracker followed from start to end without refusing anything: compiled calls
+    like it need no check."""
+    if not torch.compiler.is_compiling() and call.signature not in getattr(root, _CHECKED, ()):
+        root.__dict__[_CHECKED] = (*getattr(root, _CHECKED, ()), call.signature)
 
 
 def _signature(root: nn.Module, args: tuple, kwargs: dict) -> tuple:
@@ -398,12 +405,12 @@ def check_batched_forward(root: nn.Module, args: tuple, kwargs: dict) -> None:
         if b is not None
     ]
     devices = sorted({t.device.index or 0 for t in leaves if t.device.type == "cuda"})
-    _local.checking = True
+    checking, _local.checking = getattr(_local, "checking", False), True
     try:
         with torch.random.fork_rng(devices=devices):  # (gradients recorded as the call would: its paths)
             root(*args, **kwargs)
     finally:
-        _local.checking = False
+        _local.checking = checking
         with torch.no_grad():
             for module, name, b, value in saved:
                 module._buffers[name] = b
