@@ -113,11 +113,16 @@ def runs_batched_anyway() -> bool:
     return torch.compiler.is_compiling() or getattr(_local, "checking", False)
 
 
-def check_inputs(root: nn.Module, args: tuple, kwargs: dict) -> int:
-    """The batch size ``B`` of a stacked root's tensor inputs, each ``(M, B, *)``; a clear error otherwise."""
+def input_tensors(args: tuple, kwargs: dict) -> list[tuple[str, Tensor]]:
+    """Every tensor among a call's arguments (in nested containers too), with where it is."""
+    return _tensors(args, "args") + _tensors(kwargs, "kwargs")
+
+
+def check_inputs(root: nn.Module, found: list[tuple[str, Tensor]]) -> int:
+    """The batch size ``B`` of a stacked root's tensor inputs (:func:`input_tensors`), each ``(M, B, *)``; a
+    clear error otherwise."""
     num_models = cast(int, root.num_models)  # set by stack(); torch's stubs type module attributes as tensors
     name = type(root).__name__
-    found = _tensors(args, "args") + _tensors(kwargs, "kwargs")
     if not found:
         raise ValueError(
             f"stacked {name} (M={num_models}): needs at least one tensor input shaped (M, B, *) to know the "
@@ -160,8 +165,9 @@ class FoldInputs:
         if runs_model_by_model(root):
             return None  # its forward runs the architecture once per model, on (B, *) inputs
         num_models = cast(int, root.num_models)  # set by stack(); torch's stubs type module attributes as tensors
-        batch = check_inputs(root, args, kwargs)
-        signature = _signature(root, args, kwargs)
+        inputs = input_tensors(args, kwargs)
+        batch = check_inputs(root, inputs)
+        signature = _signature(root, inputs)
         if torch.compiler.is_compiling() and num_models > 1 and signature not in getattr(root, _CHECKED, ()):
             _check_eagerly(root, args, kwargs)
 
@@ -373,11 +379,10 @@ def _passed(root: nn.Module, call: _Call) -> None:
         root.__dict__[_CHECKED] = (*getattr(root, _CHECKED, ()), call.signature)
 
 
-def _signature(root: nn.Module, args: tuple, kwargs: dict) -> tuple:
+def _signature(root: nn.Module, inputs: list[tuple[str, Tensor]]) -> tuple:
     """What a compiled call of ``root`` must share with an eager one that passed: train or eval mode, and each
     tensor input's number of dimensions and dtype (the code a forward runs depends on them, rarely on sizes)."""
-    leaves = torch.utils._pytree.tree_leaves((args, kwargs))
-    return (root.training, *[(t.dim(), t.dtype) for t in leaves if isinstance(t, Tensor)])
+    return (root.training, *[(t.dim(), t.dtype) for _, t in inputs])
 
 
 def check_batched_forward(root: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -388,7 +393,7 @@ def check_batched_forward(root: nn.Module, args: tuple, kwargs: dict) -> None:
     :func:`batchlayers.check_batched`)."""
     if not isinstance(root, nn.Module) or _CHECKED not in root.__dict__:
         raise TypeError(f"check_batched: expected a stacked model (from batchlayers.stack), got {type(root).__name__}")
-    leaves = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
+    leaves = [t for _, t in input_tensors(args, kwargs)]
     memo: dict[int, object] = {id(t): t if 0 in t.stride() else t.detach().clone() for t in leaves}
     try:
         args, kwargs = copy.deepcopy((args, kwargs), memo)

@@ -32,7 +32,7 @@ from torch.overrides import TorchFunctionMode
 
 from . import _fold, backends
 from ._architecture import _MODULE_INTERNALS, _config, same, tensor_table
-from ._fold import check_inputs, map_tensors
+from ._fold import check_inputs, input_tensors, map_tensors
 from ._provenance import (
     _RESHAPES,
     _VIEWS,
@@ -98,7 +98,7 @@ class ModelByModel:
     def _run(self, args: tuple, kwargs: dict) -> object:
         root = self.root
         num_models = cast(int, root.num_models)
-        check_inputs(root, args, kwargs)
+        check_inputs(root, input_tensors(args, kwargs))
         layers, tensors, shared, converting, modules = self._installs(num_models)
         installs = layers + tensors
         originals = [(container, key, container.get(key)) for container, key, _ in installs]

@@ -55,8 +55,6 @@ def _parts(x: object) -> tuple[Any, Any] | None:
 
 
 def _mark(folded: object, own: object, num_models: int) -> Any:
-    if isinstance(folded, bool):
-        return folded
     if isinstance(folded, int) and isinstance(own, int):
         return FoldedInt(folded, own, num_models)
     if isinstance(folded, (int, float)) and isinstance(own, (int, float)):
@@ -77,14 +75,18 @@ class _Marked:
     """What :class:`FoldedSize`, :class:`FoldedInt` and :class:`FoldedValue` share: the number each original
     model has (``own``) beside the folded one, Python's operators on both, comparisons checked."""
 
-    __slots__ = ()
     num_models: int
     own: Any
+    made = "computed from"  # (FoldedSize: "read from", what it is: "a size")
+    kind = "a number"
+
+    def __new__(cls, value: Any, own: Any, num_models: int) -> Any:
+        number = super().__new__(cls, value)  # type: ignore[call-arg]  # int's or float's
+        number.own, number.num_models = own, num_models
+        return number
 
     def folded(self) -> Any:
         raise NotImplementedError
-
-    made = "computed from"  # (FoldedSize: "read from")
 
     def where(self) -> str:
         """What the number is made of, for messages."""
@@ -113,8 +115,7 @@ class _Marked:
 
     def _refuse_plain(self, how: str) -> None:
         if differs(self):
-            of = "a size" if isinstance(self, FoldedSize) else "a number"
-            raise ValueError(plain_number_message(how, of, self.folded(), self.where(), self.own))
+            raise ValueError(plain_number_message(how, self.kind, self.folded(), self.where(), self.own))
 
     __lt__ = functools.partialmethod(_compare, op=operator.lt, symbol="<")
     __le__ = functools.partialmethod(_compare, op=operator.le, symbol="<=")
@@ -174,15 +175,11 @@ _OPERATORS = {
 }
 
 
-def _with_operators(cls: type) -> type:
-    for name, (forward, reflected) in _OPERATORS.items():
-        name = name.rstrip("_")
-        setattr(cls, f"__{name}__", forward)
-        setattr(cls, f"__r{name}__", reflected)
-    return cls
+for _name, (_forward, _reflected) in _OPERATORS.items():
+    setattr(_Marked, f"__{_name.rstrip('_')}__", _forward)
+    setattr(_Marked, f"__r{_name.rstrip('_')}__", _reflected)
 
 
-@_with_operators
 class FoldedInt(_Marked, int):
     """An int computed from a :class:`FoldedSize` that is not a size of the models' samples (``B - 1``,
     ``B % 4``, ``-B``, ``B * B``); ``own`` is each original model's. Refused where torch would use it while it
@@ -190,11 +187,6 @@ class FoldedInt(_Marked, int):
 
     own: int
     num_models: int
-
-    def __new__(cls, value: int, own: int, num_models: int) -> FoldedInt:
-        number = super().__new__(cls, value)
-        number.own, number.num_models = own, num_models
-        return number
 
     def folded(self) -> int:
         return int.__int__(self)
@@ -209,7 +201,6 @@ class FoldedInt(_Marked, int):
     __hash__ = int.__hash__
 
 
-@_with_operators
 class FoldedValue(_Marked, float):
     """A float computed from a :class:`FoldedSize` (``B / 2``, ``1 / B``, ``B * 0.5``, ``B ** -0.5``);
     ``own`` is each original model's. Refused where torch would use it while it differs from ``own``. Copied
@@ -217,11 +208,6 @@ class FoldedValue(_Marked, float):
 
     own: float
     num_models: int
-
-    def __new__(cls, value: float, own: float, num_models: int) -> FoldedValue:
-        number = super().__new__(cls, value)
-        number.own, number.num_models = own, num_models
-        return number
 
     def folded(self) -> float:
         return float.__float__(self)
@@ -246,10 +232,10 @@ class FoldedSize(FoldedInt):
     such a size from a literal (see ``batchlayers._provenance._reshape``); anything else computed from it is a
     :class:`FoldedInt` or :class:`FoldedValue`. Copied or pickled, it is a plain int."""
 
-    made = "read from"
+    made, kind = "read from", "a size"
 
     def __new__(cls, value: int, num_models: int) -> FoldedSize:
-        return super().__new__(cls, value, value // num_models, num_models)  # type: ignore[return-value]
+        return super().__new__(cls, value, value // num_models, num_models)
 
     def one_model(self) -> int:
         """Each model's own size: ``B`` of ``M * B``."""
