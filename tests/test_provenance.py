@@ -774,6 +774,27 @@ def test_numbers_the_same_in_every_model_are_exact() -> None:
     assert_close(stack(models)(x), torch.stack([m(x[i]) for i, m in enumerate(models)]))
 
 
+@pytest.mark.parametrize("pattern", ["T / (T - 1)", "B % 4"])
+def test_numbers_that_merely_equal_the_folded_size_are_exact(pattern: str) -> None:
+    """Sizes that coincide: a sequence length ``T`` equal to ``M * B`` (6 = 3 * 2) read from its own dimension
+    is each model's ``T``, used as a value (``T / (T - 1)``): exact. ``B % 4`` is 2 both folded (6 % 4) and in
+    each model (2 % 4): the same number in every model, exact, not refused."""
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):  # x: (B, T, 4)
+            h = self.fc(x)
+            T = x.size(1)
+            return h * (T / (T - 1)) if pattern.startswith("T") else h * (x.size(0) % 4)
+
+    models = [seeded(Scaled, i) for i in range(3)]
+    x = torch.randn(3, 2, 6, 4, dtype=torch.float64)
+    assert_close(stack(models)(x), torch.stack([m(x[i]) for i, m in enumerate(models)]), msg=pattern)
+
+
 # What Python computes from a size read from the samples, written as each original model would: computed on
 # M * B = 12 (M = 2), the result carries both that value and the one each model computes from its own B = 6.
 COMPUTED = {
