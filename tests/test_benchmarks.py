@@ -7,7 +7,11 @@ from __future__ import annotations
 import csv
 import json
 
+import pytest
+import torch
+
 from benchmarks.__main__ import _merge_kept, main
+from benchmarks.measure import peak_step_bytes
 from benchmarks.workloads import WORKLOADS
 
 BUILT_FROM_LAYERS = [name for name, w in WORKLOADS.items() if w.batched == "layers"]
@@ -45,6 +49,26 @@ def test_every_workload_runs_and_contenders_agree(tmp_path, capsys):
             assert any(r["workload"] == name and r["contender"] == contender for r in timed), (name, contender)
     shared = [r for r in timed if r["workload"].endswith("-shared")]
     assert {"batchlayers", "batchlayers-copies"} <= {r["contender"] for r in shared}
+
+
+@pytest.mark.parametrize("free_first", [True, False])
+def test_peak_step_memory_counts_what_the_step_frees(free_first):
+    """A step that replaces a tensor allocated before the measurement (as zero_grad and backward replace the
+    last step's gradients) and makes a temporary: its peak above the start is the temporary (plus the new
+    tensor when it is made before the old one goes), the same on every call."""
+    held = [torch.ones(1_000_000)]
+    temporary = 250_000
+
+    def step():
+        if free_first:
+            held[0] = None
+        new = torch.ones(1_000_000)
+        scratch = torch.ones(temporary)
+        held[0] = new
+        del scratch
+
+    expected = 4 * temporary + (0 if free_first else 4 * 1_000_000)
+    assert [peak_step_bytes(step, torch.device("cpu")) for _ in range(3)] == [expected] * 3
 
 
 def test_csv_output_and_loop_cap(tmp_path):
