@@ -287,9 +287,17 @@ class Tracker(TorchFunctionMode):
             if self.size_read and func in _CREATORS:
                 _CREATORS[func](self, out)
             return out
+        if "axis" in kwargs or "keepdims" in kwargs:
+            return self._tracked(func, args, _torch_names(kwargs), tagged, kwargs)
+        return self._tracked(func, args, kwargs, tagged, kwargs)
+
+    def _tracked(self, func, args: tuple, kwargs: dict, tagged: list[_In], given: dict) -> object:
+        """A call with tensors that carry the models' samples or per-model values; the rules read ``kwargs``
+        by torch's names, ``func`` is called with the ``given`` ones."""
+        out: Any
         if any(i.tag is PerModel for i in tagged):
             if isinstance(func, torch._ops.OpOverload):
-                return func(*args, **kwargs)  # a compiled graph running: its ops are on the stored tensors
+                return func(*args, **given)  # a compiled graph running: its ops are on the stored tensors
             return _per_model.call(self, func, args, kwargs)
         if self.copied_views:
             self.check_copied_views()
@@ -307,7 +315,7 @@ class Tracker(TorchFunctionMode):
         elif func in _RESHAPES:
             out = reshape_of_another_layout(func, args, kwargs, self.copied_views, _holds_samples, _OTHER_RESHAPE)
         else:
-            out = func(*args, **kwargs)
+            out = func(*args, **given)
         if isinstance(out, (tuple, list)) and torch.compiler.is_compiling():
             # torch.compile cannot store an attribute on the outputs of a multi-output op (split, sort): tag
             # views of them instead.
@@ -579,6 +587,15 @@ def _norm(dim: int, ndim: int) -> int:
     return dim + ndim if dim < 0 else dim
 
 
+# numpy's names that torch's argument parser takes for its own (``x.mean(axis=1, keepdims=True)``): the rules
+# and per-model transforms read torch's.
+_NUMPY_NAMES = {"axis": "dim", "keepdims": "keepdim"}
+
+
+def _torch_names(kwargs: dict) -> dict:
+    return {_NUMPY_NAMES.get(k, k): v for k, v in kwargs.items()}
+
+
 def _arg(args: Sequence, kwargs: dict, index: int, name: str, default: object = None) -> Any:
     if name in kwargs:
         return kwargs[name]
@@ -638,7 +655,7 @@ def _like_self(ctx, name, args, kwargs, out, tagged) -> None:
     _tag_all(out, get_tag(x))
 
 
-def _dim_rule(position: int, key: str, default: int | None) -> Callable:
+def _dim_rule(position: int, key: str, default: int | tuple[int, ...] | None) -> Callable:
     """Ops along one ``dim`` keeping every other dimension (softmax, cumsum, sort, flip, ...)."""
 
     def rule(ctx, name, args, kwargs, out, tagged) -> None:
@@ -796,12 +813,18 @@ def _batch_norm(ctx, name, args, kwargs, out, tagged) -> None:
     _batch_first(ctx, name, args, kwargs, out, tagged)
 
 
+# keyword names of the operands of matmul and friends, in their positional order (``alibi.baddbmm(batch1=q,
+# batch2=k)``)
+_MATMUL_OPERANDS = ("input", "batch1", "batch2", "mat1", "mat2", "mat", "vec", "other")
+
+
 def _matmul(ctx, name, args, kwargs, out, tagged) -> None:
     outs = _outputs(out)
     if not outs:
         return
     n = outs[0].dim()
     operands = [a for a in args if isinstance(a, Tensor)]
+    operands += [kwargs[k] for k in _MATMUL_OPERANDS if isinstance(kwargs.get(k), Tensor)]
     extra = None
     if name.split(".")[-1] in ("addmm", "baddbmm", "addbmm", "addmv"):
         extra, operands = operands[0], operands[1:]
@@ -1501,6 +1524,21 @@ _add(_bilinear, "bilinear", method=False)
 _add(_embedding_bag, "embedding_bag", method=False, torch_=False)
 _add(_like_self, "prelu", method=False)
 _add(_matmul, "matmul mm bmm addmm baddbmm __matmul__ mv addmv")
+_add(_trailing(lambda a, k: 1), "view_as_complex")  # (..., 2) real -> (...) complex
+_add(_like_self, "view_as_real real imag angle", functional=False)  # (...) complex -> (..., 2) real; parts
+_RULES[_getter("real")] = _Rule(_like_self, "Tensor.real")
+_RULES[_getter("imag")] = _Rule(_like_self, "Tensor.imag")
+_add(_elementwise, "polar complex")
+_add(_trailing(lambda a, k: 0), "bucketize")  # element-wise in its input; the boundaries must be shared
+for _names, _default in (
+    ("fft ifft rfft irfft hfft ihfft", -1),
+    ("fft2 ifft2 rfft2 irfft2 hfft2 ihfft2", (-2, -1)),
+    ("fftn ifftn rfftn irfftn hfftn ihfftn", None),  # every dimension (or the last len(s)): refused
+):
+    for _fft in _names.split():
+        _RULES[getattr(torch.fft, _fft)] = _Rule(_dim_rule(2, "dim", _default), f"torch.fft.{_fft}")
+for _fft in ("fftshift", "ifftshift"):
+    _RULES[getattr(torch.fft, _fft)] = _Rule(_dim_rule(1, "dim", None), f"torch.fft.{_fft}")
 _add(_sdpa, "scaled_dot_product_attention")
 _RULES[torch.einsum] = _Rule(_einsum, "torch.einsum")
 _add(_reshape, "view reshape flatten unflatten view_as reshape_as squeeze unsqueeze squeeze_ unsqueeze_ ravel")

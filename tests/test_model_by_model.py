@@ -129,7 +129,7 @@ class _MixesSamples(nn.Module):
         if self.pattern == "x / x.norm()":
             return self.fc(x / x.norm())
         if self.pattern == "unknown op":
-            return self.fc(torch.fft.fft(x).real)
+            return self.fc(torch.special.bessel_j0(x))
         raise AssertionError(self.pattern)
 
 

@@ -139,7 +139,11 @@ class _Mixes(_Pattern):
         if self.pattern == "time-major flattened":
             return self.fc(x.unsqueeze(0).transpose(0, 1).reshape(-1, 4))
         if self.pattern == "unknown op":
-            return self.fc(torch.fft.fft(x).real)
+            return self.fc(torch.special.bessel_j0(x))
+        if self.pattern == "Fourier transform over the batch":
+            return self.fc(torch.fft.fft(x, dim=0).real)
+        if self.pattern == "Fourier transform over every dimension":
+            return self.fc(torch.fft.fftn(x).real)
         if self.pattern == "per-sample arange written into samples":
             x = x.clone()
             x[:, 0] = torch.arange(B, dtype=x.dtype)
@@ -179,7 +183,9 @@ REFUSED = {
     "first sample for everyone": r"fc.*indexing into the dimension that holds the models' samples",
     "per-sample arange": r"fc.*combines the models' samples with a value that differs along the models",
     "batch-sized arange output": r"output\[1\] is ambiguous.*\(6,\)",
-    "unknown op": r"fc.*torch.fft.fft \(batchlayers has no rule for it\)",
+    "unknown op": r"fc.*bessel_j0 \(batchlayers has no rule for it\)",
+    "Fourier transform over the batch": r"fc.*torch.fft.fft along the dimension that holds the models' samples",
+    "Fourier transform over every dimension": r"fc.*torch.fft.fftn over every dimension",
     "per-sample arange written into samples": r"fc.*__setitem__ combines the models' samples with a value that differs",
     "shared tensor clamped in place by all models' max": r"Tensor.clamp_ .*writes per-model values into a tensor all",
     "msort over the batch": r"fc.*torch.msort along the dimension that holds the models' samples",
@@ -1502,3 +1508,57 @@ def test_sliding_windows_are_exact(form: str, batch: int) -> None:
 def test_sliding_windows_over_the_batch_are_refused() -> None:
     batched = stack([seeded(lambda: _Windows("Tensor.unfold over the batch"), i) for i in range(2)])
     _refused(batched, torch.randn(2, 3, 3, 8, 8, dtype=torch.float64), r"fc.*Tensor.unfold along the dimension")
+
+
+class _Ops(_Pattern):
+    """Ops as transformers models write them (bloom, llama4, idefics3, fnet, ibert), on a tensor of samples."""
+
+    def forward(self, x):  # x: (B, T, 4)
+        h = self.fc(x)
+        B, T, C = h.shape
+        p = self.pattern
+        if p == "baddbmm with keyword batches":  # bloom's alibi scores
+            bias = h.sum(-1, keepdim=True).expand(B, T, T)
+            scores = bias.baddbmm(batch1=h, batch2=h.transpose(1, 2), beta=1.0, alpha=0.5)
+            return self.fc(scores.softmax(-1) @ h)
+        if p == "bmm with a keyword operand":
+            return self.fc(torch.bmm(h, mat2=h.transpose(1, 2)).softmax(-1) @ h)
+        if p == "rotary embedding in complex numbers":  # llama4
+            angles = torch.arange(T * C // 2, dtype=h.dtype).view(T, C // 2)
+            rotation = torch.polar(torch.ones_like(angles), angles)
+            rotated = torch.view_as_complex(h.reshape(B, T, C // 2, 2)) * rotation
+            return self.fc(torch.view_as_real(rotated).flatten(2))
+        if p == "bucketized positions":  # idefics3's patch positions
+            boundaries = torch.tensor([-0.5, 0.0, 0.5], dtype=h.dtype)
+            return self.fc(h + torch.bucketize(h.sum(-1, keepdim=True), boundaries).to(h.dtype))
+        if p == "Fourier transform over tokens and features":  # fnet
+            return self.fc(torch.fft.fftn(h, dim=(1, 2)).real)
+        if p == "Fourier transform over the features":
+            spectrum = torch.fft.rfft(h, dim=-1)
+            return self.fc(torch.fft.irfft(spectrum * spectrum.imag, n=C, dim=-1))
+        if p == "mean with numpy's axis":  # ibert's IntLayerNorm
+            return self.fc(h - h.mean(axis=2, keepdim=True) + self.fc.weight.sum(axis=0))
+        if p == "mean over the samples with numpy's names":  # each model's own samples
+            return self.fc(h - h.mean(axis=0, keepdims=True))
+        raise AssertionError(self.pattern)
+
+
+OPS = [
+    "baddbmm with keyword batches",
+    "bmm with a keyword operand",
+    "rotary embedding in complex numbers",
+    "bucketized positions",
+    "Fourier transform over tokens and features",
+    "Fourier transform over the features",
+    "mean with numpy's axis",
+    "mean over the samples with numpy's names",
+]
+
+
+@pytest.mark.parametrize("pattern", OPS)
+def test_ops_as_transformers_writes_them_are_exact(pattern: str) -> None:
+    """Matrix products with keyword operands, complex views, bucketize, FFTs over non-sample dimensions and
+    numpy's ``axis=`` (each found refused in a transformers model): exact against the originals."""
+    models = [seeded(lambda: _Ops(pattern), i) for i in range(2)]
+    compare_training(stack(models), [seeded(lambda: _Ops(pattern), i) for i in range(2)],
+                     lambda lead: torch.randn(*lead, 3, 4, dtype=torch.float64), batch=4)  # fmt: skip
