@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import losses as batched_losses
+from ._numbers import FoldedSize
 from ._provenance import (
     _INPLACE,
     _RULES,
@@ -383,7 +384,8 @@ def _expand(ctx, method: str = "expand"):
     """``expand``/``broadcast_to``, ``repeat`` or ``tile`` of a per-model value to one model's sizes. A size-1
     dimension brought to the folded batch size read from the inputs (``pos.expand(B, -1, -1)``,
     ``pos.repeat(B, 1, 1)`` with ``B = x.size(0)``) holds copies of each model's value: every model gets ``B``
-    of them, as its own samples."""
+    of them, as its own samples. So does a dimension of any size repeated (tiled) that many times
+    (DeBERTa's ``keys.repeat(q.size(0) // heads, 1, 1)``): ``B`` copies of each model's rows, one per sample."""
 
     def transform(t, s, *sizes):
         sizes = _sizes(sizes)
@@ -394,7 +396,14 @@ def _expand(ctx, method: str = "expand"):
         t = t[(slice(None),) + (None,) * (len(sizes) - len(s))]
         folded = None
         if ctx.size_read and ctx.num_models > 1:
-            folded = next((k for k, v in enumerate(sizes) if v == ctx.folded and t.shape[k + 1] == 1), None)
+            folded = next(
+                (
+                    k
+                    for k, v in enumerate(sizes)
+                    if v == ctx.folded and (t.shape[k + 1] == 1 or (method != "expand" and isinstance(v, FoldedSize)))
+                ),
+                None,
+            )
         if folded is not None:
             sizes[folded] = ctx.folded // ctx.num_models
         out = t.expand(t.shape[0], *sizes) if method == "expand" else t.repeat(1, *sizes)

@@ -206,3 +206,25 @@ class Gate(nn.Module):
 
     def forward(self, x):
         return self.fc(x) if self.gate.item() > 0 else x
+
+
+class RelativePositionAttention(nn.Module):
+    """DeBERTa / SEW-D disentangled attention: relative-position keys computed from a per-model embedding,
+    ``(heads, 2 * span, d)``, tiled to the folded batch of the heads with ``repeat(q.size(0) // heads, 1, 1)``
+    (or ``tile``) and multiplied with the queries in one ``bmm``."""
+
+    def __init__(self, dim: int = 4, heads: int = 2, span: int = 3, tile: bool = False) -> None:
+        super().__init__()
+        self.heads, self.tile = heads, tile
+        self.q = nn.Linear(dim, dim * heads)
+        self.rel = nn.Parameter(torch.randn(2 * span, dim * heads))
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x):  # (B, 2 * span, dim)
+        B, T, D = x.shape
+        q = self.q(x).view(B, T, self.heads, D).transpose(1, 2).reshape(B * self.heads, T, D)
+        keys = self.rel.view(T, self.heads, D).transpose(0, 1)  # (heads, 2 * span, d)
+        count = q.size(0) // self.heads
+        keys = keys.tile(count, 1, 1) if self.tile else keys.repeat(count, 1, 1)
+        scores = torch.bmm(q, keys.transpose(1, 2)).softmax(-1)
+        return self.out(torch.bmm(scores, q).view(B, self.heads, T, D).sum(1))

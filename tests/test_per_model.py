@@ -47,6 +47,14 @@ CASES = {
     "ConvNeXt: std conv, BN+act, LayerNorm2d": (la.ConvNeXtish, lambda lead: torch.randn(*lead, 3, 6, 6)),
     "LM: Conv1D addmm, RMSNorm, scaled/offset embeddings": (la.TinyLM, lambda lead: torch.randint(0, 13, (*lead, 5))),
     "weight_norm, orthogonal, spectral_norm": (la.Parametrized, lambda lead: torch.randn(*lead, 4)),
+    "DeBERTa: relative keys repeated to the batch": (
+        la.RelativePositionAttention,
+        lambda lead: torch.randn(*lead, 6, 4),
+    ),
+    "the same, tiled": (
+        lambda: la.RelativePositionAttention(tile=True),
+        lambda lead: torch.randn(*lead, 6, 4),
+    ),
 }
 
 
