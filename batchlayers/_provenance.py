@@ -740,6 +740,27 @@ def _trailing(count: Callable[[Sequence, dict], int]) -> Callable:
     return rule
 
 
+def _pad(ctx, name, args, kwargs, out, tagged) -> None:
+    """``F.pad(x, pad)``: the pairs pad the last ``len(pad) // 2`` dimensions, the first pair the last one. A
+    pair of zeros on the samples' dimension leaves it as it is (mobilebert pads ``[0, 0, 0, 1, 0, 0]``)."""
+    x, pad = args[0], _arg(args, kwargs, 1, "pad")
+    tag = get_tag(x) if isinstance(x, Tensor) else None
+    if any(i.tensor is not x for i in tagged):
+        return _tag_all(out, Lost(f"{name} with a value computed from the models' samples"))
+    if not isinstance(tag, int):
+        return _tag_all(out, tag)
+    pair = x.dim() - 1 - tag  # the pair that pads the samples' dimension
+    if 2 * pair < len(pad) and (pad[2 * pair] != 0 or pad[2 * pair + 1] != 0):
+        return _tag_all(out, Lost(f"{name} over the dimension that holds the models' samples"))
+    _tag_all(out, tag)
+
+
+def _as_tensor(ctx, name, args, kwargs, out, tagged) -> None:
+    """``torch.as_tensor(x, dtype=, device=)`` of a tensor: the same tensor (or a cast copy)."""
+    data = args[0] if args else kwargs.get("data")
+    _tag_all(out, get_tag(data) if isinstance(data, Tensor) else Lost(f"{name} of a list of tensors of samples"))
+
+
 def _batch_first(ctx, name, args, kwargs, out, tagged) -> None:
     """Convolutions, pooling, resampling: dimension 0 is the batch; every other tensor argument must be a
     weight (untagged) or hold the same samples on dimension 0 (a grid, a target)."""
@@ -1501,7 +1522,7 @@ _add(_dim_rule(4, "dim", -1), "gumbel_softmax")
 _add(_trailing(lambda a, k: 1), "linear")
 _add(_trailing(lambda a, k: len(_arg(a, k, 1, "normalized_shape"))), "layer_norm rms_norm")
 _add(_trailing(lambda a, k: 2), "triu tril triu_ tril_")
-_add(_trailing(lambda a, k: len(_arg(a, k, 1, "pad")) // 2), "pad")
+_add(_pad, "pad")
 _add(_trailing(lambda a, k: 0), "one_hot")
 _add(
     _batch_first,
@@ -1529,7 +1550,8 @@ _add(_like_self, "view_as_real real imag angle", functional=False)  # (...) comp
 _RULES[_getter("real")] = _Rule(_like_self, "Tensor.real")
 _RULES[_getter("imag")] = _Rule(_like_self, "Tensor.imag")
 _add(_elementwise, "polar complex")
-_add(_trailing(lambda a, k: 0), "bucketize")  # element-wise in its input; the boundaries must be shared
+_add(_trailing(lambda a, k: 0), "bucketize")
+_add(_as_tensor, "as_tensor")  # element-wise in its input; the boundaries must be shared
 for _names, _default in (
     ("fft ifft rfft irfft hfft ihfft", -1),
     ("fft2 ifft2 rfft2 irfft2 hfft2 ihfft2", (-2, -1)),

@@ -142,6 +142,8 @@ class _Mixes(_Pattern):
             return self.fc(torch.special.bessel_j0(x))
         if self.pattern == "Fourier transform over the batch":
             return self.fc(torch.fft.fft(x, dim=0).real)
+        if self.pattern == "pad over the batch":
+            return self.fc(F.pad(x, (0, 0, 1, 0)))
         if self.pattern == "Fourier transform over every dimension":
             return self.fc(torch.fft.fftn(x).real)
         if self.pattern == "per-sample arange written into samples":
@@ -186,6 +188,7 @@ REFUSED = {
     "unknown op": r"fc.*bessel_j0 \(batchlayers has no rule for it\)",
     "Fourier transform over the batch": r"fc.*torch.fft.fft along the dimension that holds the models' samples",
     "Fourier transform over every dimension": r"fc.*torch.fft.fftn over every dimension",
+    "pad over the batch": r"fc.*F.pad over the dimension that holds the models' samples",
     "per-sample arange written into samples": r"fc.*__setitem__ combines the models' samples with a value that differs",
     "shared tensor clamped in place by all models' max": r"Tensor.clamp_ .*writes per-model values into a tensor all",
     "msort over the batch": r"fc.*torch.msort along the dimension that holds the models' samples",
@@ -1538,6 +1541,10 @@ class _Ops(_Pattern):
             return self.fc(torch.fft.irfft(spectrum * spectrum.imag, n=C, dim=-1))
         if p == "mean with numpy's axis":  # ibert's IntLayerNorm
             return self.fc(h - h.mean(axis=2, keepdim=True) + self.fc.weight.sum(axis=0))
+        if p == "pad that leaves the samples alone":  # mobilebert's trigram input
+            return self.fc(h + F.pad(h[:, 1:], [0, 0, 0, 1, 0, 0]) + F.pad(h[:, :-1], (0, 0, 1, 0)))
+        if p == "as_tensor of a tensor":  # tapas's positions
+            return self.fc(torch.as_tensor(h, dtype=h.dtype) + torch.as_tensor(h, device=h.device))
         if p == "mean over the samples with numpy's names":  # each model's own samples
             return self.fc(h - h.mean(axis=0, keepdims=True))
         raise AssertionError(self.pattern)
@@ -1552,6 +1559,8 @@ OPS = [
     "Fourier transform over the features",
     "mean with numpy's axis",
     "mean over the samples with numpy's names",
+    "pad that leaves the samples alone",
+    "as_tensor of a tensor",
 ]
 
 
