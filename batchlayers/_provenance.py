@@ -1160,6 +1160,10 @@ def _index_dim(ctx, name, args, kwargs, out, tagged) -> None:
     if lost is not None:
         return _tag_all(out, lost)
     if first is None:
+        index = _arg(args, kwargs, 2, "index")
+        if name.endswith("index_select") and isinstance(index, Tensor) and index.dim() == 1 and get_tag(index) == 0:
+            # rows of a shared table looked up by the samples (m2m_100's sinusoidal positions): a lookup
+            return _tag_all(out, _norm(dim, args[0].dim()))
         return _tag_all(out, Lost(f"{name} of a shared tensor by the models' samples"))
     if _norm(dim, args[0].dim()) == first or any(i.tag != first for i in tagged):
         return _tag_all(out, Lost(f"{name} along the dimension that holds the models' samples"))

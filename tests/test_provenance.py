@@ -1543,6 +1543,10 @@ class _Ops(_Pattern):
             return self.fc(h - h.mean(axis=2, keepdim=True) + self.fc.weight.sum(axis=0))
         if p == "pad that leaves the samples alone":  # mobilebert's trigram input
             return self.fc(h + F.pad(h[:, 1:], [0, 0, 0, 1, 0, 0]) + F.pad(h[:, :-1], (0, 0, 1, 0)))
+        if p == "rows of a shared table selected by the samples":  # m2m_100's sinusoidal positions
+            positions = torch.arange(T).expand(B, T) + (h[..., 0] > 0).long()
+            table = torch.sin(torch.arange(5 * C, dtype=h.dtype)).view(5, C)
+            return self.fc(h + table.index_select(0, positions.reshape(-1)).view(B, T, C))
         if p == "as_tensor of a tensor":  # tapas's positions
             return self.fc(torch.as_tensor(h, dtype=h.dtype) + torch.as_tensor(h, device=h.device))
         if p == "mean over the samples with numpy's names":  # each model's own samples
@@ -1561,6 +1565,7 @@ OPS = [
     "mean over the samples with numpy's names",
     "pad that leaves the samples alone",
     "as_tensor of a tensor",
+    "rows of a shared table selected by the samples",
 ]
 
 
