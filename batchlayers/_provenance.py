@@ -1517,7 +1517,7 @@ _add(_dim_rule(1, "dim", None), "softmax log_softmax softmin cumsum cumprod cumm
 _add(_dim_rule(1, "dim", -1), "sort argsort")
 _add(_dim_rule(1, "dim", 0), "msort")  # sorts along dimension 0 (it has no dim argument)
 _add(_dim_rule(1, "dims", None), "flip")
-_add(_dim_rule(2, "dim", -1), "topk kthvalue")
+_add(_dim_rule(2, "dim", -1), "topk kthvalue diff")
 _add(_dim_rule(2, "dim", 1), "normalize")
 _add(_dim_rule(1, "dim", -1), "glu")
 _add(_dim_rule(2, "dims", None), "roll")

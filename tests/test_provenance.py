@@ -142,6 +142,8 @@ class _Mixes(_Pattern):
             return self.fc(torch.special.bessel_j0(x))
         if self.pattern == "Fourier transform over the batch":
             return self.fc(torch.fft.fft(x, dim=0).real)
+        if self.pattern == "diff over the batch":
+            return self.fc(torch.diff(x, dim=0, append=x.new_zeros(1, 4)))
         if self.pattern == "pad over the batch":
             return self.fc(F.pad(x, (0, 0, 1, 0)))
         if self.pattern == "Fourier transform over every dimension":
@@ -189,6 +191,7 @@ REFUSED = {
     "Fourier transform over the batch": r"fc.*torch.fft.fft along the dimension that holds the models' samples",
     "Fourier transform over every dimension": r"fc.*torch.fft.fftn over every dimension",
     "pad over the batch": r"fc.*F.pad over the dimension that holds the models' samples",
+    "diff over the batch": r"fc.*torch.diff along the dimension that holds the models' samples",
     "per-sample arange written into samples": r"fc.*__setitem__ combines the models' samples with a value that differs",
     "shared tensor clamped in place by all models' max": r"Tensor.clamp_ .*writes per-model values into a tensor all",
     "msort over the batch": r"fc.*torch.msort along the dimension that holds the models' samples",
@@ -1547,6 +1550,8 @@ class _Ops(_Pattern):
             positions = torch.arange(T).expand(B, T) + (h[..., 0] > 0).long()
             table = torch.sin(torch.arange(5 * C, dtype=h.dtype)).view(5, C)
             return self.fc(h + table.index_select(0, positions.reshape(-1)).view(B, T, C))
+        if p == "diff along the tokens, a column prepended":  # transformers' packed-sequence check
+            return self.fc(torch.diff(h, prepend=h[:, :1] - 1, dim=1))
         if p == "as_tensor of a tensor":  # tapas's positions
             return self.fc(torch.as_tensor(h, dtype=h.dtype) + torch.as_tensor(h, device=h.device))
         if p == "mean over the samples with numpy's names":  # each model's own samples
@@ -1566,6 +1571,7 @@ OPS = [
     "pad that leaves the samples alone",
     "as_tensor of a tensor",
     "rows of a shared table selected by the samples",
+    "diff along the tokens, a column prepended",
 ]
 
 
