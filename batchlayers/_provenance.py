@@ -755,6 +755,20 @@ def _pad(ctx, name, args, kwargs, out, tagged) -> None:
     _tag_all(out, tag)
 
 
+def _batched_matrices(ctx, name, args, kwargs, out, tagged) -> None:
+    """Linear algebra over the last two dimensions, batched over the others (``solve_triangular(A, B)``): the
+    samples on a batch dimension of each operand that has them, never on a matrix's own dimensions."""
+    outs = _outputs(out)
+    if not outs:
+        return
+    if any(isinstance(i.tag, int) and i.tag >= len(i.shape) - 2 for i in tagged):
+        return _tag_all(
+            out, Lost(f"{name} over the dimensions of its matrices, one of which holds the models' samples")
+        )
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)]
+    _tag_all(out, _broadcast_tag(ctx, name, tensors, outs[0].shape))
+
+
 def _as_tensor(ctx, name, args, kwargs, out, tagged) -> None:
     """``torch.as_tensor(x, dtype=, device=)`` of a tensor: the same tensor (or a cast copy)."""
     data = args[0] if args else kwargs.get("data")
@@ -1555,7 +1569,10 @@ _RULES[_getter("real")] = _Rule(_like_self, "Tensor.real")
 _RULES[_getter("imag")] = _Rule(_like_self, "Tensor.imag")
 _add(_elementwise, "polar complex")
 _add(_trailing(lambda a, k: 0), "bucketize")
-_add(_as_tensor, "as_tensor")  # element-wise in its input; the boundaries must be shared
+_add(_as_tensor, "as_tensor")
+_RULES[torch.linalg.solve_triangular] = _Rule(
+    _batched_matrices, "torch.linalg.solve_triangular"
+)  # element-wise in its input; the boundaries must be shared
 for _names, _default in (
     ("fft ifft rfft irfft hfft ihfft", -1),
     ("fft2 ifft2 rfft2 irfft2 hfft2 ihfft2", (-2, -1)),

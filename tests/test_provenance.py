@@ -144,6 +144,9 @@ class _Mixes(_Pattern):
             return self.fc(torch.fft.fft(x, dim=0).real)
         if self.pattern == "diff over the batch":
             return self.fc(torch.diff(x, dim=0, append=x.new_zeros(1, 4)))
+        if self.pattern == "triangular solve over the batch":
+            system = torch.ones(4, 4, dtype=x.dtype).tril()  # the samples as the columns of the right side
+            return self.fc(torch.linalg.solve_triangular(system, x.t(), upper=False).t())
         if self.pattern == "pad over the batch":
             return self.fc(F.pad(x, (0, 0, 1, 0)))
         if self.pattern == "Fourier transform over every dimension":
@@ -192,6 +195,7 @@ REFUSED = {
     "Fourier transform over every dimension": r"fc.*torch.fft.fftn over every dimension",
     "pad over the batch": r"fc.*F.pad over the dimension that holds the models' samples",
     "diff over the batch": r"fc.*torch.diff along the dimension that holds the models' samples",
+    "triangular solve over the batch": r"fc.*torch.linalg.solve_triangular over the dimensions of its matrices",
     "per-sample arange written into samples": r"fc.*__setitem__ combines the models' samples with a value that differs",
     "shared tensor clamped in place by all models' max": r"Tensor.clamp_ .*writes per-model values into a tensor all",
     "msort over the batch": r"fc.*torch.msort along the dimension that holds the models' samples",
@@ -1552,6 +1556,9 @@ class _Ops(_Pattern):
             return self.fc(h + table.index_select(0, positions.reshape(-1)).view(B, T, C))
         if p == "diff along the tokens, a column prepended":  # transformers' packed-sequence check
             return self.fc(torch.diff(h, prepend=h[:, :1] - 1, dim=1))
+        if p == "triangular solve batched over the samples":  # qwen3_next's chunked gated delta rule
+            system = torch.eye(T, dtype=h.dtype) + 0.1 * torch.tril(h @ h.transpose(1, 2), -1)
+            return self.fc(torch.linalg.solve_triangular(system, h, upper=False, unitriangular=True))
         if p == "as_tensor of a tensor":  # tapas's positions
             return self.fc(torch.as_tensor(h, dtype=h.dtype) + torch.as_tensor(h, device=h.device))
         if p == "mean over the samples with numpy's names":  # each model's own samples
@@ -1572,6 +1579,7 @@ OPS = [
     "as_tensor of a tensor",
     "rows of a shared table selected by the samples",
     "diff along the tokens, a column prepended",
+    "triangular solve batched over the samples",
 ]
 
 
