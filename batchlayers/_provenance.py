@@ -743,7 +743,7 @@ def _trailing(count: Callable[[Sequence, dict], int]) -> Callable:
 def _pad(ctx, name, args, kwargs, out, tagged) -> None:
     """``F.pad(x, pad)``: the pairs pad the last ``len(pad) // 2`` dimensions, the first pair the last one. A
     pair of zeros on the samples' dimension leaves it as it is (mobilebert pads ``[0, 0, 0, 1, 0, 0]``)."""
-    x, pad = args[0], _arg(args, kwargs, 1, "pad")
+    x, pad = _arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "pad")
     tag = get_tag(x) if isinstance(x, Tensor) else None
     if any(i.tensor is not x for i in tagged):
         return _tag_all(out, Lost(f"{name} with a value computed from the models' samples"))
@@ -1568,11 +1568,9 @@ _add(_like_self, "view_as_real real imag angle", functional=False)  # (...) comp
 _RULES[_getter("real")] = _Rule(_like_self, "Tensor.real")
 _RULES[_getter("imag")] = _Rule(_like_self, "Tensor.imag")
 _add(_elementwise, "polar complex")
-_add(_trailing(lambda a, k: 0), "bucketize")
+_add(_trailing(lambda a, k: 0), "bucketize")  # element-wise in its input; the boundaries must be shared
 _add(_as_tensor, "as_tensor")
-_RULES[torch.linalg.solve_triangular] = _Rule(
-    _batched_matrices, "torch.linalg.solve_triangular"
-)  # element-wise in its input; the boundaries must be shared
+_RULES[torch.linalg.solve_triangular] = _Rule(_batched_matrices, "torch.linalg.solve_triangular")
 for _names, _default in (
     ("fft ifft rfft irfft hfft ihfft", -1),
     ("fft2 ifft2 rfft2 irfft2 hfft2 ihfft2", (-2, -1)),

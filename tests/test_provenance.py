@@ -1549,7 +1549,7 @@ class _Ops(_Pattern):
         if p == "mean with numpy's axis":  # ibert's IntLayerNorm
             return self.fc(h - h.mean(axis=2, keepdim=True) + self.fc.weight.sum(axis=0))
         if p == "pad that leaves the samples alone":  # mobilebert's trigram input
-            return self.fc(h + F.pad(h[:, 1:], [0, 0, 0, 1, 0, 0]) + F.pad(h[:, :-1], (0, 0, 1, 0)))
+            return self.fc(h + F.pad(h[:, 1:], [0, 0, 0, 1, 0, 0]) + F.pad(input=h[:, :-1], pad=(0, 0, 1, 0)))
         if p == "rows of a shared table selected by the samples":  # m2m_100's sinusoidal positions
             positions = torch.arange(T).expand(B, T) + (h[..., 0] > 0).long()
             table = torch.sin(torch.arange(5 * C, dtype=h.dtype)).view(5, C)
