@@ -673,6 +673,12 @@ def _dim_rule(position: int, key: str, default: int | tuple[int, ...] | None) ->
             return _tag_all(out, Lost(f"{name} along the dimension that holds the models' samples"))
         if any(i.tag != first.tag or len(i.shape) != len(first.shape) for i in tagged):
             return _tag_all(out, Lost(f"{name} of tensors with the models on different dimensions"))
+        # an untagged tensor argument (torch.diff's prepend) beside the samples must be the same for every sample
+        others = [a for a in (*args, *kwargs.values()) if isinstance(a, Tensor) and a.dim() == len(first.shape)]
+        if any(_differs_along(t, first.tag) for t in others):
+            return _tag_all(
+                out, Lost(f"{name} combines the models' samples with a value that differs along the models")
+            )
         _tag_all(out, first.tag)
 
     return rule
@@ -738,6 +744,22 @@ def _trailing(count: Callable[[Sequence, dict], int]) -> Callable:
         _tag_all(out, tag)
 
     return rule
+
+
+def _batch_long(ctx, t: Tensor) -> bool:
+    """An untagged ``t`` as long as the folded batch along a dimension, with values that differ along it
+    (``linspace(0, 1, B)`` after ``B`` was read): each original model builds it with its own ``B``, so it
+    is not one shared value (a table, boundaries) for every model. A fixed one that merely has ``M * B``
+    entries is refused with it: which it is cannot be told."""
+    return ctx.num_models > 1 and any(n == ctx.folded and _differs_along(t, d) for d, n in enumerate(t.shape))
+
+
+def _bucketize(ctx, name, args, kwargs, out, tagged) -> None:
+    """Element-wise in its input; the boundaries must be shared (not tagged, not built from the batch size)."""
+    boundaries = _arg(args, kwargs, 1, "boundaries")
+    if isinstance(boundaries, Tensor) and _batch_long(ctx, boundaries):
+        return _tag_all(out, Lost(f"{name} by boundaries as long as the folded batch"))
+    _trailing(lambda a, k: 0)(ctx, name, args, kwargs, out, tagged)
 
 
 def _pad(ctx, name, args, kwargs, out, tagged) -> None:
@@ -1174,10 +1196,12 @@ def _index_dim(ctx, name, args, kwargs, out, tagged) -> None:
     if lost is not None:
         return _tag_all(out, lost)
     if first is None:
-        index = _arg(args, kwargs, 2, "index")
+        index, table = _arg(args, kwargs, 2, "index"), args[0]
         if name.endswith("index_select") and isinstance(index, Tensor) and index.dim() == 1 and get_tag(index) == 0:
             # rows of a shared table looked up by the samples (m2m_100's sinusoidal positions): a lookup
-            return _tag_all(out, _norm(dim, args[0].dim()))
+            if _batch_long(ctx, table):
+                return _tag_all(out, Lost(f"{name} of a shared table as long as the folded batch, by the samples"))
+            return _tag_all(out, _norm(dim, table.dim()))
         return _tag_all(out, Lost(f"{name} of a shared tensor by the models' samples"))
     if _norm(dim, args[0].dim()) == first or any(i.tag != first for i in tagged):
         return _tag_all(out, Lost(f"{name} along the dimension that holds the models' samples"))
@@ -1568,7 +1592,7 @@ _add(_like_self, "view_as_real real imag angle", functional=False)  # (...) comp
 _RULES[_getter("real")] = _Rule(_like_self, "Tensor.real")
 _RULES[_getter("imag")] = _Rule(_like_self, "Tensor.imag")
 _add(_elementwise, "polar complex")
-_add(_trailing(lambda a, k: 0), "bucketize")  # element-wise in its input; the boundaries must be shared
+_add(_bucketize, "bucketize")
 _add(_as_tensor, "as_tensor")
 _RULES[torch.linalg.solve_triangular] = _Rule(_batched_matrices, "torch.linalg.solve_triangular")
 for _names, _default in (
@@ -1645,6 +1669,8 @@ _SIZES: dict[Callable, bool] = dict.fromkeys(
 # Where torch takes a number as a size (of a shape, a slice, a split), a FoldedSize is the size of the models'
 # samples and followed by the rules; anywhere else a number that differs per model is refused (see
 # Tracker._refuse_numbers_that_differ). Each function maps to the positions and keywords that take a value.
+# (Not F.pad, F.interpolate, the adaptive pools, F.fold/unfold: their sizes are of the other dimensions, never
+# the samples', so the folded batch size there would be M times each model's.)
 _SIZE_TAKING: dict[Callable, frozenset] = {}
 for _owners, _names, _values in (
     (
@@ -1657,12 +1683,6 @@ for _owners, _names, _values in (
         (torch,),
         "reshape broadcast_to tile unflatten zeros ones empty rand randn randperm eye arange split "
         "tensor_split chunk narrow select as_strided repeat_interleave empty_strided",
-        (),
-    ),
-    (
-        (F,),
-        "interpolate pad adaptive_avg_pool1d adaptive_avg_pool2d adaptive_avg_pool3d adaptive_max_pool1d "
-        "adaptive_max_pool2d adaptive_max_pool3d unfold fold",
         (),
     ),
     ((torch,), "full", (1, "fill_value")),

@@ -147,6 +147,13 @@ class _Mixes(_Pattern):
         if self.pattern == "triangular solve over the batch":
             system = torch.ones(4, 4, dtype=x.dtype).tril()  # the samples as the columns of the right side
             return self.fc(torch.linalg.solve_triangular(system, x.t(), upper=False).t())
+        if self.pattern == "diff with a per-sample column prepended":
+            return self.fc(torch.diff(x, dim=1, prepend=torch.arange(B, dtype=x.dtype)[:, None]))
+        if self.pattern == "a batch-long table looked up by the samples":
+            table = torch.linspace(0, 1, B, dtype=x.dtype)[:, None].expand(B, 4)
+            return self.fc(x + table.index_select(0, (x[:, 0] > 0).long()))
+        if self.pattern == "bucketized by batch-long boundaries":
+            return self.fc(x + torch.bucketize(x, torch.linspace(-1, 1, B, dtype=x.dtype)).to(x.dtype))
         if self.pattern == "pad over the batch":
             return self.fc(F.pad(x, (0, 0, 1, 0)))
         if self.pattern == "Fourier transform over every dimension":
@@ -194,6 +201,9 @@ REFUSED = {
     "Fourier transform over the batch": r"fc.*torch.fft.fft along the dimension that holds the models' samples",
     "Fourier transform over every dimension": r"fc.*torch.fft.fftn over every dimension",
     "pad over the batch": r"fc.*F.pad over the dimension that holds the models' samples",
+    "diff with a per-sample column prepended": r"fc.*torch.diff combines the models' samples with a value that",
+    "a batch-long table looked up by the samples": r"fc.*index_select of a shared table as long as the folded batch",
+    "bucketized by batch-long boundaries": r"fc.*torch.bucketize by boundaries as long as the folded batch",
     "diff over the batch": r"fc.*torch.diff along the dimension that holds the models' samples",
     "triangular solve over the batch": r"fc.*torch.linalg.solve_triangular over the dimensions of its matrices",
     "per-sample arange written into samples": r"fc.*__setitem__ combines the models' samples with a value that differs",
@@ -516,6 +526,10 @@ class _FoldedSizes(_Pattern):
             return h.clamp(max=x.size(0) - 1)
         if self.pattern == "a branch on B - 1":
             return h * 2 if x.size(0) - 1 > 2 else h
+        if self.pattern == "a feature dimension padded by B":
+            return h + F.pad(h, (0, x.size(0)), value=1.0).sum(-1, keepdim=True)
+        if self.pattern == "a feature dimension resampled to B":
+            return h + F.interpolate(h.unsqueeze(1), size=x.size(0)).sum(-1)
         if self.pattern == "a literal that equals M * B":  # Swin v2: 16 * sigmoid(bias), here with M * B == 6
             B, C = x.shape
             return h.view(B, C) * (6 * torch.sigmoid(self.mean))
@@ -550,6 +564,8 @@ FOLDED_SIZES = {
     "divided by a tensor filled with B": AS_A_VALUE,
     "times a constant tensor divided by B": AS_A_VALUE,
     "clamped at B - 1": AS_A_VALUE,
+    "a feature dimension padded by B": AS_A_VALUE,
+    "a feature dimension resampled to B": AS_A_VALUE,
     "a branch on B - 1": r"compares 5, computed from the size .* with 2 \(>\): each original model compares its "
     r"own \(1\) and gets False",
 }
