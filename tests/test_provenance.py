@@ -792,16 +792,12 @@ def test_numbers_the_same_in_every_model_are_exact() -> None:
     """A number computed from read sizes that every original model computes alike (the elements per sample,
     ``x.numel() / x.size(0)``) is each model's own: used as a value it is allowed, and exact."""
 
-    class PerSample(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.fc = nn.Linear(4, 4)
-
+    class PerSample(_Pattern):
         def forward(self, x):  # x: (B, T, 4)
             h = self.fc(x)
             return h / (x.numel() / x.size(0)) + torch.full((4,), x.size(1) * 1.0, dtype=h.dtype)
 
-    models = [seeded(PerSample, i) for i in range(3)]
+    models = [seeded(lambda: PerSample("elements per sample"), i) for i in range(3)]
     x = torch.randn(3, 2, 5, 4, dtype=torch.float64)
     assert_close(stack(models)(x), torch.stack([m(x[i]) for i, m in enumerate(models)]))
 
@@ -812,17 +808,13 @@ def test_numbers_that_merely_equal_the_folded_size_are_exact(pattern: str) -> No
     is each model's ``T``, used as a value (``T / (T - 1)``): exact. ``B % 4`` is 2 both folded (6 % 4) and in
     each model (2 % 4): the same number in every model, exact, not refused."""
 
-    class Scaled(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.fc = nn.Linear(4, 4)
-
+    class Scaled(_Pattern):
         def forward(self, x):  # x: (B, T, 4)
             h = self.fc(x)
             T = x.size(1)
-            return h * (T / (T - 1)) if pattern.startswith("T") else h * (x.size(0) % 4)
+            return h * (T / (T - 1)) if self.pattern.startswith("T") else h * (x.size(0) % 4)
 
-    models = [seeded(Scaled, i) for i in range(3)]
+    models = [seeded(lambda: Scaled(pattern), i) for i in range(3)]
     x = torch.randn(3, 2, 6, 4, dtype=torch.float64)
     assert_close(stack(models)(x), torch.stack([m(x[i]) for i, m in enumerate(models)]), msg=pattern)
 
