@@ -1205,6 +1205,14 @@ def _index_dim(ctx, name, args, kwargs, out, tagged) -> None:
         return _tag_all(out, Lost(f"{name} of a shared tensor by the models' samples"))
     if _norm(dim, args[0].dim()) == first or any(i.tag != first for i in tagged):
         return _tag_all(out, Lost(f"{name} along the dimension that holds the models' samples"))
+    if name.endswith("index_select") and len(tagged) > 1:
+        # the index picks the same entries for every row: picked by every model's samples at once
+        return _tag_all(out, Lost(f"{name} by an index computed from the models' samples"))
+    rows = args[0].shape[cast(int, first)]
+    if any(i.shape[cast(int, first)] != rows for i in tagged):
+        # gather's or scatter's index pairs row i with row i: rows of another number per model would pair
+        # one model's rows with another's
+        return _tag_all(out, Lost(f"{name} of tensors with different numbers of rows of the models' samples"))
     # gather's index, scatter's index and source, index_add's source: aligned with the input dimension by
     # dimension, so an untagged one spanning the samples must be the same for every sample (a batch-sized
     # constant), not per-sample values (positions of the folded batch).
@@ -1617,6 +1625,7 @@ _add(_split(2, 0), "split chunk tensor_split split_with_sizes unsafe_split")
 _add(_split(1, 0), "unbind")
 _add(_split(1, None), "select narrow")
 _add(_index_dim, "index_select gather scatter scatter_add scatter_reduce index_add index_copy")
+_add(_index_dim, "scatter_ scatter_add_ scatter_reduce_ index_add_ index_copy_", torch_=False, functional=False)
 _add(_cat, "cat concat concatenate stack")
 _LOSSES = """
 cross_entropy nll_loss mse_loss l1_loss smooth_l1_loss huber_loss binary_cross_entropy binary_cross_entropy_with_logits

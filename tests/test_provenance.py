@@ -182,6 +182,12 @@ class _Mixes(_Pattern):
             return self.fc(x.scatter(1, torch.zeros(B, 1, dtype=torch.long), torch.arange(B, dtype=x.dtype)[:, None]))
         if self.pattern == "index_add of per-sample positions":
             return self.fc(x.index_add(1, torch.tensor([0]), torch.arange(B, dtype=x.dtype)[:, None]))
+        if self.pattern == "gather by an index of another number of rows":  # pairs: 2 rows per sample
+            return self.fc(x + x.reshape(-1, 2).gather(1, (x[:, :1] > 0).long()))
+        if self.pattern == "features selected by the samples":
+            return self.fc(x + x.index_select(1, (x[:, 0] > 0).long()).sum(-1, keepdim=True))
+        if self.pattern == "scatter in place over the batch":
+            return self.fc(torch.zeros_like(x).scatter_(0, (x > 0).long(), x))
         if self.pattern == "per-sample targets, reduction='none'":
             return F.cross_entropy(self.fc(x), torch.arange(B) % 4, reduction="none")
         if self.pattern == "per-sample targets, mean":
@@ -215,6 +221,9 @@ REFUSED = {
     "gather by per-sample positions": r"fc.*Tensor.gather combines the models' samples with a value that differs",
     "scatter of per-sample positions": r"fc.*Tensor.scatter combines the models' samples with a value that differs",
     "index_add of per-sample positions": r"fc.*Tensor.index_add combines the models' samples with a value that",
+    "gather by an index of another number of rows": r"fc.*Tensor.gather of tensors with different numbers of rows",
+    "features selected by the samples": r"fc.*Tensor.index_select by an index computed from the models' samples",
+    "scatter in place over the batch": r"fc.*Tensor.scatter_ along the dimension that holds the models' samples",
     "per-sample targets, reduction='none'": r"output.*F.cross_entropy of the models' samples with targets that differ",
     "per-sample targets, mean": r"F.cross_entropy.*targets that differ",
 }
@@ -1569,6 +1578,14 @@ class _Ops(_Pattern):
             return self.fc(torch.linalg.solve_triangular(system, h, upper=False, unitriangular=True))
         if p == "as_tensor of a tensor":  # tapas's positions
             return self.fc(torch.as_tensor(h, dtype=h.dtype) + torch.as_tensor(h, device=h.device))
+        if p == "group mask scattered in place":  # deepseek_v3's grouped routing
+            group_scores = h.sigmoid().view(B * T, 2, 2).amax(-1)
+            group_mask = torch.zeros_like(group_scores)
+            group_mask.scatter_(1, group_scores.topk(1, dim=-1)[1], 1)
+            mask = group_mask.unsqueeze(-1).expand(-1, 2, 2).reshape(B, T, C)
+            return self.fc(h.masked_fill(~mask.bool(), 0.0))
+        if p == "counts added in place along the features":
+            return self.fc(h + torch.zeros_like(h).scatter_add_(2, h.argmax(-1, keepdim=True), h[..., :1].exp()))
         if p == "mean over the samples with numpy's names":  # each model's own samples
             return self.fc(h - h.mean(axis=0, keepdims=True))
         raise AssertionError(self.pattern)
@@ -1588,6 +1605,8 @@ OPS = [
     "rows of a shared table selected by the samples",
     "diff along the tokens, a column prepended",
     "triangular solve batched over the samples",
+    "group mask scattered in place",
+    "counts added in place along the features",
 ]
 
 
