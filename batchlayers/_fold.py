@@ -495,6 +495,13 @@ class UnfoldLeafInputs:
                         f"samples by {tag.reason}, so batchlayers cannot tell which model each row belongs to"
                     )
                 tag = 0  # one model: every row is its own
+            if tag is None or tag is PerModel:
+                if getattr(layer, "_samples_in_every_input", False):
+                    raise ValueError(
+                        f"{layer_name(layer)}: its input of shape {tuple(t.shape)} holds none of the models' samples "
+                        f"({'a per-model value' if tag is PerModel else 'the same for every model'}), but every input "
+                        f"of {type(layer).__name__} is rows of tokens, as many as its other inputs'"
+                    )
             if tag is None:
                 _refuse_batch_sized(layer_name(layer), "its input", t, call, anywhere=False)
             elif tag is not PerModel:

@@ -115,7 +115,13 @@ def load_builtins() -> None:
 
 def counterpart_of(torch_type: type) -> _Counterpart | None:
     load_builtins()
-    return _BY_TORCH.get(torch_type)
+    found = _BY_TORCH.get(torch_type)
+    if found is None:
+        from . import _experts  # transformers' mixture-of-experts layers: registered when first seen
+
+        if _experts.claims(torch_type):
+            found = _BY_TORCH[torch_type]
+    return found
 
 
 def counterpart_of_batched(batched_type: type) -> _Counterpart | None:

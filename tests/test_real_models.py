@@ -5,7 +5,9 @@ attention biases, caches, pooled tokens gathered by ``arange``."""
 
 from __future__ import annotations
 
+import copy
 import inspect
+import io
 
 import pytest
 import torch
@@ -60,7 +62,32 @@ CONFIGS = {
 }  # fmt: skip
 
 
-WITH_CACHE = ("gpt2", "llama", "mistral", "opt", "t5", "bart", "whisper")
+def _moe(model: type, config: type, implementation: str, **options: object):
+    """A small mixture-of-experts causal LM: 4 experts, 2 per token, run by ``implementation``."""
+    common = dict(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, hidden_size=16,
+                  max_position_embeddings=16, pad_token_id=0, num_experts_per_tok=2, **_LM)  # fmt: skip
+    return lambda: model(config(**common, **options, experts_implementation=implementation))
+
+
+# transformers' mixture-of-experts layers (``@use_experts_implementation``): "eager" reads which experts some
+# token was routed to into Python, "batched_mm" gathers every token's experts' weights.
+MOE = {
+    "mixtral": _moe(tf.MixtralForCausalLM, tf.MixtralConfig, "eager", intermediate_size=24, num_local_experts=4),
+    "mixtral-batched_mm": _moe(
+        tf.MixtralForCausalLM, tf.MixtralConfig, "batched_mm", intermediate_size=24, num_local_experts=4
+    ),
+    "qwen2_moe": _moe(  # and a shared expert with its own gate
+        tf.Qwen2MoeForCausalLM, tf.Qwen2MoeConfig, "eager", intermediate_size=24, moe_intermediate_size=12,
+        shared_expert_intermediate_size=20, num_experts=4,
+    ),
+    "gpt_oss": _moe(  # biases, transposed weights, its own gate activation, sinks
+        tf.GptOssForCausalLM, tf.GptOssConfig, "eager", intermediate_size=24, num_local_experts=4, head_dim=8
+    ),
+}  # fmt: skip
+CONFIGS.update(MOE)
+
+
+WITH_CACHE = ("gpt2", "llama", "mistral", "opt", "t5", "bart", "whisper", *MOE)
 
 
 def _inputs(name: str) -> dict[str, torch.Tensor]:
@@ -198,3 +225,112 @@ def test_padded_attention_masks(name: str, shared: bool) -> None:
         inputs = {k: v.expand(M, *v.shape) for k, v in inputs.items()}
     result = verify(models, batched, **inputs)
     assert result.passed.all(), f"{name}\n{result}"
+
+
+@pytest.mark.parametrize("implementation", ["grouped_mm", "eager", "batched_mm"])
+def test_moe_layers_in_float32(implementation: str) -> None:
+    """Mixtral in float32 with each of transformers' experts implementations (``grouped_mm``, its default,
+    sorts the tokens by expert and takes no float64): the stacked model is each original model, its experts
+    layer a batched layer that also takes ``(M, B, *)`` tensors on its own, and it saves and copies."""
+    config = tf.MixtralConfig(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, hidden_size=32,
+                              intermediate_size=48, max_position_embeddings=16, pad_token_id=0, num_local_experts=4,
+                              num_experts_per_tok=2, experts_implementation=implementation, **_LM)  # fmt: skip
+    models = []
+    for i in range(M):
+        torch.manual_seed(i)
+        models.append(tf.MixtralForCausalLM(config).eval())
+    batched = stack(models)
+    ids = torch.randint(3, 50, (M, B, T))
+    result = verify(models, batched, input_ids=ids)
+    assert result.passed.all(), f"{implementation}\n{result}"
+
+    layer = batched.model.layers[1].mlp.experts
+    originals = [m.model.layers[1].mlp.experts for m in models]
+    hidden = torch.randn(M, B * T, 32)
+    weights, index = torch.randn(M, B * T, 4).softmax(-1).topk(2)
+    expected = torch.stack([e(hidden[i], index[i], weights[i]) for i, e in enumerate(originals)])
+    assert_close(layer(hidden, index, weights), expected, msg="the experts layer called on its own")
+
+    buffer = io.BytesIO()
+    torch.save(batched, buffer)
+    buffer.seek(0)
+    with torch.no_grad():
+        logits = batched(input_ids=ids).logits
+        for other in (torch.load(buffer, weights_only=False), copy.deepcopy(batched)):
+            assert torch.equal(other(input_ids=ids).logits, logits)
+
+
+class _RoutedModel(torch.nn.Module):
+    """A router and an experts layer of the user's own class, decorated by transformers, whose forward keeps
+    how many tokens each expert got: in place (``counted_in_place``) or by assigning the buffer anew."""
+
+    def __init__(self, counted_in_place: bool) -> None:
+        super().__init__()
+        config = tf.MixtralConfig(hidden_size=16, num_local_experts=4, experts_implementation="eager")
+        self.router = torch.nn.Linear(16, 4, bias=False)
+        self.experts = _CountingExperts(config)
+        self.experts.in_place = counted_in_place
+
+    def forward(self, x: torch.Tensor, fixed_weights: bool = False) -> torch.Tensor:
+        weights, index = self.router(x).softmax(-1).topk(2)
+        if fixed_weights:  # one table for all the tokens, sized by the batch: no samples in it
+            weights = torch.full((B, T, 2), 0.5, dtype=x.dtype)
+        return self.experts(x.flatten(0, 1), index.flatten(0, 1), weights.flatten(0, 1)).view_as(x)
+
+
+@tf.integrations.moe.use_experts_implementation
+class _CountingExperts(torch.nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.num_experts = config.num_local_experts
+        self.gate_up_proj = torch.nn.Parameter(torch.randn(4, 16, 16))
+        self.down_proj = torch.nn.Parameter(torch.randn(4, 16, 8))
+        self.act_fn = torch.nn.SiLU()
+        self.register_buffer("counts", torch.zeros(4))
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        counts = torch.bincount(top_k_index.flatten(), minlength=self.num_experts).to(self.counts.dtype)
+        if self.in_place:
+            self.counts.add_(counts)
+        else:
+            self.counts = self.counts + counts
+        out = torch.zeros_like(hidden_states)
+        for expert in top_k_index.unique().tolist():  # only the experts this model's tokens were routed to
+            token, slot = torch.where(top_k_index == expert)
+            gate, up = torch.nn.functional.linear(hidden_states[token], self.gate_up_proj[expert]).chunk(2, -1)
+            y = torch.nn.functional.linear(self.act_fn(gate) * up, self.down_proj[expert])
+            out.index_add_(0, token, y * top_k_weights[token, slot, None])
+        return out
+
+
+@pytest.mark.parametrize("counted_in_place", [True, False], ids=["in place", "assigned anew"])
+def test_own_experts_layer_runs_each_model(counted_in_place: bool) -> None:
+    """An experts layer of the user's own class (decorated with transformers' ``use_experts_implementation``)
+    runs each model on its own tokens: its outputs, gradients and the count it keeps in place are each
+    model's own; a buffer assigned anew in forward cannot be kept per model, and is refused by name."""
+    models = []
+    for i in range(M):
+        torch.manual_seed(i)
+        models.append(_RoutedModel(counted_in_place).double())
+    batched = stack(models)
+    x = torch.randn(M, B, T, 16, dtype=torch.float64)
+    if not counted_in_place:
+        with pytest.raises(ValueError, match="'experts': its forward assigned 'counts' anew"):
+            batched(x)
+        return
+    result = verify(models, batched, x)
+    assert result.passed.all(), str(result)
+    batched(x)
+    for i, model in enumerate(models):
+        model(x[i])
+        assert_close(batched.experts.counts[i], model.experts.counts, msg=f"model {i}'s counts")
+
+
+def test_experts_layer_input_without_samples_is_refused() -> None:
+    """An experts layer's inputs are rows of tokens: one that holds no samples (a table the model built for its
+    own batch size) would give each model a table of every model's size; refused, naming the layer."""
+    models = [_RoutedModel(counted_in_place=True).double() for _ in range(M)]
+    for model in models:  # each original runs with the table
+        model(torch.randn(B, T, 16, dtype=torch.float64), fixed_weights=True)
+    with pytest.raises(ValueError, match="'experts': its input of shape \\(15, 2\\) holds none of the models' samples"):
+        stack(models)(torch.randn(M, B, T, 16, dtype=torch.float64), fixed_weights=True)
