@@ -65,6 +65,7 @@ from batchlayers._fold import map_tensors  # noqa: E402
 
 B, T, T_DECODER, VOCAB = 3, 8, 5, 99
 BUILD_SECONDS, CHECK_SECONDS, MAX_BYTES = 20, 60, 200 * 2**20
+EXPERTS = "eager"  # how transformers runs mixture-of-experts layers (--experts=...; grouped_mm takes no float64)
 _LAYERS = (
     "num_hidden_layers",
     "num_layers",
@@ -205,7 +206,7 @@ def _build(model_type: str) -> tuple[list[nn.Module], str]:
     for number, recipe in enumerate(_RECIPES):
         try:
             config = _shrink(default, recipe)
-            config._experts_implementation = "eager"  # (grouped_mm takes no float64)
+            config._experts_implementation = EXPERTS
             with torch.device("meta"):
                 size = sum(p.numel() for p in cls(config).parameters()) * 8
             if size > MAX_BYTES:
@@ -259,6 +260,8 @@ class _Plain(nn.Module):
         batch = next(t for t in inputs.values() if isinstance(t, torch.Tensor)).shape[1 if self.stacked else 0]
 
         def unfold(t: torch.Tensor) -> torch.Tensor:
+            if self.stacked and t.dim() == 1 and t.numel() == 0:  # an empty placeholder (a layer not filled yet)
+                return t.expand(M, 0)
             return t.unflatten(0, (M, batch)) if self.stacked and t.dim() and t.shape[0] == M * batch else t
 
         def plain(obj: object) -> object:
@@ -558,7 +561,9 @@ def _cell(result: dict | None) -> str:
 def main(argv: list[str]) -> None:
     from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
 
+    global EXPERTS
     execution = "model_by_model" if "--model-by-model" in argv else "batched"
+    EXPERTS = next((a.split("=", 1)[1] for a in argv if a.startswith("--experts=")), EXPERTS)
     if "--worker" in argv:
         return _worker([a for a in argv if not a.startswith("--")], execution)
     names = [a for a in argv if not a.startswith("--")]
@@ -569,12 +574,12 @@ def main(argv: list[str]) -> None:
     import transformers
 
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, M={M}, B={B}, T={T}, float64, "
-          f"execution={execution!r}\n")  # fmt: skip
+          f"execution={execution!r}, experts={EXPERTS!r}\n")  # fmt: skip
     print("| model type | eval | train | inputs | note | s |\n|---|---|---|---|---|---|", flush=True)
     counts: dict[str, collections.Counter] = {"eval": collections.Counter(), "train": collections.Counter()}
     began = time.perf_counter()
     while todo:
-        flags = ["--worker"] + (["--model-by-model"] if execution == "model_by_model" else [])
+        flags = ["--worker", f"--experts={EXPERTS}"] + (["--model-by-model"] if execution == "model_by_model" else [])
         worker = subprocess.Popen([sys.executable, __file__, *flags, *todo], stdout=subprocess.PIPE, text=True,
                                   stderr=subprocess.DEVNULL)  # fmt: skip
         current = None
