@@ -98,39 +98,44 @@ class _EachModelsLayer(nn.Module):
         return (_restore, (type(self).torch_module,), self.__dict__)
 
     def forward(self, *args: object, **kwargs: object) -> Tensor:
-        torch_type = cast("type[nn.Module]", type(self).torch_module)
-        inputs = [t for t in (*args, *kwargs.values()) if isinstance(t, Tensor)]
-        if not inputs or inputs[0].dim() < 2:
-            raise ValueError(f"{layer_name(self)}: expected (M, n, *) inputs (M models' rows of tokens), got no tensor")
-        num_models = inputs[0].shape[0]
-        for t in inputs:
-            if t.dim() < 2 or t.shape[:2] != inputs[0].shape[:2]:
-                raise ValueError(
-                    f"{layer_name(self)}: every input must be (M, n, *) with the same M and n, got shapes "
-                    f"{[tuple(i.shape) for i in inputs]}"
-                )
-        tensors = tensor_table(self, remove_duplicate=True)
-        for name, t in tensors.items():
-            if t.dim() == 0 or t.shape[0] != num_models:
-                raise ValueError(
-                    f"{layer_name(self)}: its inputs hold {num_models} models, but '{name}' has shape {tuple(t.shape)}"
-                )
-        slices = {id(t): t.unbind(0) for t in tensors.values()}  # one autograd node per tensor, not M
-        rows = {id(t): t.unbind(0) for t in inputs}
-        outputs = []
-        for m in range(num_models):
-            one = _model_view(self, torch_type, slices, m)
-            model_args = [rows[id(a)][m] if isinstance(a, Tensor) else a for a in args]
-            model_kwargs = {k: rows[id(v)][m] if isinstance(v, Tensor) else v for k, v in kwargs.items()}
-            out = torch_type.forward(one, *model_args, **model_kwargs)
-            if not isinstance(out, Tensor):
-                raise TypeError(
-                    f"{layer_name(self)}: expected one tensor from {torch_type.__name__}.forward, "
-                    f"got {type(out).__name__}"
-                )
-            _check_unchanged(one, slices, m, layer_name(self))
-            outputs.append(out)
-        return torch.stack(outputs)
+        return _each_model(self, args, kwargs)
+
+
+@torch.compiler.disable  # views made with object.__new__ and data-dependent experts loops: run eagerly
+def _each_model(self: _EachModelsLayer, args: tuple, kwargs: dict) -> Tensor:
+    """The experts layer's class's own ``forward``, once per model, on model ``m``'s rows and slices."""
+    torch_type = cast("type[nn.Module]", type(self).torch_module)
+    inputs = [t for t in (*args, *kwargs.values()) if isinstance(t, Tensor)]
+    if not inputs or inputs[0].dim() < 2:
+        raise ValueError(f"{layer_name(self)}: expected (M, n, *) inputs (M models' rows of tokens), got no tensor")
+    num_models = inputs[0].shape[0]
+    for t in inputs:
+        if t.dim() < 2 or t.shape[:2] != inputs[0].shape[:2]:
+            raise ValueError(
+                f"{layer_name(self)}: every input must be (M, n, *) with the same M and n, got shapes "
+                f"{[tuple(i.shape) for i in inputs]}"
+            )
+    tensors = tensor_table(self, remove_duplicate=True)
+    for name, t in tensors.items():
+        if t.dim() == 0 or t.shape[0] != num_models:
+            raise ValueError(
+                f"{layer_name(self)}: its inputs hold {num_models} models, but '{name}' has shape {tuple(t.shape)}"
+            )
+    slices = {id(t): t.unbind(0) for t in tensors.values()}  # one autograd node per tensor, not M
+    rows = {id(t): t.unbind(0) for t in inputs}
+    outputs = []
+    for m in range(num_models):
+        one = _model_view(self, torch_type, slices, m)
+        model_args = [rows[id(a)][m] if isinstance(a, Tensor) else a for a in args]
+        model_kwargs = {k: rows[id(v)][m] if isinstance(v, Tensor) else v for k, v in kwargs.items()}
+        out = torch_type.forward(one, *model_args, **model_kwargs)
+        if not isinstance(out, Tensor):
+            raise TypeError(
+                f"{layer_name(self)}: expected one tensor from {torch_type.__name__}.forward, got {type(out).__name__}"
+            )
+        _check_unchanged(one, slices, m, layer_name(self))
+        outputs.append(out)
+    return torch.stack(outputs)
 
 
 def _model_view(module: nn.Module, cls: type, slices: dict[int, tuple[Tensor, ...]], m: int) -> nn.Module:

@@ -334,3 +334,22 @@ def test_experts_layer_input_without_samples_is_refused() -> None:
         model(torch.randn(B, T, 16, dtype=torch.float64), fixed_weights=True)
     with pytest.raises(ValueError, match="'experts': its input of shape \\(15, 2\\) holds none of the models' samples"):
         stack(models)(torch.randn(M, B, T, 16, dtype=torch.float64), fixed_weights=True)
+
+
+# as in test_compile: inductor's first import, and dynamo reading .grad of the tensors it traces
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")
+def test_compiled_moe_model_is_each_original() -> None:
+    """``torch.compile`` of a stacked Mixtral: the experts layers run eagerly between compiled graphs (their
+    loops over experts depend on the data), outputs and gradients each model's own."""
+    models = _originals("mixtral")
+    batched = stack(models)
+    ids = torch.randint(3, 50, (M, B, T))
+    out = torch.compile(batched)(input_ids=ids, use_cache=False).logits
+    refs = [m(input_ids=ids[i], use_cache=False).logits for i, m in enumerate(models)]
+    assert_close(out, torch.stack(refs), msg="compiled logits")
+    grad = torch.randn_like(out)
+    (out * grad).sum().backward()
+    for i, r in enumerate(refs):
+        (r * grad[i]).sum().backward()
+    _assert_same_gradients(batched, models, "compiled mixtral")
