@@ -11,8 +11,10 @@ refuses both). ``"batched_mm"`` gathers every token's experts' weights and is fo
 ``stack`` swaps such a layer for a batched layer of its own class (:func:`batched_type`), which runs the
 class's own ``forward`` once per model, on that model's rows of the three inputs with that model's slices of
 the parameters: each original model's computation exactly, in the implementation its configuration names,
-whatever it reads into Python. Like every batched layer it takes and returns ``(M, n, *)`` tensors; run model
-by model, the original class itself holds each model's slices.
+whatever it reads into Python. Where that implementation is one of transformers' own dense ones
+(``grouped_mm``, ``batched_mm``), all models' tokens go through it in one call instead, as one layer of
+``M * E`` experts (:func:`_all_models_at_once`). Like every batched layer it takes and returns ``(M, n, *)``
+tensors; run model by model, the original class itself holds each model's slices.
 """
 
 from __future__ import annotations
@@ -116,6 +118,9 @@ def _each_model(self: _EachModelsLayer, args: tuple, kwargs: dict) -> Tensor:
                 f"{[tuple(i.shape) for i in inputs]}"
             )
     tensors = tensor_table(self, remove_duplicate=True)
+    together = _all_models_at_once(self, torch_type, args, kwargs, tensors)
+    if together is not None:
+        return together
     for name, t in tensors.items():
         if t.dim() == 0 or t.shape[0] != num_models:
             raise ValueError(
@@ -136,6 +141,55 @@ def _each_model(self: _EachModelsLayer, args: tuple, kwargs: dict) -> Tensor:
         _check_unchanged(one, slices, m, layer_name(self))
         outputs.append(out)
     return torch.stack(outputs)
+
+
+def _all_models_at_once(
+    self: nn.Module, torch_type: type[nn.Module], args: tuple, kwargs: dict, tensors: dict[str, Tensor]
+) -> Tensor | None:
+    """Where the configuration names one of transformers' own dense implementations (``grouped_mm``,
+    ``batched_mm``), every model's tokens in one call, as one layer of ``M * E`` experts: model ``m``'s
+    expert ``e`` is expert ``m * E + e`` of the stacked weights viewed ``(M * E, *)``. The implementations
+    compute each token from its own experts' weights alone (sorted by expert, or gathered per token), so each
+    model's tokens get exactly its own experts. ``None`` (each model on its own) for anything else: an
+    ``eager`` loop (the class's own code), a post-expert norm, expert parallelism, tensors without the experts
+    dimension, or an expert index outside ``[0, E)`` (which the original would treat its own way)."""
+    moe = sys.modules.get("transformers.integrations.moe")
+    implementation = getattr(getattr(self, "config", None), "_experts_implementation", None)
+    experts = getattr(self, "num_experts", None)
+    if moe is None or kwargs or len(args) != 3 or not isinstance(experts, int) or not isinstance(implementation, str):
+        return None
+    interface = _dispatch(torch_type)
+    grouped = getattr(moe, "grouped_mm_experts_forward", None)
+    if interface is None or grouped is None or interface.get_interface(implementation, None) is not grouped:
+        return None
+    if getattr(self, "has_post_expert_norm", True) or getattr(self, "_is_expert_parallel", True) or self._buffers:
+        return None
+    hidden, index, weights = args
+    num_models, rows = hidden.shape[:2]
+    own = self._parameters.values()
+    if len(own) != len(tensors) or any(t is None or t.dim() < 2 or t.shape[:2] != (num_models, experts) for t in own):
+        return None
+    if not isinstance(index, Tensor) or index.is_floating_point() or bool(((index < 0) | (index >= experts)).any()):
+        return None
+    view = cast(nn.Module, object.__new__(torch_type))
+    view.__dict__.update(self.__dict__)
+    view.__dict__["_parameters"] = {k: cast(Tensor, t).flatten(0, 1) for k, t in self._parameters.items()}
+    view.__dict__["num_experts"] = num_models * experts
+    shift = torch.arange(num_models, device=index.device).mul_(experts).view(num_models, *[1] * (index.dim() - 1))
+    flat = [hidden.flatten(0, 1), (index + shift).flatten(0, 1), cast(Tensor, weights).flatten(0, 1)]
+    out = torch_type.forward(view, *flat)
+    return out.unflatten(0, (num_models, rows))
+
+
+def _dispatch(torch_type: type) -> Any:
+    """The experts interface the decorated ``forward`` of ``torch_type`` dispatches through (its closure's
+    ``experts_interface``), or ``None``."""
+    forward = getattr(torch_type, "forward", None)
+    closure = getattr(forward, "__closure__", None) or ()
+    cells = dict(zip(getattr(getattr(forward, "__code__", None), "co_freevars", ()), closure))
+    cell = cells.get("experts_interface")
+    interface = cell.cell_contents if cell is not None else None
+    return interface if callable(getattr(interface, "get_interface", None)) else None
 
 
 def _model_view(module: nn.Module, cls: type, slices: dict[int, tuple[Tensor, ...]], m: int) -> nn.Module:
