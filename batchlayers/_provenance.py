@@ -1187,6 +1187,9 @@ def _split(position: int, default: int | None) -> Callable:
     return rule
 
 
+_ONE_INDEX_FOR_ALL_ROWS = frozenset({"index_select", "index_add", "index_copy"})
+
+
 def _index_dim(ctx, name, args, kwargs, out, tagged) -> None:
     """index_select / gather / scatter / index_add along ``dim`` (argument 1): the model dimension must
     be another one, and an index that carries samples must carry them on the same dimension."""
@@ -1205,8 +1208,9 @@ def _index_dim(ctx, name, args, kwargs, out, tagged) -> None:
         return _tag_all(out, Lost(f"{name} of a shared tensor by the models' samples"))
     if _norm(dim, args[0].dim()) == first or any(i.tag != first for i in tagged):
         return _tag_all(out, Lost(f"{name} along the dimension that holds the models' samples"))
-    if name.endswith("index_select") and len(tagged) > 1:
-        # the index picks the same entries for every row: picked by every model's samples at once
+    index = _arg(args, kwargs, 2, "index")
+    if name.rsplit(".", 1)[-1].rstrip("_") in _ONE_INDEX_FOR_ALL_ROWS and get_tag(index) is not None:
+        # a 1-D index picks the same entries for every row: picked by every model's samples at once
         return _tag_all(out, Lost(f"{name} by an index computed from the models' samples"))
     rows = args[0].shape[cast(int, first)]
     if any(i.shape[cast(int, first)] != rows for i in tagged):

@@ -186,6 +186,9 @@ class _Mixes(_Pattern):
             return self.fc(x + x.reshape(-1, 2).gather(1, (x[:, :1] > 0).long()))
         if self.pattern == "features selected by the samples":
             return self.fc(x + x.index_select(1, (x[:, 0] > 0).long()).sum(-1, keepdim=True))
+        if self.pattern == "features added at positions picked by the samples":
+            picked = (x[:, 0] > 0).long()  # one position per sample of every model, for every row
+            return self.fc(x.index_add(1, picked % 4, torch.ones(B, picked.shape[0], dtype=x.dtype)))
         if self.pattern == "scatter in place over the batch":
             return self.fc(torch.zeros_like(x).scatter_(0, (x > 0).long(), x))
         if self.pattern == "per-sample targets, reduction='none'":
@@ -223,6 +226,7 @@ REFUSED = {
     "index_add of per-sample positions": r"fc.*Tensor.index_add combines the models' samples with a value that",
     "gather by an index of another number of rows": r"fc.*Tensor.gather of tensors with different numbers of rows",
     "features selected by the samples": r"fc.*Tensor.index_select by an index computed from the models' samples",
+    "features added at positions picked by the samples": r"fc.*Tensor.index_add by an index computed from the",
     "scatter in place over the batch": r"fc.*Tensor.scatter_ along the dimension that holds the models' samples",
     "per-sample targets, reduction='none'": r"output.*F.cross_entropy of the models' samples with targets that differ",
     "per-sample targets, mean": r"F.cross_entropy.*targets that differ",
