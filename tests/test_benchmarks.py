@@ -141,3 +141,17 @@ def test_a_failed_comparison_run_leaves_the_first_run_reported(tmp_path, capsys,
     assert all(
         r["median_ms"] >= 0 and not any(k.endswith("_kept") for k in r) for r in data["rows"] if "median_ms" in r
     )
+
+
+def test_moe_benchmark_runs_and_contenders_agree(capsys):
+    """``python -m benchmarks.moe``: every contender timed, the stacked ones' logits the originals'."""
+    from benchmarks.moe import main as moe
+
+    moe(["--experts", "grouped_mm", "eager", "--num-models", "2", "--iters", "1", "--budget-s", "0"])
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]
+    assert {(r[0].strip(), r[2].strip()) for r in rows} == {
+        (e, m) for e in ("grouped_mm", "eager") for m in ("train", "infer")
+    }
+    for row in rows:
+        assert all(float(cell) > 0 for cell in row[3:6]), row
+        assert float(row[-1]) < 1e-4, row
