@@ -1212,15 +1212,16 @@ def _index_dim(ctx, name, args, kwargs, out, tagged) -> None:
     if name.rsplit(".", 1)[-1].rstrip("_") in _ONE_INDEX_FOR_ALL_ROWS and get_tag(index) is not None:
         # a 1-D index picks the same entries for every row: picked by every model's samples at once
         return _tag_all(out, Lost(f"{name} by an index computed from the models' samples"))
-    rows = args[0].shape[cast(int, first)]
-    if any(i.shape[cast(int, first)] != rows for i in tagged):
-        # gather's or scatter's index pairs row i with row i: rows of another number per model would pair
-        # one model's rows with another's
-        return _tag_all(out, Lost(f"{name} of tensors with different numbers of rows of the models' samples"))
     # gather's index, scatter's index and source, index_add's source: aligned with the input dimension by
-    # dimension, so an untagged one spanning the samples must be the same for every sample (a batch-sized
-    # constant), not per-sample values (positions of the folded batch).
+    # dimension, row i with row i. Tagged or not, each must have the input's number of rows: another number
+    # per model would pair one model's rows with another's, and fewer (which torch allows) would reach only
+    # the first models' rows (an index built for one model's batch). An untagged one spanning the samples must
+    # be the same for every sample (a batch-sized constant), not per-sample values (positions of the folded
+    # batch).
     aligned = [a for a in (*args[1:], *kwargs.values()) if isinstance(a, Tensor) and a.dim() == args[0].dim()]
+    rows = args[0].shape[cast(int, first)]
+    if any(t.shape[cast(int, first)] != rows for t in aligned):
+        return _tag_all(out, Lost(f"{name} of tensors with different numbers of rows of the models' samples"))
     if not name.endswith("index_select") and any(_differs_along(t, cast(int, first)) for t in aligned):
         return _tag_all(out, Lost(f"{name} combines the models' samples with a value that differs along the models"))
     _tag_all(out, first)

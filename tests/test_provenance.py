@@ -184,6 +184,8 @@ class _Mixes(_Pattern):
             return self.fc(x.index_add(1, torch.tensor([0]), torch.arange(B, dtype=x.dtype)[:, None]))
         if self.pattern == "gather by an index of another number of rows":  # pairs: 2 rows per sample
             return self.fc(x + x.reshape(-1, 2).gather(1, (x[:, :1] > 0).long()))
+        if self.pattern == "scatter by an index built for one model's batch":  # 3 rows: the originals' B
+            return self.fc(x + torch.zeros_like(x).scatter_(1, torch.zeros(3, 1, dtype=torch.long), 1.0))
         if self.pattern == "features selected by the samples":
             return self.fc(x + x.index_select(1, (x[:, 0] > 0).long()).sum(-1, keepdim=True))
         if self.pattern == "features added at positions picked by the samples":
@@ -225,6 +227,7 @@ REFUSED = {
     "scatter of per-sample positions": r"fc.*Tensor.scatter combines the models' samples with a value that differs",
     "index_add of per-sample positions": r"fc.*Tensor.index_add combines the models' samples with a value that",
     "gather by an index of another number of rows": r"fc.*Tensor.gather of tensors with different numbers of rows",
+    "scatter by an index built for one model's batch": r"fc.*Tensor.scatter_ of tensors with different numbers of rows",
     "features selected by the samples": r"fc.*Tensor.index_select by an index computed from the models' samples",
     "features added at positions picked by the samples": r"fc.*Tensor.index_add by an index computed from the",
     "scatter in place over the batch": r"fc.*Tensor.scatter_ along the dimension that holds the models' samples",
