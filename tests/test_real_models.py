@@ -364,3 +364,14 @@ def test_compiled_moe_model_is_each_original() -> None:
     for i, r in enumerate(refs):
         (r * grad[i]).sum().backward()
     _assert_same_gradients(batched, models, "compiled mixtral")
+
+
+@pytest.mark.parametrize("shape", [(M, 3, 6), (M, 1, 2), (M, 2, 1), (M, 2, 4)],
+                         ids=["T == M*B", "B == 1, T == M", "T == 1", "M*B == T == experts"])  # fmt: skip
+@pytest.mark.parametrize("name", ["mixtral", "mixtral-batched_mm"])
+def test_moe_layers_where_sizes_coincide(name: str, shape: tuple[int, int, int]) -> None:
+    """The experts layers' rows are told by the tracker, not by sizes: exact where the token count, the batch,
+    the models and the 4 experts coincide."""
+    models = _originals(name)
+    result = verify(models, stack(models), input_ids=torch.randint(3, 50, shape))
+    assert result.passed.all(), f"{name} {shape}\n{result}"
