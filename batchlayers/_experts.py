@@ -177,9 +177,7 @@ def _all_models_at_once(
         return None
     if not isinstance(index, Tensor) or index.is_floating_point() or bool(((index < 0) | (index >= experts)).any()):
         return None
-    view = cast(nn.Module, object.__new__(torch_type))
-    view.__dict__.update(self.__dict__)
-    view.__dict__["_parameters"] = {k: cast(Tensor, t).flatten(0, 1) for k, t in self._parameters.items()}
+    view = _model_view(self, torch_type, {id(t): (t.flatten(0, 1),) for t in tensors.values()}, 0)
     view.__dict__["num_experts"] = num_models * experts
     shift = torch.arange(num_models, device=index.device).mul_(experts).view(num_models, *[1] * (index.dim() - 1))
     flat = [hidden.flatten(0, 1), (index + shift).flatten(0, 1), cast(Tensor, weights).flatten(0, 1)]
