@@ -118,9 +118,10 @@ def input_tensors(args: tuple, kwargs: dict) -> list[tuple[str, Tensor]]:
     return _tensors(args, "args") + _tensors(kwargs, "kwargs")
 
 
-def check_inputs(root: nn.Module, found: list[tuple[str, Tensor]]) -> int:
-    """The batch size ``B`` of a stacked root's tensor inputs (:func:`input_tensors`), each ``(M, B, *)``; a
-    clear error otherwise."""
+def check_inputs(root: nn.Module, found: list[tuple[str, Tensor]]) -> list[int]:
+    """The batch sizes ``B`` of a stacked root's tensor inputs (:func:`input_tensors`), each ``(M, B, *)``,
+    sorted, each once (inputs may hold different numbers of samples: CLIP's texts and images); a clear error
+    otherwise."""
     num_models = cast(int, root.num_models)  # set by stack(); torch's stubs type module attributes as tensors
     name = type(root).__name__
     if not found:
@@ -128,21 +129,13 @@ def check_inputs(root: nn.Module, found: list[tuple[str, Tensor]]) -> int:
             f"stacked {name} (M={num_models}): needs at least one tensor input shaped (M, B, *) to know the "
             "batch size, got none"
         )
-    batch: int | None = None
     for where, t in found:
         if t.dim() < 2 or t.shape[0] != num_models:
             raise ValueError(
                 f"stacked {name}: expected every tensor input shaped (M, B, *) with M={num_models}, but "
                 f"{where} has shape {tuple(t.shape)}"
             )
-        if batch is None:
-            batch = t.shape[1]
-        elif t.shape[1] != batch:
-            raise ValueError(
-                f"stacked {name}: every tensor input needs the same (M, B) = ({num_models}, {batch}), but "
-                f"{where} has shape {tuple(t.shape)}"
-            )
-    return cast(int, batch)  # set by the loop: found is not empty
+    return sorted({t.shape[1] for _, t in found})
 
 
 class FoldInputs:
@@ -166,14 +159,14 @@ class FoldInputs:
             return None  # its forward runs the architecture once per model, on (B, *) inputs
         num_models = cast(int, root.num_models)  # set by stack(); torch's stubs type module attributes as tensors
         inputs = input_tensors(args, kwargs)
-        batch = check_inputs(root, inputs)
+        batches = check_inputs(root, inputs)
         signature = _signature(root, inputs)
         if torch.compiler.is_compiling() and num_models > 1 and signature not in getattr(root, _CHECKED, ()):
             _check_eagerly(root, args, kwargs)
 
         # A shared input (stride-0 expand) is copied here: the user's forward needs one ordinary batch.
         def fold(t: Tensor, where: str) -> Tensor:
-            folded = t.reshape(num_models * batch, *t.shape[2:])
+            folded = t.reshape(num_models * t.shape[1], *t.shape[2:])
             if folded is t:
                 folded = t.view(t.shape)  # a new tensor object to tag, never the caller's own
             set_tag(folded, 0)
@@ -186,13 +179,13 @@ class FoldInputs:
         compiling = torch.compiler.is_compiling()
         buffers = [] if compiling else [(n, _tensor(root, n)) for n in self.shared_buffers]
         _unwind_stale_calls(root)
-        tracker = Tracker(num_models, num_models * batch)
+        tracker = Tracker(num_models, [num_models * b for b in batches])
         tracker.eager_only = bool(getattr(self, "own_code", ()))
         _calls().append(
             _Call(
                 owner=id(root),
                 num_models=num_models,
-                batch=batch,
+                batch=batches[0],
                 tracker=tracker,
                 shared_buffer_versions=[(n, b, b._version) for n, b in buffers],
                 per_model_slots=slots,
@@ -437,15 +430,16 @@ _check_eagerly = torch.compiler.disable(
 def _refuse_batch_sized(name: str, what: str, t: Tensor, call: _Call, anywhere: bool) -> None:
     """A tensor without the models' samples whose size is the folded M*B may have been sized from the batch
     (``torch.arange(x.size(0))``) or be a sequence of that length: refuse it rather than guess."""
-    folded = call.num_models * call.batch
     sizes = t.shape if anywhere else t.shape[:1]
+    folded = next((n for n in call.tracker.folded_sizes if n in sizes), None)
     # torch.compile does not pass size reads to the tracker: there any such tensor may have been sized so.
     size_read = call.tracker.size_read or torch.compiler.is_compiling()
-    if call.num_models > 1 and size_read and folded in sizes:
+    if call.num_models > 1 and size_read and folded is not None:
         raise ValueError(
             f"{name}: {what} is ambiguous: it has shape {tuple(t.shape)}, with the folded batch size M*B = "
-            f"{call.num_models}*{call.batch} = {folded}, but was not computed from the models' samples, so it may be "
-            "sized from the batch (e.g. torch.arange(x.size(0))) or be a sequence of that length; batchlayers does "
+            f"{call.num_models}*{folded // call.num_models} = {folded}, but was not computed from the models' samples, "
+            "so it may be sized from the batch (e.g. torch.arange(x.size(0))) or be a sequence of that length; "
+            "batchlayers does "
             "not guess which. Build batch-sized tensors from the inputs (torch.zeros_like(x), x.new_zeros(...)); "
             "give a sequence shared by all samples a leading dimension of 1 (torch.arange(T).unsqueeze(0)), or use a "
             "batch size with M*B different from its length"

@@ -400,12 +400,13 @@ def _expand(ctx, method: str = "expand"):
                 (
                     k
                     for k, v in enumerate(sizes)
-                    if v == ctx.folded and (t.shape[k + 1] == 1 or (method != "expand" and isinstance(v, FoldedSize)))
+                    if v in ctx.folded_sizes
+                    and (t.shape[k + 1] == 1 or (method != "expand" and isinstance(v, FoldedSize)))
                 ),
                 None,
             )
         if folded is not None:
-            sizes[folded] = ctx.folded // ctx.num_models
+            sizes[folded] = sizes[folded] // ctx.num_models
         out = t.expand(t.shape[0], *sizes) if method == "expand" else t.repeat(1, *sizes)
         return out if folded is None else refold(out, folded)
 
@@ -748,7 +749,8 @@ def _per_model_loop(ctx, func, args, kwargs):
             )
         return first
     if samples:
-        one = SimpleNamespace(num_models=1, folded=_block_size(args, kwargs, m), size_read=False)
+        block = _block_size(args, kwargs, m)
+        one = SimpleNamespace(num_models=1, folded=block, folded_sizes=(block,), size_read=False)
         first_args, first_kwargs = parts[0]
         tagged = _tagged(first_args, first_kwargs)
         rule.rule(one, rule.name, first_args, first_kwargs, first, tagged)

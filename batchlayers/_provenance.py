@@ -254,10 +254,12 @@ def set_tag(t: Tensor, tag: Tag) -> None:
 class Tracker(TorchFunctionMode):
     """The mode active during one stacked call (see the module docstring)."""
 
-    def __init__(self, num_models: int, folded: int) -> None:
+    def __init__(self, num_models: int, folded_sizes: Sequence[int]) -> None:
         super().__init__()
         self.num_models = num_models
-        self.folded = folded  # M * B of the call
+        # M * B of the call's inputs, each once (inputs may hold different numbers of samples), and the first
+        self.folded_sizes = tuple(folded_sizes)
+        self.folded = self.folded_sizes[0]
         self.paused = 0  # > 0: passing calls through (under torch.compile; see pause())
         self.popped = 0  # > 0: off torch's mode stack (eager; see pause())
         self.size_read = False  # the folded size of a tagged tensor was read into an int
@@ -286,6 +288,8 @@ class Tracker(TorchFunctionMode):
             out = func(*args, **kwargs)
             if self.size_read and func in _CREATORS:
                 _CREATORS[func](self, out)
+            if func is torch.arange and self.num_models > 1:
+                _mark_positions(args, kwargs, out)
             return out
         if "axis" in kwargs or "keepdims" in kwargs:
             return self._tracked(func, args, _torch_names(kwargs), tagged, kwargs)
@@ -310,7 +314,10 @@ class Tracker(TorchFunctionMode):
         entry = _RULES.get(func)
         if entry is not None and entry.over_samples and entry.over_samples(entry.name, args, kwargs, tagged):
             return self._over_samples(entry.name, func, args, kwargs)
-        if func in _VIEWS:
+        computed = entry.compute(self, func, args, given, tagged) if entry is not None and entry.compute else None
+        if computed is not None:
+            out = computed  # tagged by entry.compute
+        elif func in _VIEWS:
             out = self._view(func, args, kwargs)
         elif func in _RESHAPES:
             out = reshape_of_another_layout(func, args, kwargs, self.copied_views, _holds_samples, _OTHER_RESHAPE)
@@ -323,7 +330,7 @@ class Tracker(TorchFunctionMode):
         if entry is None:
             lost = _first_lost(tagged) if all(isinstance(i.tag, Lost) for i in tagged) else None
             _tag_all(out, lost or Lost(f"{_name(func)} (batchlayers has no rule for it)"))
-        else:
+        elif computed is None:
             entry.rule(self, entry.name, args, kwargs, out, tagged)
         if _SIZES.get(func, False) and self.num_models > 1 and not torch.compiler.is_compiling():
             out = _marked_sizes(func, args, kwargs, out, self.num_models)
@@ -378,14 +385,17 @@ class Tracker(TorchFunctionMode):
         for number, where, top_level in numbers:
             if values is not None and isinstance(number, FoldedSize) and not (top_level and where in values):
                 continue  # a size: reshapes, creation and indexing follow it
-            m = self.num_models
             own = f"{'reads' if isinstance(number, FoldedSize) else 'computes'} its own ({number.own})"
             raise ValueError(
                 f"batchlayers: {_name(func)} uses the number {number}, {number.made} the size of a tensor that "
-                f"holds the models' samples (M * B = {m} * {self.folded // m} there), as a value (or as the size of "
+                f"holds the models' samples (M * B = {self.folded_text()} there), as a value (or as the size of "
                 f"something else than the samples): each original model {own}. Compute it from the samples "
                 "(x.mean(0) rather than x.sum(0) / x.size(0)), or stack with execution='model_by_model'"
             )
+
+    def folded_text(self) -> str:
+        """``M * B`` of the call, as ``2 * 3`` (``2 * 3 or 2 * 5`` for inputs with different numbers of samples)."""
+        return " or ".join(f"{self.num_models} * {n // self.num_models}" for n in self.folded_sizes)
 
     def _all_idiom(self, args: tuple) -> object:
         """``mask.sum() == mask.numel()`` (transformers' ``fast_all``): over the models' samples, each model's
@@ -751,7 +761,7 @@ def _batch_long(ctx, t: Tensor) -> bool:
     (``linspace(0, 1, B)`` after ``B`` was read): each original model builds it with its own ``B``, so it
     is not one shared value (a table, boundaries) for every model. A fixed one that merely has ``M * B``
     entries is refused with it: which it is cannot be told."""
-    return ctx.num_models > 1 and any(n == ctx.folded and _differs_along(t, d) for d, n in enumerate(t.shape))
+    return ctx.num_models > 1 and any(n in ctx.folded_sizes and _differs_along(t, d) for d, n in enumerate(t.shape))
 
 
 def _bucketize(ctx, name, args, kwargs, out, tagged) -> None:
@@ -916,6 +926,59 @@ def _matmul(ctx, name, args, kwargs, out, tagged) -> None:
         combined = _broadcast_tag(ctx, name, [extra, _Probe(outs[0], dim)], outs[0].shape)
         return _tag_all(out, combined)
     _tag_all(out, dim)
+
+
+def _within_each_model(position: int, key: str) -> Callable:
+    """A function along one dimension (``softmax(x, dim)``) of the dimension that holds the models' samples:
+    each model's along its own samples, computed on that dimension viewed ``(M, B)``, the result tagged as the
+    input (a ``softmax(dim=1)`` of CLIP's ``logits_per_image``, whose columns are every model's texts).
+    None for any other dimension (then the plain call, tagged by the rule)."""
+
+    def compute(ctx, func, args, kwargs, tagged) -> Tensor | None:
+        x = args[0] if args else kwargs.get("input")
+        d = get_tag(x) if isinstance(x, Tensor) else None
+        dim = _arg(args, kwargs, position, key)
+        if len(tagged) != 1 or tagged[0].tensor is not x or not isinstance(d, int) or not isinstance(dim, int):
+            return None
+        if _norm(dim, x.dim()) != d:
+            return None
+        m = ctx.num_models
+        per_model = x.unflatten(d, (m, x.shape[d] // m))
+        args, kwargs = list(args), dict(kwargs)
+        if len(args) > position:
+            args[position] = d + 1
+        else:
+            kwargs[key] = d + 1
+        if args:
+            args[0] = per_model
+        else:
+            kwargs["input"] = per_model
+        out = func(*args, **kwargs).flatten(d, d + 1)
+        set_tag(out, d)
+        return out
+
+    return compute
+
+
+def _pairs(ctx, func, args, kwargs, tagged) -> Tensor | None:
+    """``a @ b`` where ``a`` holds the models' samples on its rows and ``b`` on its columns: scores over pairs
+    of samples (CLIP's ``text @ image.T``, a Gram matrix ``x @ x.T``, per-head ``q @ k`` across the batch).
+    Each original model pairs its own samples with its own, a ``(B_a, B_b)`` matrix; the folded product would
+    pair every model's samples with every model's. So each model's block is computed on its own (one batched
+    product over a model dimension), and the result holds the samples on its rows, model-major as any other
+    tensor: row block ``i`` is model ``i``'s matrix, whose columns are that model's ``b`` samples. None (the
+    call runs as it is, and :func:`_matmul` tags it) for any other form."""
+    if kwargs or len(args) != 2 or not all(isinstance(t, Tensor) for t in args):
+        return None
+    a, b = args
+    if a.dim() < 2 or b.dim() < 2 or get_tag(a) != a.dim() - 2 or get_tag(b) != b.dim() - 1:
+        return None
+    m = ctx.num_models
+    rows = a.unflatten(-2, (m, a.shape[-2] // m))  # (..., M, B_a, k)
+    columns = b.unflatten(-1, (m, b.shape[-1] // m)).movedim(-2, -3)  # (..., M, k, B_b)
+    out = torch.matmul(rows, columns).flatten(-3, -2)  # (..., M * B_a, B_b)
+    set_tag(out, out.dim() - 2)
+    return out
 
 
 _ELLIPSIS = "..."
@@ -1433,6 +1496,51 @@ def _per_sample_target(args: Sequence, kwargs: dict, tagged: list[_In]) -> bool:
     return all(i.tag == 0 for i in tagged) and isinstance(target, Tensor) and _differs_along(target, 0)
 
 
+_POSITIONS = "_batchlayers_positions"
+
+
+def _mark_positions(args: tuple, kwargs: dict, out: object) -> None:
+    """``torch.arange(B)`` with ``B`` read from the samples: each original model's ``arange`` of its own
+    ``B``, the positions of its samples. The folded tensor holds ``0 .. M*B - 1``, right as row indices into
+    the folded samples (``x[torch.arange(B), last]``), which is how the rules take it; an attribute notes
+    each model's ``B`` for the one use that needs each model's values, class targets (see
+    :func:`_positions_as_targets`). A tensor computed from it is not marked."""
+    given = [a for a in args if not isinstance(a, (torch.dtype, torch.device))]
+    end = given[0] if len(given) == 1 else None
+    if len(given) == 2 and type(given[0]) is int and given[0] == 0:  # arange(0, B)
+        end = given[1]
+    if (
+        isinstance(end, FoldedSize)
+        and not {"start", "end", "step", "out"} & kwargs.keys()
+        and isinstance(out, Tensor)
+        and out.dim() == 1
+        and len(out) == end.folded()
+    ):
+        out._batchlayers_positions = end.one_model()  # type: ignore[attr-defined]  # (syntax: see set_tag)
+
+
+def _positions_as_targets(ctx, func, args, kwargs, tagged) -> object:
+    """``F.cross_entropy(logits, torch.arange(B))``, ``B`` read from the samples: sample ``i``'s class is
+    ``i`` (contrastive losses, where logits over pairs of samples score each sample against its own pair).
+    Each original model's targets are ``arange`` of its own ``B``: they are given as such (each model's
+    block counts from 0), and the loss is then followed as any loss with per-sample targets. None (the plain
+    call) for any other target."""
+    x, target = _arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "target")
+    own = getattr(target, _POSITIONS, None) if isinstance(target, Tensor) else None
+    if own is None or get_tag(target) is not None or not isinstance(x, Tensor) or get_tag(x) != 0:
+        return None
+    if x.dim() < 1 or len(target) != x.shape[0] or len(target) != own * ctx.num_models:
+        return None
+    positions = target.remainder(own)  # model i's block i*B .. i*B + B - 1 counts from 0
+    set_tag(positions, 0)
+    args, kwargs = list(args), dict(kwargs)
+    if len(args) > 1:
+        args[1] = positions
+    else:
+        kwargs["target"] = positions
+    return ctx._tracked(func, tuple(args), kwargs, _tagged(args, kwargs), kwargs)
+
+
 def _loss(ctx, name, args, kwargs, out, tagged) -> None:
     """``reduction='none'`` or ``'sum'`` (a mean is per model, see :meth:`Tracker._over_samples`)."""
     lost = _first_lost(tagged)
@@ -1452,15 +1560,17 @@ def _loss(ctx, name, args, kwargs, out, tagged) -> None:
 
 
 def _uniform_creator(ctx: Tracker, out: object) -> None:
-    if isinstance(out, Tensor) and ctx.num_models > 1 and ctx.folded in out.shape:
-        set_tag(out, list(out.shape).index(ctx.folded))
+    if isinstance(out, Tensor) and ctx.num_models > 1:
+        d = next((k for k, n in enumerate(out.shape) if n in ctx.folded_sizes), None)
+        if d is not None:
+            set_tag(out, d)
 
 
 def _broadcast_creator(ctx: Tracker, out: object) -> None:
     """``arange(T).expand(B, -1)`` with ``B`` read from the folded batch: the same row for every sample,
     a broadcast (stride 0) along that dimension, so every split of it is right."""
     if isinstance(out, Tensor) and ctx.num_models > 1:
-        d = next((k for k, n in enumerate(out.shape) if n == ctx.folded and out.stride(k) == 0), None)
+        d = next((k for k, n in enumerate(out.shape) if n in ctx.folded_sizes and out.stride(k) == 0), None)
         if d is not None:
             set_tag(out, d)
 
@@ -1476,7 +1586,7 @@ for _fn in (Tensor.expand, Tensor.broadcast_to, torch.broadcast_to):
 def _repeat_creator(ctx: Tracker, out: object) -> None:
     """``arange(T).unsqueeze(0).repeat(B, 1)``: rows repeated to the folded batch size, checked equal."""
     if isinstance(out, Tensor) and ctx.num_models > 1:
-        d = next((k for k, n in enumerate(out.shape) if n == ctx.folded), None)
+        d = next((k for k, n in enumerate(out.shape) if n in ctx.folded_sizes), None)
         if d is not None and not _differs_along(out, d):
             set_tag(out, d)
 
@@ -1501,6 +1611,9 @@ class _Rule(NamedTuple):
     rule: Callable  # rule(ctx, name, args, kwargs, out, tagged) tags out
     name: str
     over_samples: Callable | None = None  # (name, args, kwargs, tagged) -> the call reduces over the samples
+    # (ctx, func, args, kwargs, tagged) -> the call's result, computed and tagged in a form that keeps the models
+    # apart, or None for the plain call (then tagged by rule)
+    compute: Callable | None = None
 
 
 _RULES: dict[Callable, _Rule] = {}
@@ -1564,7 +1677,11 @@ sum nansum mean nanmean prod amax amin max min argmax argmin std var norm logsum
 nanmedian mode aminmax std_mean var_mean
 """
 _add(_reduction, _REDUCTIONS, over_samples=_reduces_samples)
+for _n in ("norm", "vector_norm"):  # (input, ord, dim, keepdim): never intensive, so no over_samples
+    _RULES[getattr(torch.linalg, _n)] = _Rule(_reduction, f"torch.linalg.{_n}")
 _add(_dim_rule(1, "dim", None), "softmax log_softmax softmin cumsum cumprod cummax cummin logcumsumexp")
+for _fn in (torch.softmax, torch.log_softmax, Tensor.softmax, Tensor.log_softmax, F.softmax, F.log_softmax, F.softmin):
+    _RULES[_fn] = _RULES[_fn]._replace(compute=_within_each_model(1, "dim"))
 _add(_dim_rule(1, "dim", -1), "sort argsort")
 _add(_dim_rule(1, "dim", 0), "msort")  # sorts along dimension 0 (it has no dim argument)
 _add(_dim_rule(1, "dims", None), "flip")
@@ -1600,6 +1717,8 @@ _add(_bilinear, "bilinear", method=False)
 _add(_embedding_bag, "embedding_bag", method=False, torch_=False)
 _add(_like_self, "prelu", method=False)
 _add(_matmul, "matmul mm bmm addmm baddbmm __matmul__ mv addmv")
+for _fn in (torch.matmul, torch.mm, torch.bmm, Tensor.matmul, Tensor.mm, Tensor.bmm, Tensor.__matmul__):
+    _RULES[_fn] = _RULES[_fn]._replace(compute=_pairs)
 _add(_trailing(lambda a, k: 1), "view_as_complex")  # (..., 2) real -> (...) complex
 _add(_like_self, "view_as_real real imag angle", functional=False)  # (...) complex -> (..., 2) real; parts
 _RULES[_getter("real")] = _Rule(_like_self, "Tensor.real")
@@ -1638,6 +1757,8 @@ kl_div soft_margin_loss poisson_nll_loss gaussian_nll_loss
 """
 _add(_loss, _LOSSES, torch_=False, method=False, over_samples=_loss_over_samples)
 _LOSS_PARAMETERS = {getattr(F, n): tuple(inspect.signature(getattr(F, n)).parameters) for n in _LOSSES.split()}
+for _fn in (F.cross_entropy, F.nll_loss):
+    _RULES[_fn] = _RULES[_fn]._replace(compute=_positions_as_targets)
 _add(_new_creator, "new_zeros new_ones new_full new_empty new_tensor", torch_=False, functional=False)
 _add(_size, "size __len__ numel nelement", torch_=False, functional=False)
 _RULES[torch.numel] = _Rule(_size, "torch.numel")

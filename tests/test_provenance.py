@@ -197,6 +197,9 @@ class _Mixes(_Pattern):
             return F.cross_entropy(self.fc(x), torch.arange(B) % 4, reduction="none")
         if self.pattern == "per-sample targets, mean":
             return F.cross_entropy(self.fc(x), torch.arange(B) % 4)
+        if self.pattern == "pairs of samples along another dimension than the rows":
+            h = self.fc(x)
+            return self.fc((h[:, None, :] @ h.t()).squeeze(1)[:, :4])
         if self.pattern == "shared tensor clamped in place by all models' max":
             floor = torch.zeros(4, dtype=x.dtype).clamp_(min=x.max())
             return self.fc(x + floor)
@@ -233,7 +236,106 @@ REFUSED = {
     "scatter in place over the batch": r"fc.*Tensor.scatter_ along the dimension that holds the models' samples",
     "per-sample targets, reduction='none'": r"output.*F.cross_entropy of the models' samples with targets that differ",
     "per-sample targets, mean": r"F.cross_entropy.*targets that differ",
+    "pairs of samples along another dimension than the rows": r"fc.*matmul combines the models' samples along two",
 }
+
+
+class _Pairs(nn.Module):
+    """Scores over pairs of one model's samples (CLIP's ``text @ image.T``, a Gram matrix, per-head pair
+    scores): each model pairs its own samples with its own, never with another model's."""
+
+    def __init__(self, pattern: str) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 6)
+        self.b = nn.Linear(4, 6)
+        self.scale = nn.Parameter(torch.tensor(0.3))
+        self.pattern = pattern
+
+    def forward(self, x):
+        a, b = self.a(x), self.b(x)
+        B = x.size(0)
+        if self.pattern == "a @ b.T":
+            return a @ b.T * self.scale.exp()
+        if self.pattern == "torch.mm(a, b.t()), transposed":
+            return (torch.mm(a, b.t()).t() * self.scale).softmax(-1)
+        if self.pattern == "Gram matrix":
+            h = a + b
+            return torch.matmul(h, h.transpose(0, 1)) + self.scale
+        if self.pattern == "per head":
+            q = a.view(B, 2, 3).transpose(0, 1)  # (heads, B, 3)
+            k = b.view(B, 2, 3).permute(1, 2, 0)  # (heads, 3, B)
+            return torch.bmm(q * self.scale, k).transpose(0, 1)  # (B, heads, B)
+        if self.pattern == "cosine similarities (linalg norms)":
+            a = a / torch.linalg.norm(a, ord=2, dim=-1, keepdim=True)
+            b = b / torch.linalg.vector_norm(b, dim=-1, keepdim=True)
+            return torch.matmul(a, b.t()) * self.scale.exp()
+        if self.pattern == "symmetric contrastive loss, arange(B) targets":
+            scores = a @ b.T * self.scale.exp()
+            texts = F.cross_entropy(scores, torch.arange(a.size(0)))
+            images = F.nll_loss(scores.t().log_softmax(-1), torch.arange(0, scores.shape[1]))
+            return (texts + images) / 2
+        if self.pattern == "contrastive loss per sample":
+            return F.cross_entropy(a @ b.T * self.scale, torch.arange(B), reduction="none")
+        if self.pattern == "per-model mean of pair scores":
+            return (a @ b.T).mean() + (self.scale * a @ b.T).log_softmax(0).mean()
+        raise AssertionError(self.pattern)
+
+
+def _rows(lead):
+    return torch.randn(*lead, 4, dtype=torch.float64)
+
+
+PAIRS = [
+    "a @ b.T",
+    "torch.mm(a, b.t()), transposed",
+    "Gram matrix",
+    "per head",
+    "cosine similarities (linalg norms)",
+    "symmetric contrastive loss, arange(B) targets",
+    "contrastive loss per sample",
+    "per-model mean of pair scores",
+]
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["own batches", "shared batch"])
+@pytest.mark.parametrize("batch", [1, 3], ids=["B == 1", "B == 3"])
+@pytest.mark.parametrize("pattern", PAIRS)
+def test_scores_over_pairs_of_samples_are_each_models_own(pattern: str, batch: int, shared: bool) -> None:
+    """(M*B, k) @ (k, M*B) would pair every sample with every model's: each model gets its own (B, B)."""
+    models = [seeded(lambda: _Pairs(pattern), i) for i in range(3)]
+    references = [seeded(lambda: _Pairs(pattern), i) for i in range(3)]
+    compare_training(stack(models), references, _rows, batch=batch, shared=shared)
+
+
+class _TextsAndImages(nn.Module):
+    """Two inputs with their own numbers of samples, scored pairwise (zero-shot classification: B_t class
+    prompts against B_i images)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.text = nn.Linear(4, 6)
+        self.image = nn.Linear(5, 6)
+
+    def forward(self, texts, images):
+        t, i = self.text(texts), self.image(images)
+        scores = F.normalize(i, dim=-1) @ F.normalize(t, dim=-1).t()  # (B_i, B_t)
+        return scores.softmax(-1), torch.zeros(texts.size(0), 2) + t[:, :2], torch.ones(images.size(0)) * i[:, 0]
+
+
+@pytest.mark.parametrize("texts,images", [(3, 5), (4, 2), (2, 4), (1, 3)], ids=str)
+def test_inputs_with_different_numbers_of_samples(texts: int, images: int) -> None:
+    """M * B_images == B_texts and the other way round included (M = 2): each input folds by its own B."""
+    models = [seeded(_TextsAndImages, i).double() for i in range(2)]
+    batched = stack([seeded(_TextsAndImages, i).double() for i in range(2)])
+    t, i = torch.randn(2, texts, 4, dtype=torch.float64), torch.randn(2, images, 5, dtype=torch.float64)
+    outs = batched(t, i)
+    refs = [m(t[k], i[k]) for k, m in enumerate(models)]
+    for n, out in enumerate(outs):
+        assert_close(out, torch.stack([r[n] for r in refs]), msg=f"output {n}")
+    sum(o.sum() for o in outs).backward()
+    sum(o.sum() for r in refs for o in r).backward()
+    for key, p in batched.named_parameters():
+        assert_close(p.grad, torch.stack([dict(m.named_parameters())[key].grad for m in models]), msg=key)
 
 
 @pytest.mark.parametrize("pattern", list(REFUSED))
@@ -425,6 +527,8 @@ class _Sums(_Pattern):
             return F.l1_loss(h, y, size_average=False)
         if self.pattern == "x / x.norm()":
             return self.fc(x / x.norm())
+        if self.pattern == "x / linalg.vector_norm(x)":
+            return self.fc(x / torch.linalg.vector_norm(x))
         if self.pattern == "indices of the batch max":
             return h[h[:, 0].argmax()]
         if self.pattern == "indices from max(dim)":
@@ -439,6 +543,7 @@ SUMS = {
     "loss with reduction='sum'": r"0-dim value.*F.l1_loss with reduction='sum'",
     "legacy size_average=False": r"0-dim value.*F.l1_loss with reduction='sum'",
     "x / x.norm()": r"fc.*Tensor.norm over the models' samples",
+    "x / linalg.vector_norm(x)": r"fc.*torch.linalg.vector_norm over the models' samples",
     "indices of the batch max": r"output .*Tensor.argmax over the models' samples",
     "indices from max(dim)": r"output .*the indices of Tensor.max over the models' samples",
 }

@@ -18,6 +18,8 @@ from batchlayers import stack, unstack, verify
 
 M, B, T = 2, 3, 5  # M * B != T; test_provenance covers the coincidences
 _LM = dict(vocab_size=50, bos_token_id=0, eos_token_id=0)
+_CLIP_TOWER = dict(num_hidden_layers=2, num_attention_heads=2, hidden_size=16, intermediate_size=32)
+IMAGES = 2  # images per model beside the B texts of the contrastive models: pairs of B x IMAGES
 
 CONFIGS = {
     "gpt2": lambda: tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=2, n_head=2, n_embd=16, n_positions=16, **_LM)),
@@ -53,6 +55,15 @@ CONFIGS = {
     "clip-text": lambda: tf.CLIPTextModel(
         tf.CLIPTextConfig(num_hidden_layers=2, num_attention_heads=2, hidden_size=16, intermediate_size=32,
                           max_position_embeddings=16, projection_dim=8, vocab_size=50)
+    ),
+    # Contrastive image-text models: logits over pairs of one model's texts and images (text @ image.T)
+    "clip": lambda: tf.CLIPModel(
+        tf.CLIPConfig(text_config=_CLIP_TOWER | dict(max_position_embeddings=16, vocab_size=50),
+                      vision_config=_CLIP_TOWER | dict(image_size=16, patch_size=8), projection_dim=8)
+    ),
+    "siglip": lambda: tf.SiglipModel(
+        tf.SiglipConfig(text_config=_CLIP_TOWER | dict(max_position_embeddings=16, vocab_size=50),
+                        vision_config=_CLIP_TOWER | dict(image_size=16, patch_size=8))
     ),
     "whisper": lambda: tf.WhisperForConditionalGeneration(
         tf.WhisperConfig(encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
@@ -98,11 +109,16 @@ def _inputs(name: str) -> dict[str, torch.Tensor]:
         return {"input_features": torch.randn(M, B, 8, 16, dtype=torch.float64), "decoder_input_ids": ids[..., :4]}
     if name in ("t5", "bart"):
         return {"input_ids": ids, "decoder_input_ids": ids[..., :4]}
+    if name in ("clip", "siglip"):
+        return {"input_ids": ids, "pixel_values": torch.randn(M, IMAGES, 3, 16, 16, dtype=torch.float64)}
     return {"input_ids": ids}
 
 
 def _main_output(out) -> torch.Tensor:
-    return out.logits if hasattr(out, "logits") else out.last_hidden_state
+    for key in ("logits", "logits_per_image"):
+        if hasattr(out, key):
+            return getattr(out, key)
+    return out.last_hidden_state
 
 
 @pytest.fixture(autouse=True)
@@ -139,7 +155,7 @@ def test_transformers_model_stacks_exactly(name: str, execution: str) -> None:
     options = {"use_cache": False} if execution == "model_by_model" and name in WITH_CACHE else {}
     out = batched(**inputs, **options)
     refs = [models[i](**{k: v[i] for k, v in inputs.items()}, **options) for i in range(M)]
-    for key in ("logits", "last_hidden_state", "pooler_output"):
+    for key in ("logits", "last_hidden_state", "pooler_output", "logits_per_image", "logits_per_text", "image_embeds"):
         if getattr(refs[0], key, None) is not None:
             assert_close(getattr(out, key), torch.stack([getattr(r, key) for r in refs]), msg=f"{name} {key}")
     grad = torch.randn_like(_main_output(out))
