@@ -1071,6 +1071,77 @@ def _einsum(ctx, name, args, kwargs, out, tagged) -> None:
     _tag_all(out, einsum_tag(name, operands, *parsed))
 
 
+def _einsum_pairs(ctx, func, args, kwargs, tagged) -> Tensor | None:
+    """``torch.einsum("nc,kc->nk", a, b)`` with the samples on ``n`` in ``a`` and on ``k`` in ``b``: scores
+    over pairs of samples (MoCo's, CLIP's), each model's own, as :func:`_pairs` computes ``a @ b.T``: each
+    tagged dimension is split into ``(M, B)`` under a new subscript for the models, shared by both operands
+    and kept in the output just before ``n``, which it then folds back into. None (the plain call, tagged by
+    :func:`_einsum`) for any other form: more or fewer operands, an ellipsis, or a subscript holding samples
+    that the other operand has too or the output does not keep."""
+    operands = einsum_operands(args)
+    if kwargs or not isinstance(args[0], str) or len(operands) != 2 or len(tagged) != 2:
+        return None
+    if not all(isinstance(t, Tensor) and isinstance(get_tag(t), int) for t in operands):
+        return None
+    parsed = einsum_labels(args[0], [t.dim() for t in operands])
+    if parsed is None:
+        return None
+    if any(not isinstance(x, str) for ls in (*parsed[0], parsed[1]) for x in ls):
+        return None
+    labels, out = cast(tuple[list[list[str]], list[str]], parsed)  # letters only, no ellipsis
+    held = [ls[cast(int, get_tag(t))] for t, ls in zip(operands, labels)]
+    for label, ls, other in ((held[0], labels[0], labels[1]), (held[1], labels[1], labels[0])):
+        if ls.count(label) != 1 or label in other or label not in out:
+            return None
+    models = next(c for c in string.ascii_letters if c not in {*labels[0], *labels[1]})
+    m = ctx.num_models
+    split, terms = [], []
+    for t, ls, label in zip(operands, labels, held):
+        d = ls.index(label)
+        split.append(t.unflatten(d, (m, t.shape[d] // m)))
+        terms.append("".join(ls[:d]) + models + "".join(ls[d:]))
+    first = out.index(held[0])
+    result = "".join(out[:first]) + models + "".join(out[first:])
+    computed = torch.einsum(f"{','.join(terms)}->{result}", *split).flatten(first, first + 1)
+    set_tag(computed, first)
+    return computed
+
+
+def _cdist(ctx, name, args, kwargs, out, tagged) -> None:
+    """``torch.cdist(x1, x2)``, ``(..., P, F)`` and ``(..., R, F)`` to ``(..., P, R)``: the samples on the
+    rows of one operand stay on that dimension of the output (the two together: :func:`_cdist_per_model`)."""
+    lost = _first_lost(tagged)
+    if lost is not None:
+        return _tag_all(out, lost)
+    x1 = _arg(args, kwargs, 0, "x1")
+    dims = {cast(int, i.tag) - i.tensor.dim() for i in tagged}
+    n = out.dim()
+    if dims == {-2} and len(tagged) == 1:
+        return _tag_all(out, n - 2 if get_tag(x1) is not None else n - 1)
+    _tag_all(out, Lost(f"{name} along another dimension than the rows of the samples"))
+
+
+def _cdist_per_model(ctx, func, args, kwargs, tagged) -> Tensor | None:
+    """``torch.cdist`` with the samples on the rows (dimension -2) of either or both operands, computed with
+    each model's rows as a batch: as many rows per call as each original model has, so the same algorithm
+    (cdist computes by matrix products above 25 rows) and the same rounding; with both, each model's own
+    pairs (as :func:`_pairs`)."""
+    x1, x2 = _arg(args, kwargs, 0, "x1"), _arg(args, kwargs, 1, "x2")
+    if not (isinstance(x1, Tensor) and isinstance(x2, Tensor)) or not all(i.tag == i.tensor.dim() - 2 for i in tagged):
+        return None
+    m = ctx.num_models
+    split = [t.unflatten(-2, (m, t.shape[-2] // m)) if get_tag(t) is not None else t.unsqueeze(-3) for t in (x1, x2)]
+    rest = {k: v for k, v in kwargs.items() if k not in ("x1", "x2")}
+    computed = func(*split, *args[2:], **rest)  # (..., M, P, R)
+    d = computed.dim() - 3
+    if get_tag(x1) is not None:
+        computed, tag = computed.flatten(d, d + 1), d
+    else:
+        computed, tag = computed.movedim(d, -2).flatten(-2, -1), computed.dim() - 2
+    set_tag(computed, tag)
+    return computed
+
+
 class _Probe:
     """Stands for an intermediate result with a known tag in :func:`_broadcast_tag`."""
 
@@ -1737,7 +1808,8 @@ for _names, _default in (
 for _fft in ("fftshift", "ifftshift"):
     _RULES[getattr(torch.fft, _fft)] = _Rule(_dim_rule(1, "dim", None), f"torch.fft.{_fft}")
 _add(_sdpa, "scaled_dot_product_attention")
-_RULES[torch.einsum] = _Rule(_einsum, "torch.einsum")
+_RULES[torch.einsum] = _Rule(_einsum, "torch.einsum", compute=_einsum_pairs)
+_RULES[torch.cdist] = _Rule(_cdist, "torch.cdist", compute=_cdist_per_model)
 _add(_reshape, "view reshape flatten unflatten view_as reshape_as squeeze unsqueeze squeeze_ unsqueeze_ ravel")
 _add(_permutation(_transpose_perm), "transpose swapaxes swapdims transpose_")
 _add(_permutation(_permute_perm), "permute")

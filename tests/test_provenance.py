@@ -197,6 +197,9 @@ class _Mixes(_Pattern):
             return F.cross_entropy(self.fc(x), torch.arange(B) % 4, reduction="none")
         if self.pattern == "per-sample targets, mean":
             return F.cross_entropy(self.fc(x), torch.arange(B) % 4)
+        if self.pattern == "einsum pairs summed over the samples":
+            h = self.fc(x)
+            return self.fc(x + torch.einsum("nc,kc->c", h, h)[None])
         if self.pattern == "pairs of samples along another dimension than the rows":
             h = self.fc(x)
             return self.fc((h[:, None, :] @ h.t()).squeeze(1)[:, :4])
@@ -237,6 +240,7 @@ REFUSED = {
     "per-sample targets, reduction='none'": r"output.*F.cross_entropy of the models' samples with targets that differ",
     "per-sample targets, mean": r"F.cross_entropy.*targets that differ",
     "pairs of samples along another dimension than the rows": r"fc.*matmul combines the models' samples along two",
+    "einsum pairs summed over the samples": r"fc.*torch.einsum combines the models' samples along two different",
 }
 
 
@@ -265,6 +269,14 @@ class _Pairs(nn.Module):
             q = a.view(B, 2, 3).transpose(0, 1)  # (heads, B, 3)
             k = b.view(B, 2, 3).permute(1, 2, 0)  # (heads, 3, B)
             return torch.bmm(q * self.scale, k).transpose(0, 1)  # (B, heads, B)
+        if self.pattern == "einsum pairs (MoCo's 'nc,kc->nk')":
+            heads = torch.einsum("hnc,kc->hnk", a.view(1, B, 6), b)[0] * self.scale
+            return torch.einsum("nc,kc->nk", a, b) + heads + torch.einsum("nc,kc->kn", b, a).t()
+        if self.pattern == "cdist between the samples":
+            return torch.cdist(a, b) * self.scale + torch.cdist(a[None], b[None], p=1.0)[0]
+        if self.pattern == "cdist to shared and to per-model prototypes":
+            shared = torch.linspace(-1, 1, 12, dtype=a.dtype).view(2, 6)
+            return torch.cdist(a, shared) + torch.cdist(self.a.weight.t()[:2] * self.scale, b).t()
         if self.pattern == "cosine similarities (linalg norms)":
             a = a / torch.linalg.norm(a, ord=2, dim=-1, keepdim=True)
             b = b / torch.linalg.vector_norm(b, dim=-1, keepdim=True)
@@ -290,6 +302,9 @@ PAIRS = [
     "torch.mm(a, b.t()), transposed",
     "Gram matrix",
     "per head",
+    "einsum pairs (MoCo's 'nc,kc->nk')",
+    "cdist between the samples",
+    "cdist to shared and to per-model prototypes",
     "cosine similarities (linalg norms)",
     "symmetric contrastive loss, arange(B) targets",
     "contrastive loss per sample",
@@ -1366,7 +1381,7 @@ def test_einsum_is_exact(form: str, batch: int) -> None:
     "equation, match",
     [
         ("btc,btd->cd", "torch.einsum sums over the dimension that holds the models' samples"),
-        ("btc,stc->bs", "torch.einsum combines the models' samples along two different dimensions"),
+        ("btc,stc,c->bs", "torch.einsum combines the models' samples along two different dimensions"),
         ("bbc->bc", "torch.einsum takes a diagonal along the dimension that holds the models' samples"),
     ],
     ids=["sum over the samples", "samples on two dimensions", "diagonal"],
@@ -1379,6 +1394,8 @@ def test_einsum_mixing_the_models_is_refused(equation: str, match: str) -> None:
 
         def forward(self, x):  # (B, 3, 3): a diagonal over 'b' needs a (B, B, 3) operand
             operands = (x.unsqueeze(1).expand(-1, x.shape[0], -1, -1)[:, :, 0],) if equation == "bbc->bc" else (x, x)
+            if equation.count(",") == 2:  # pairs of samples (each model's own with two operands) and a third
+                operands += (torch.ones(3),)
             return self.fc(torch.einsum(equation, *operands))
 
     _refused(stack([Mixes(), Mixes()]), torch.randn(2, 3, 3, 3), f"fc.*{match}")
