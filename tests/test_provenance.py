@@ -1404,11 +1404,14 @@ def test_einsum_mixing_the_models_is_refused(equation: str, match: str) -> None:
 def test_einsum_rule_never_names_a_wrong_dimension() -> None:
     """Random equations (1-3 operands, ellipses, repeated and implicit subscripts) over operands that hold the
     samples of M models on a random dimension, or are shared: wherever the rule names an output dimension, its
-    blocks are each model's own einsum."""
-    from batchlayers._provenance import einsum_labels, einsum_tag, set_tag
+    blocks are each model's own einsum; wherever two operands hold them on two subscripts and the einsum is
+    computed per model instead (pairs of samples), so is the result."""
+    from types import SimpleNamespace
+
+    from batchlayers._provenance import _einsum_pairs, _tagged, einsum_labels, einsum_tag, get_tag, set_tag
 
     rng = random.Random(0)
-    named = 0
+    named = paired = 0
     for _ in range(3000):
         m, n = rng.choice([2, 3]), rng.choice([1, 2, 3])
         size = {c: rng.choice([1, 2, 3]) for c in "abcd"}
@@ -1445,9 +1448,17 @@ def test_einsum_rule_never_names_a_wrong_dimension() -> None:
         if not any(isinstance(getattr(t, "_batchlayers_models", None), int) for t in folded):
             continue
         try:
-            out = torch.einsum(equation, *folded)
             expected = [torch.einsum(equation, *[ops[i] for ops in per_model]) for i in range(m)]
         except RuntimeError:  # an equation torch refuses (shapes that do not broadcast, ...)
+            continue
+        arguments = (equation, *folded)
+        pairs = _einsum_pairs(SimpleNamespace(num_models=m), torch.einsum, arguments, {}, _tagged(arguments, {}))
+        if pairs is not None:
+            paired += 1
+            assert_close(pairs, torch.cat(expected, get_tag(pairs)), msg=f"{equation} per model")
+        try:
+            out = torch.einsum(equation, *folded)
+        except RuntimeError:
             continue
         labels = einsum_labels(equation, [t.dim() for t in folded])
         assert labels is not None and len(labels[1]) == out.dim(), equation
@@ -1455,7 +1466,7 @@ def test_einsum_rule_never_names_a_wrong_dimension() -> None:
         if isinstance(d, int):
             named += 1
             assert_close(out, torch.cat(expected, d), msg=f"{equation} {[tuple(t.shape) for t in folded]}")
-    assert named > 300  # the rule proved a layout often enough for this to test something
+    assert named > 300 and paired > 30, (named, paired)  # often enough for this to test something
 
 
 class _RowLSTM(nn.Module):
