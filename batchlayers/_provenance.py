@@ -650,6 +650,33 @@ def _differs_along(t: Tensor, dim: int) -> bool:
     return not torch.equal(t, t.narrow(dim, 0, 1).expand_as(t))
 
 
+def _broadcast_pairs(ctx, func, args, kwargs, tagged) -> Tensor | None:
+    """An elementwise op whose operands all hold the samples, on different dimensions once broadcast
+    (``a[:, None] - b[None]``: pairs of samples, as in pairwise distances): each model's own, computed with
+    every operand viewed ``(M, *one model's shape)`` so that broadcasting pairs each model's samples with its
+    own; the result folds back on the first of those dimensions. None (the plain call, tagged by
+    :func:`_elementwise`) where they hold them on one dimension, or where some operand does not hold them."""
+    if len(tagged) < 2 or len({i.tag - len(i.shape) for i in tagged if isinstance(i.tag, int)}) < 2:
+        return None  # (the common case, first: one dimension from the right, or fewer than two operands)
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)]
+    if len(tensors) != len(tagged) or any(not isinstance(i.tag, int) for i in tagged) or "out" in kwargs:
+        return None
+    n = max(t.dim() for t in tensors)
+    positions = {cast(int, i.tag) + n - i.tensor.dim() for i in tagged}
+    m = ctx.num_models
+
+    def per_model(a: object) -> object:
+        return _per_model.explicit(a, m, n) if isinstance(a, Tensor) else a
+
+    computed = func(*[per_model(a) for a in args], **{k: per_model(v) for k, v in kwargs.items()})
+    if not isinstance(computed, Tensor) or computed.dim() != n + 1:
+        return None  # (torch.equal: a bool) the plain call, as for any other form
+    first = min(positions)
+    computed = computed.movedim(0, first).flatten(first, first + 1)
+    set_tag(computed, first)
+    return computed
+
+
 def _elementwise(ctx, name, args, kwargs, out, tagged) -> None:
     outs = _outputs(out)
     if not outs:
@@ -1741,6 +1768,11 @@ __iadd__ __isub__ __imul__ __itruediv__ __idiv__ __ipow__ __iand__
 __ior__ __ixor__ __ifloordiv__ __imod__
 """
 _add(_elementwise, _ELEMENTWISE)
+for _n in _ELEMENTWISE.split():
+    for _owner in (torch, Tensor, F, torch.special):
+        _entry = _RULES.get(getattr(_owner, _n, None))  # type: ignore[arg-type]  # (None: not registered)
+        if _entry is not None and _entry.rule is _elementwise:
+            _RULES[getattr(_owner, _n)] = _entry._replace(compute=_broadcast_pairs)
 _add(_like_self, _UNARY)
 _add(_inplace_elementwise, _INPLACE)
 _REDUCTIONS = """

@@ -277,6 +277,10 @@ class _Pairs(nn.Module):
         if self.pattern == "cdist to shared and to per-model prototypes":
             shared = torch.linspace(-1, 1, 12, dtype=a.dtype).view(2, 6)
             return torch.cdist(a, shared) + torch.cdist(self.a.weight.t()[:2] * self.scale, b).t()
+        if self.pattern == "pairwise distances by broadcasting":
+            return ((a[:, None, :] - b[None, :, :]) ** 2).sum(-1) * self.scale
+        if self.pattern == "pairwise differences, then a shared weight":
+            return (b.unsqueeze(0) - a.unsqueeze(1)) * torch.linspace(0, 1, 6, dtype=a.dtype) * self.scale
         if self.pattern == "cosine similarities (linalg norms)":
             a = a / torch.linalg.norm(a, ord=2, dim=-1, keepdim=True)
             b = b / torch.linalg.vector_norm(b, dim=-1, keepdim=True)
@@ -305,6 +309,8 @@ PAIRS = [
     "einsum pairs (MoCo's 'nc,kc->nk')",
     "cdist between the samples",
     "cdist to shared and to per-model prototypes",
+    "pairwise distances by broadcasting",
+    "pairwise differences, then a shared weight",
     "cosine similarities (linalg norms)",
     "symmetric contrastive loss, arange(B) targets",
     "contrastive loss per sample",
