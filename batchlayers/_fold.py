@@ -446,6 +446,17 @@ def _refuse_batch_sized(name: str, what: str, t: Tensor, call: _Call, anywhere: 
         )
 
 
+def _refuse_compiling(call: _Call, layer: nn.Module) -> None:
+    """A batched layer's hooks where the stacked model's own code uses per-model tensors (see
+    FoldInputs.tag_per_model): that call runs without compiling, but torch.compile still compiles the frames
+    it calls on their own, the hooks among them, and a compiled hook would read the stored (M, *) sizes of a
+    per-model input (it crashed). Raising while torch.compile traces the hook makes it run eagerly."""
+    if call.tracker.eager_only and torch.compiler.is_compiling():
+        raise RuntimeError(
+            f"{layer_name(layer)}: its stacked model's own code uses per-model tensors, so it runs without compiling"
+        )
+
+
 class UnfoldLeafInputs:
     """Forward pre-hook of a swapped-in batched layer: inputs that carry the models' samples become
     ``(M, n, *)``; one without samples is the same for every sample of a model: it becomes ``(M, 1, *)`` (a
@@ -468,6 +479,7 @@ class UnfoldLeafInputs:
                     "call. Turn activation checkpointing off before stacking"
                 )
             return None  # called on its own: an ordinary batched layer taking (M, B, *)
+        _refuse_compiling(call, layer)
         call.tracker.refuse_checkpointing(layer_name(layer))
         call.tracker.pause()  # from here to the end of FoldLeafOutput: batchlayers' own code, not tracked
         try:
@@ -551,6 +563,7 @@ class FoldLeafOutput:
         call = _current_call()
         if call is None:
             return None
+        _refuse_compiling(call, layer)
         stack = call.leaves.get(id(layer))
         if not stack:
             return None  # the pre-hook refused the input

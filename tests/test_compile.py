@@ -242,3 +242,26 @@ def test_a_graph_break_inside_a_stacked_forward(backend: str) -> None:
     (grad,) = torch.autograd.grad(out.sum(), x)
     (expected_grad,) = torch.autograd.grad(expected.sum(), x)
     assert_close(grad, expected_grad, msg=f"input gradient with a graph break ({backend})")
+
+
+class _OwnPositions(nn.Module):
+    """A per-model buffer that the architecture's own code passes to a layer (CLIP's ``position_ids``,
+    different in every model here): the stacked call runs eagerly, its hooks included."""
+
+    def __init__(self, shift: int = 0) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.emb = nn.Embedding(5, 4)
+        self.register_buffer("pos", torch.arange(5).roll(shift).expand(1, -1), persistent=False)
+
+    def forward(self, x):
+        return self.fc(x) + self.emb(self.pos)
+
+
+def test_own_code_using_per_model_tensors_runs_eagerly_under_compile() -> None:
+    """torch.compile of such a stacked model crashed (an IndexError: a compiled hook read the per-model
+    buffer's stored (M, *) sizes); it runs eagerly and equals the originals."""
+    models = [seeded(lambda: _OwnPositions(i), i).double() for i in range(M)]
+    x = torch.randn(M, 2, 5, 4, dtype=torch.float64)
+    out = torch.compile(bl.stack(models))(x)
+    assert_close(out, torch.stack([m(x[i]) for i, m in enumerate(models)]), msg="compiled output")
