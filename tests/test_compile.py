@@ -4,6 +4,7 @@ original torch.nn models do, each with its own ``torch.optim`` optimizer and its
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import pytest
@@ -261,7 +262,7 @@ class _OwnPositions(nn.Module):
 def test_own_code_using_per_model_tensors_runs_eagerly_under_compile() -> None:
     """torch.compile of such a stacked model crashed (an IndexError: a compiled hook read the per-model
     buffer's stored (M, *) sizes); it runs eagerly and equals the originals."""
-    models = [seeded(lambda: _OwnPositions(i), i).double() for i in range(M)]
+    models = [seeded(functools.partial(_OwnPositions, i), i).double() for i in range(M)]
     x = torch.randn(M, 2, 5, 4, dtype=torch.float64)
     out = torch.compile(bl.stack(models))(x)
     assert_close(out, torch.stack([m(x[i]) for i, m in enumerate(models)]), msg="compiled output")

@@ -14,7 +14,7 @@ import torch
 import transformers as tf
 from harness import assert_close
 
-from batchlayers import stack, unstack, verify
+from batchlayers import losses, stack, unstack, verify
 
 M, B, T = 2, 3, 5  # M * B != T; test_provenance covers the coincidences
 _LM = dict(vocab_size=50, bos_token_id=0, eos_token_id=0)
@@ -391,3 +391,26 @@ def test_moe_layers_where_sizes_coincide(name: str, shape: tuple[int, int, int])
     models = _originals(name)
     result = verify(models, stack(models), input_ids=torch.randint(3, 50, shape))
     assert result.passed.all(), f"{name} {shape}\n{result}"
+
+
+def test_contrastive_loss_outside_forward_is_each_clip_models_own() -> None:
+    """CLIP's in-forward loss (``return_loss=True``) reads ``len(logits)``, a plain number batchlayers cannot
+    follow: refused, naming ``len()``. The documented replacement, batchlayers' cross-entropy of the stacked
+    ``(M, B, B)`` logits against ``arange(B)``, is each model's own ``clip_loss`` and trains each exactly."""
+    models = _originals("clip")
+    batched = stack(models)
+    ids, pixels = torch.randint(3, 50, (M, B, T)), torch.randn(M, B, 3, 16, 16, dtype=torch.float64)
+    with pytest.raises(TypeError, match=r"len\(\) of a tensor that holds the models' samples"):
+        batched(input_ids=ids, pixel_values=pixels, return_loss=True)
+    out = batched(input_ids=ids, pixel_values=pixels)
+    targets = torch.arange(B).expand(M, B)
+    loss = (
+        losses.cross_entropy(out.logits_per_text, targets) + losses.cross_entropy(out.logits_per_image, targets)
+    ) / 2
+    expected = torch.stack(
+        [m(input_ids=ids[i], pixel_values=pixels[i], return_loss=True).loss for i, m in enumerate(models)]
+    )
+    assert_close(loss, expected, msg="contrastive loss")
+    loss.sum().backward()
+    expected.sum().backward()
+    _assert_same_gradients(batched, models, "clip")
