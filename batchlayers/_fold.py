@@ -439,10 +439,9 @@ def _refuse_batch_sized(name: str, what: str, t: Tensor, call: _Call, anywhere: 
             f"{name}: {what} is ambiguous: it has shape {tuple(t.shape)}, with the folded batch size M*B = "
             f"{call.num_models}*{folded // call.num_models} = {folded}, but was not computed from the models' samples, "
             "so it may be sized from the batch (e.g. torch.arange(x.size(0))) or be a sequence of that length; "
-            "batchlayers does "
-            "not guess which. Build batch-sized tensors from the inputs (torch.zeros_like(x), x.new_zeros(...)); "
-            "give a sequence shared by all samples a leading dimension of 1 (torch.arange(T).unsqueeze(0)), or use a "
-            "batch size with M*B different from its length"
+            "batchlayers does not guess which. Build batch-sized tensors from the inputs (torch.zeros_like(x), "
+            "x.new_zeros(...)); give a sequence shared by all samples a leading dimension of 1 "
+            "(torch.arange(T).unsqueeze(0)), or use a batch size with M*B different from its length"
         )
 
 
