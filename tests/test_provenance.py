@@ -200,6 +200,10 @@ class _Mixes(_Pattern):
         if self.pattern == "einsum pairs summed over the samples":
             h = self.fc(x)
             return self.fc(x + torch.einsum("nc,kc->c", h, h)[None])
+        if self.pattern == "arange(B) targets written in place":
+            targets = torch.arange(B)
+            targets //= 2  # each model's [0, 0, 1]; folded [0, 0, 1, 1, 2, 2], no longer counting per model
+            return F.cross_entropy(self.fc(x), targets)
         if self.pattern == "pairs of samples along another dimension than the rows":
             h = self.fc(x)
             return self.fc((h[:, None, :] @ h.t()).squeeze(1)[:, :4])
@@ -241,6 +245,7 @@ REFUSED = {
     "per-sample targets, mean": r"F.cross_entropy.*targets that differ",
     "pairs of samples along another dimension than the rows": r"fc.*matmul combines the models' samples along two",
     "einsum pairs summed over the samples": r"fc.*torch.einsum combines the models' samples along two different",
+    "arange(B) targets written in place": r"F.cross_entropy.*targets that differ",
 }
 
 
