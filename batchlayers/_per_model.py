@@ -115,6 +115,12 @@ def single_shape(t: Tensor, num_models: int) -> torch.Size:
     return t.shape
 
 
+def split_models(t: Tensor, dim: int, num_models: int) -> Tensor:
+    """``t`` with dimension ``dim``, which holds the models' samples (model-major), split into ``(M, B)`` in
+    place: a view, no dimension moved."""
+    return t.unflatten(dim, (num_models, t.shape[dim] // num_models))
+
+
 def explicit(t: Tensor, num_models: int, ndim: int | None = None) -> Tensor:
     """``t`` as ``(M, *S)`` (a per-model tensor or one holding samples, as a view) or ``(1, *S)`` (a shared
     one), with ``S`` padded by leading 1s to ``ndim`` dimensions (broadcasting aligns from the right)."""
@@ -122,7 +128,7 @@ def explicit(t: Tensor, num_models: int, ndim: int | None = None) -> Tensor:
     if tag is PerModel:
         e = t
     elif isinstance(tag, int):
-        e = t.unflatten(tag, (num_models, t.shape[tag] // num_models)).movedim(tag, 0)
+        e = split_models(t, tag, num_models).movedim(tag, 0)
     else:
         e = t.unsqueeze(0)
     pad = 0 if ndim is None else ndim - (e.dim() - 1)
@@ -133,7 +139,7 @@ def _samples_per_model(m: int, obj: object) -> object:
     """Tensors holding the models' samples in ``obj`` (arguments, nested) viewed ``(M, *one model's
     shape)`` as per-model values: for a reduction over the samples, which gives each model its own."""
     if isinstance(obj, Tensor) and isinstance(tag := get_tag(obj), int):
-        return per_model(obj.unflatten(tag, (m, obj.shape[tag] // m)).movedim(tag, 0))
+        return per_model(split_models(obj, tag, m).movedim(tag, 0))
     if isinstance(obj, dict):
         return {k: _samples_per_model(m, v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):

@@ -970,7 +970,7 @@ def _within_each_model(position: int, key: str) -> Callable:
         if _norm(dim, x.dim()) != d:
             return None
         m = ctx.num_models
-        per_model = x.unflatten(d, (m, x.shape[d] // m))
+        per_model = _per_model.split_models(x, d, m)
         args, kwargs = list(args), dict(kwargs)
         if len(args) > position:
             args[position] = d + 1
@@ -1001,8 +1001,8 @@ def _pairs(ctx, func, args, kwargs, tagged) -> Tensor | None:
     if a.dim() < 2 or b.dim() < 2 or get_tag(a) != a.dim() - 2 or get_tag(b) != b.dim() - 1:
         return None
     m = ctx.num_models
-    rows = a.unflatten(-2, (m, a.shape[-2] // m))  # (..., M, B_a, k)
-    columns = b.unflatten(-1, (m, b.shape[-1] // m)).movedim(-2, -3)  # (..., M, k, B_b)
+    rows = _per_model.split_models(a, -2, m)  # (..., M, B_a, k)
+    columns = _per_model.split_models(b, -1, m).movedim(-2, -3)  # (..., M, k, B_b)
     out = torch.matmul(rows, columns).flatten(-3, -2)  # (..., M * B_a, B_b)
     set_tag(out, out.dim() - 2)
     return out
@@ -1125,7 +1125,7 @@ def _einsum_pairs(ctx, func, args, kwargs, tagged) -> Tensor | None:
     split, terms = [], []
     for t, ls, label in zip(operands, labels, held):
         d = ls.index(label)
-        split.append(t.unflatten(d, (m, t.shape[d] // m)))
+        split.append(_per_model.split_models(t, d, m))
         terms.append("".join(ls[:d]) + models + "".join(ls[d:]))
     first = out.index(held[0])
     result = "".join(out[:first]) + models + "".join(out[first:])
@@ -1157,7 +1157,7 @@ def _cdist_per_model(ctx, func, args, kwargs, tagged) -> Tensor | None:
     if not (isinstance(x1, Tensor) and isinstance(x2, Tensor)) or not all(i.tag == i.tensor.dim() - 2 for i in tagged):
         return None
     m = ctx.num_models
-    split = [t.unflatten(-2, (m, t.shape[-2] // m)) if get_tag(t) is not None else t.unsqueeze(-3) for t in (x1, x2)]
+    split = [_per_model.split_models(t, -2, m) if get_tag(t) is not None else t.unsqueeze(-3) for t in (x1, x2)]
     rest = {k: v for k, v in kwargs.items() if k not in ("x1", "x2")}
     computed = func(*split, *args[2:], **rest)  # (..., M, P, R)
     d = computed.dim() - 3
