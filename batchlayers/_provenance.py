@@ -45,8 +45,12 @@ length equal to ``M * B``), so batchlayers follows where every tensor came from:
   is refused), and comparisons whose answer differs per model are refused. The mode notes when the folded size of a
   tagged tensor is read; from then on, tensors created with that size are known to be batch-sized: those
   with equal (``zeros``, ``ones``, ``full``, ``empty``) or independent random values (``rand``, ``randn``)
-  are model-major on that dimension (every split of equal values is right). Any other untagged tensor of
-  that size (``arange``, ``eye``) may be a sequence or per-sample indices of the folded batch: combined
+  are model-major on that dimension (every split of equal values is right): the dimension given ``B``, where
+  it was. ``B`` given to any other dimension (``torch.ones(B, B)``, ``h.unsqueeze(1).expand(-1, B, -1)``), or
+  slicing, narrowing or splitting one, would make it ``M * B`` wide where each model's is ``B``: Lost, as is a
+  tensor built from ``B`` alone (``torch.arange(B) % 4``, marked) indexing another dimension or broadcast
+  onto one. Any other untagged tensor of that size (``arange``, ``eye``) may be a sequence or per-sample
+  indices of the folded batch: combined
   with samples along the model dimension it is checked to be the same along it (else :class:`Lost`), and a
   batched layer or the stacked root refuses it as ambiguous when the folded size leads its shape.
 
@@ -221,12 +225,14 @@ def _getter(name: str) -> Callable:
 @dataclass(frozen=True)
 class Lost:
     """A tensor made from the models' samples whose layout is not known; ``data_sized``: its size, too,
-    depends on the values of every model's samples (``x[mask]``, ``nonzero``); ``all_of``: it is the count
+    depends on the values of every model's samples (``x[mask]``, ``nonzero``); ``wide``: a dimension that does
+    not hold the samples was given their folded size (``torch.ones(B, B)``); ``all_of``: it is the count
     of True values of this boolean tensor holding the samples (``mask.sum()``), which compared with the
     mask's size is ``mask.all()`` (see :meth:`Tracker._all_idiom`)."""
 
     reason: str
     data_sized: bool = False
+    wide: bool = False  # a dimension sized by the folded size does not hold the samples (see _sized_dims)
     all_of: Tensor | None = field(default=None, compare=False)
 
 
@@ -279,21 +285,30 @@ class Tracker(TorchFunctionMode):
                 "batchlayers: this stacked model's own code uses per-model tensors, whose sizes torch.compile "
                 "would read as the stored (M, *) ones; it runs without compiling (torch.compile falls back)"
             )
+        sized, numbers = None, None
         if self.num_models > 1 and not isinstance(func, torch._ops.OpOverload):  # (a compiled graph's ops)
             numbers = _numbers_that_differ(args, kwargs)
             if numbers and not (_EQUALS.get(func, False) and self._all_idiom(args) is not None):
                 self._refuse_numbers_that_differ(func, numbers)
+                sized = func in _SHAPE_GIVING
         tagged = _tagged(args, kwargs)
         if not tagged:
             out = func(*args, **kwargs)
+            if sized:
+                sized = _sized_dims(func, args, kwargs, out)
+            if self.size_read and (numbers or _from_size_among(args, kwargs)):
+                _mark_from_size(out)
             if self.size_read and func in _CREATORS:
-                _CREATORS[func](self, out)
+                _CREATORS[func](self, out, sized, args[0] if args else None)
             if func is torch.arange and self.num_models > 1:
                 _mark_positions(args, kwargs, out)
-            return out
-        if "axis" in kwargs or "keepdims" in kwargs:
-            return self._tracked(func, args, _torch_names(kwargs), tagged, kwargs)
-        return self._tracked(func, args, kwargs, tagged, kwargs)
+        elif "axis" in kwargs or "keepdims" in kwargs:
+            out = self._tracked(func, args, _torch_names(kwargs), tagged, kwargs)
+        else:
+            out = self._tracked(func, args, kwargs, tagged, kwargs)
+        if sized:
+            _check_sized(func, sized if isinstance(sized, list) else _sized_dims(func, args, kwargs, out), out)
+        return out
 
     def _tracked(self, func, args: tuple, kwargs: dict, tagged: list[_In], given: dict) -> object:
         """A call with tensors that carry the models' samples or per-model values; the rules read ``kwargs``
@@ -322,7 +337,17 @@ class Tracker(TorchFunctionMode):
         elif func in _RESHAPES:
             out = reshape_of_another_layout(func, args, kwargs, self.copied_views, _holds_samples, _OTHER_RESHAPE)
         else:
-            out = func(*args, **given)
+            try:
+                out = func(*args, **given)
+            except RuntimeError as error:
+                wide = next((i.tag for i in tagged if isinstance(i.tag, Lost) and i.tag.wide), None)
+                if wide is None:
+                    raise
+                # (M * B, B) scores plus a (B, B) constant: torch's own shape error, with why the sizes differ
+                raise ValueError(
+                    f"batchlayers: {_name(func)} raised '{error}' on a tensor made by {wide.reason}. Stack with "
+                    "execution='model_by_model' for this code"
+                ) from None
         if isinstance(out, (tuple, list)) and torch.compiler.is_compiling():
             # torch.compile cannot store an attribute on the outputs of a multi-output op (split, sort): tag
             # views of them instead.
@@ -1342,6 +1367,8 @@ def _split(position: int, default: int | None) -> Callable:
         dim = _norm(_arg(args, kwargs, position, "dim", default), ndim)
         if dim == first.tag:
             return _tag_all(out, Lost(f"{name} along the dimension that holds the models' samples"))
+        if _numbers_that_differ(args[1:], kwargs):  # (a FoldedSize: other numbers that differ were refused)
+            return _tag_all(out, _wide_index(name, dim))
         removes = name.endswith(("unbind", "select"))
         _tag_all(out, first.tag - (removes and dim < first.tag))
 
@@ -1370,9 +1397,13 @@ def _index_dim(ctx, name, args, kwargs, out, tagged) -> None:
     if _norm(dim, args[0].dim()) == first or any(i.tag != first for i in tagged):
         return _tag_all(out, Lost(f"{name} along the dimension that holds the models' samples"))
     index = _arg(args, kwargs, 2, "index")
-    if name.rsplit(".", 1)[-1].rstrip("_") in _ONE_INDEX_FOR_ALL_ROWS and get_tag(index) is not None:
-        # a 1-D index picks the same entries for every row: picked by every model's samples at once
-        return _tag_all(out, Lost(f"{name} by an index computed from the models' samples"))
+    if name.rsplit(".", 1)[-1].rstrip("_") in _ONE_INDEX_FOR_ALL_ROWS:
+        if get_tag(index) is not None:
+            # a 1-D index picks the same entries for every row: picked by every model's samples at once
+            return _tag_all(out, Lost(f"{name} by an index computed from the models' samples"))
+        batch_sized = _batch_sized(ctx)
+        if batch_sized is not None and isinstance(index, Tensor) and batch_sized(index):
+            return _tag_all(out, _batch_long_index(name, _norm(dim, args[0].dim()), index))
     # gather's index, scatter's index and source, index_add's source: aligned with the input dimension by
     # dimension, row i with row i. Tagged or not, each must have the input's number of rows: another number
     # per model would pair one model's rows with another's, and fewer (which torch allows) would reach only
@@ -1430,7 +1461,8 @@ def _getitem(ctx, name, args, kwargs, out, tagged) -> None:
     if any(i.tensor is not x for i in tagged):
         masked = any(i.tensor is not x and i.tensor.dtype == torch.bool for i in tagged)
         return _tag_all(out, Lost("indexing by values computed from the models' samples", data_sized=masked))
-    _tag_all(out, _index_position(x, index, cast(int, d)))  # (x is among the tagged: a Lost tag returned above)
+    # (x is among the tagged: a Lost tag returned above)
+    _tag_all(out, _index_position(x, index, cast(int, d), _batch_sized(ctx)))
 
 
 def _per_sample_rows(x: Tensor, index: object) -> bool:
@@ -1460,8 +1492,58 @@ def _per_sample_rows(x: Tensor, index: object) -> bool:
     return torch.equal(first.flatten(), torch.arange(n, device=first.device, dtype=first.dtype))
 
 
-def _index_position(x: Tensor, index: object, d: int) -> Tag:
-    """Where dimension ``d`` of ``x`` goes in ``x[index]``, or Lost if it is indexed into."""
+def _wide_index(name: str, dim: int) -> Lost:
+    return Lost(
+        f"{name} of dimension {dim}, which does not hold the models' samples, by a size read from them (M * B where "
+        "each original model reads its own B)",
+        wide=True,
+    )
+
+
+def _batch_long_index(name: str, dim: int, index: Tensor) -> Lost:
+    return Lost(
+        f"{name} of dimension {dim}, which does not hold the models' samples, by an index of shape "
+        f"{tuple(index.shape)}, as long as the folded batch (M * B): one made from the size read from the samples "
+        "(torch.arange(B)) would be each original model's own B long",
+        wide=True,
+    )
+
+
+# Untagged tensors made with a size read from the samples (``torch.arange(B)``) or computed from such a tensor
+# without any that holds samples (``torch.arange(B) % 4``, ``.unsqueeze(0)``) carry this attribute: a dimension of
+# theirs as long as the folded batch is then known to be M times each original model's, not a sequence that
+# merely has M * B entries (``torch.arange(T)`` with T == M * B, exact as it is).
+_FROM_SIZE = "_batchlayers_from_size"
+
+
+def _mark_from_size(out: object) -> None:
+    for o in _outputs(out):
+        o._batchlayers_from_size = True  # type: ignore[attr-defined]  # (syntax: see set_tag)
+
+
+def _from_size_among(args: Sequence, kwargs: dict) -> bool:
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, Tensor):
+            if getattr(a, _FROM_SIZE, False):
+                return True
+        elif isinstance(a, (list, tuple)) and any(isinstance(b, Tensor) and getattr(b, _FROM_SIZE, False) for b in a):
+            return True
+    return False
+
+
+def _batch_sized(ctx: Tracker) -> Callable[[Tensor], bool] | None:
+    """Whether an untagged tensor made from a size read from the samples has a dimension as long as the folded
+    batch: used to index another dimension than the samples', it is ``M`` times each original model's."""
+    if not ctx.size_read or ctx.num_models == 1:
+        return None
+    return lambda t: (
+        get_tag(t) is None and getattr(t, _FROM_SIZE, False) and any(n in ctx.folded_sizes for n in t.shape)
+    )
+
+
+def _index_position(x: Tensor, index: object, d: int, batch_sized: Callable[[Tensor], bool] | None = None) -> Tag:
+    """Where dimension ``d`` of ``x`` goes in ``x[index]``, or Lost if it is indexed into (or another dimension
+    by a size read from the samples, or, where ``batch_sized`` says so, by an index as long as them)."""
     items = index if isinstance(index, tuple) else (index,)
 
     def advanced(it: object) -> bool:
@@ -1471,11 +1553,12 @@ def _index_position(x: Tensor, index: object, d: int) -> Tag:
     if sum(advanced(it) for it in items) > 1:  # several may move their result dimensions to the front
         return Lost("indexing a tensor holding the models' samples with several index tensors")
     in_dim = out_dim = 0
+    found = None  # where d went; the items after it are still checked
     for it in items:
         if it is Ellipsis:
             skip = x.dim() - consumed
             if in_dim <= d < in_dim + skip:
-                return out_dim + d - in_dim
+                found = out_dim + d - in_dim
             in_dim += skip
             out_dim += skip
         elif it is None:
@@ -1483,20 +1566,26 @@ def _index_position(x: Tensor, index: object, d: int) -> Tag:
         elif isinstance(it, slice):
             if in_dim == d:
                 full = it.step in (None, 1) and it.start in (None, 0) and (it.stop is None or it.stop >= x.shape[d])
-                return out_dim if full else Lost("slicing into the dimension that holds the models' samples")
+                if not full:
+                    return Lost("slicing into the dimension that holds the models' samples")
+                found = out_dim
+            elif any(isinstance(n, FoldedSize) for n in (it.start, it.stop, it.step)):
+                return _wide_index("Tensor.__getitem__", in_dim)
             in_dim += 1
             out_dim += 1
         elif advanced(it):  # one index tensor, list or mask: its result dimensions replace the ones it indexes
             width = _index_width(it)
             if in_dim <= d < in_dim + width:
                 return Lost("advanced indexing into the dimension that holds the models' samples")
+            if batch_sized is not None and isinstance(it, Tensor) and batch_sized(it):
+                return _batch_long_index("Tensor.__getitem__", in_dim, it)
             in_dim += width
             out_dim += 1 if isinstance(it, Tensor) and it.dtype == torch.bool else torch.as_tensor(it).dim()
         else:  # an int (or a 0-dim tensor) removes the dimension
             if in_dim == d:
                 return Lost("indexing into the dimension that holds the models' samples")
             in_dim += 1
-    return out_dim + d - in_dim  # dimensions after the index are kept in order
+    return found if found is not None else out_dim + d - in_dim  # (dimensions after the index keep their order)
 
 
 def _index_width(it: object) -> int:
@@ -1540,6 +1629,11 @@ def _size(ctx, name, args, kwargs, out, tagged) -> None:
     as an int (see "Sizes" in the module docstring)."""
     x = args[0]
     d = get_tag(x)
+    if isinstance(d, Lost) and d.wide and ctx.num_models > 1:
+        raise ValueError(
+            f"batchlayers: {name} reads a size of a tensor made by {d.reason}: a number each original model reads "
+            "as its own. Stack with execution='model_by_model' for this code"
+        )
     if isinstance(d, Lost) and d.data_sized and ctx.num_models > 1:
         raise ValueError(
             f"batchlayers: {name} reads the size of a tensor computed from the models' samples ({d.reason}), "
@@ -1659,20 +1753,54 @@ def _loss(ctx, name, args, kwargs, out, tagged) -> None:
 # Creation of batch-sized tensors after the folded size was read
 
 
-def _uniform_creator(ctx: Tracker, out: object) -> None:
+def _new_batch_sized(ctx: Tracker, out: Tensor, sized: list[tuple[int, int]] | None) -> list[int]:
+    """The dimensions of a new tensor that may hold the samples: those given a :class:`FoldedSize`
+    (:func:`_sized_dims`), known; else those whose size equals a folded batch size (a size that went through
+    ``int()``), guessed, first first."""
+    if sized:
+        return [k for k, _ in sized]
+    return [k for k, n in enumerate(out.shape) if n in ctx.folded_sizes]
+
+
+def _uniform_creator(
+    ctx: Tracker, out: object, sized: list[tuple[int, int]] | None = None, source: object = None
+) -> None:
     if isinstance(out, Tensor) and ctx.num_models > 1:
-        d = next((k for k, n in enumerate(out.shape) if n in ctx.folded_sizes), None)
+        d = next(iter(_new_batch_sized(ctx, out, sized)), None)
         if d is not None:
             set_tag(out, d)
 
 
-def _broadcast_creator(ctx: Tracker, out: object) -> None:
+def _broadcast_creator(
+    ctx: Tracker, out: object, sized: list[tuple[int, int]] | None = None, source: object = None
+) -> None:
     """``arange(T).expand(B, -1)`` with ``B`` read from the folded batch: the same row for every sample,
     a broadcast (stride 0) along that dimension, so every split of it is right."""
     if isinstance(out, Tensor) and ctx.num_models > 1:
-        d = next((k for k, n in enumerate(out.shape) if n in ctx.folded_sizes and out.stride(k) == 0), None)
+        d = next((k for k in _new_batch_sized(ctx, out, sized) if out.stride(k) == 0), None)
         if d is not None:
             set_tag(out, d)
+            _moved_batch_long(ctx, source, out, d)
+
+
+def _moved_batch_long(ctx: Tracker, source: object, out: Tensor, d: int) -> None:
+    """``torch.arange(B).expand(B, -1)``: the samples on the new dimension ``d``, and the source's own dimension
+    as long as the folded batch, built from ``B`` (each original's is ``B`` long), on another one of the result
+    (source and result aligned to the right): Lost."""
+    if not isinstance(source, Tensor) or get_tag(source) is not None or not getattr(source, _FROM_SIZE, False):
+        return
+    shift = out.dim() - source.dim()
+    for j, n in enumerate(source.shape):
+        if n in ctx.folded_sizes and n > 1 and j + shift != d:
+            return set_tag(
+                out,
+                Lost(
+                    f"a tensor of shape {tuple(source.shape)}, as long as the folded batch (M * B) on dimension {j}, "
+                    f"broadcast or repeated to {tuple(out.shape)} with the samples on dimension {d}: one made from "
+                    "the size read from the samples (torch.arange(B)) would be each original model's own B long",
+                    wide=True,
+                ),
+            )
 
 
 _CREATORS: dict[Callable, Callable] = {}
@@ -1683,16 +1811,99 @@ for _fn in (Tensor.expand, Tensor.broadcast_to, torch.broadcast_to):
     _CREATORS[_fn] = _broadcast_creator
 
 
-def _repeat_creator(ctx: Tracker, out: object) -> None:
+def _repeat_creator(
+    ctx: Tracker, out: object, sized: list[tuple[int, int]] | None = None, source: object = None
+) -> None:
     """``arange(T).unsqueeze(0).repeat(B, 1)``: rows repeated to the folded batch size, checked equal."""
     if isinstance(out, Tensor) and ctx.num_models > 1:
-        d = next((k for k, n in enumerate(out.shape) if n in ctx.folded_sizes), None)
+        d = next(iter(_new_batch_sized(ctx, out, sized)), None)
         if d is not None and not _differs_along(out, d):
             set_tag(out, d)
+            _moved_batch_long(ctx, source, out, d)
 
 
 for _fn in (Tensor.repeat, torch.tile, Tensor.tile):
     _CREATORS[_fn] = _repeat_creator
+
+
+# A size read from the samples given to a dimension that does not hold them (``torch.ones(B, B)``,
+# ``h.unsqueeze(1).expand(-1, B, -1)``): each original model's dimension is ``B`` wide, the folded one ``M * B``.
+# The functions that take a shape, and where it goes: "shape" (one size per dimension of the result, as
+# varargs or one sequence from argument ``start`` or keyword ``key``), "right" (repeat and tile: aligned to the
+# result's last dimensions), "unflatten" (the sizes replace dimension ``dim``).
+_SHAPE_GIVING: dict[Callable, tuple[str, int, str]] = {}
+for _names, _owner, _start, _key in (
+    ("zeros ones empty rand randn", torch, 0, "size"),
+    ("full empty_strided", torch, 0, "size"),
+    ("new_zeros new_ones new_empty new_full new_empty_strided", Tensor, 1, "size"),
+    ("view reshape", Tensor, 1, "shape"),
+    ("reshape broadcast_to", torch, 1, "shape"),
+    ("expand", Tensor, 1, "size"),
+    ("broadcast_to", Tensor, 1, "size"),
+):
+    for _n in _names.split():
+        _SHAPE_GIVING[getattr(_owner, _n)] = ("shape", _start, _key)
+_SHAPE_GIVING[torch.eye] = ("eye", 0, "n")
+for _fn, _start in ((Tensor.repeat, 1), (Tensor.tile, 1), (torch.tile, 1)):
+    _SHAPE_GIVING[_fn] = ("right", _start, "dims")
+for _fn, _start in ((Tensor.unflatten, 2), (torch.unflatten, 2)):
+    _SHAPE_GIVING[_fn] = ("unflatten", _start, "sizes")
+
+
+_UNIFORM_CREATORS = frozenset(
+    (torch.zeros, torch.ones, torch.full, torch.empty, torch.rand, torch.randn, Tensor.new_zeros, Tensor.new_ones)
+    + (Tensor.new_full, Tensor.new_empty)
+)
+
+
+def _sized_dims(func: Callable, args: tuple, kwargs: dict, out: object) -> list[tuple[int, int]]:
+    """``(dimension of the result, size)`` for each size ``func`` was given as a :class:`FoldedSize`."""
+    kind, start, key = _SHAPE_GIVING[func]
+    if not isinstance(out, Tensor):
+        return []
+    if kind == "eye":
+        n = _arg(args, kwargs, 0, "n")
+        sizes = [n, _arg(args, kwargs, 1, "m", n)]
+    elif len(args) > start:
+        first = args[start]
+        sizes = list(first) if isinstance(first, (list, tuple)) else list(args[start:]) if kind != "unflatten" else []
+    else:
+        sizes = list(kwargs.get(key, ()))
+    offset = 0
+    if kind == "right":
+        offset = out.dim() - len(sizes)
+    elif kind == "unflatten":
+        dim = _arg(args, kwargs, 1, "dim")
+        offset = _norm(dim, out.dim() - len(sizes) + 1) if isinstance(dim, int) else 0
+    return [(offset + k, n) for k, n in enumerate(sizes) if isinstance(n, FoldedSize)]
+
+
+def _check_sized(func: Callable, sized: list[tuple[int, int]], out: object) -> None:
+    """After ``func`` made ``out`` with a :class:`FoldedSize` for the dimensions ``sized``: the samples must be on
+    that one dimension; another sized one would be ``M * B`` wide where each original model's is ``B``."""
+    if not sized or not isinstance(out, Tensor):
+        return
+    tag = get_tag(out)
+    if func in _UNIFORM_CREATORS and len(sized) == 1 and not isinstance(tag, Lost):
+        # x.new_zeros(T, B) with T == M * B: the samples are where B was given, not at the first size that
+        # equals M * B (the rule's guess where no size was given)
+        return set_tag(out, sized[0][0])
+    if tag is PerModel or isinstance(tag, Lost) or (tag is None and len(sized) == 1):
+        return  # (one untagged batch-sized dimension: a table or indices, see "Sizes" in the module docstring)
+    wide = [(k, n) for k, n in sized if k != tag]
+    if not wide:
+        return
+    k, n = wide[0]
+    folded = cast(FoldedSize, n)
+    set_tag(
+        out,
+        Lost(
+            f"{_name(func)} given the size {folded.folded()}, read from the size of a tensor that holds the models' "
+            f"samples (M * B = {folded.num_models} * {folded.one_model()}), for dimension {k} of its result "
+            f"{tuple(out.shape)}, which each original model makes {folded.one_model()} wide",
+            wide=True,
+        ),
+    )
 
 
 def _new_creator(ctx, name, args, kwargs, out, tagged) -> None:

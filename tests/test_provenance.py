@@ -239,7 +239,8 @@ REFUSED = {
     "gather by an index of another number of rows": r"fc.*Tensor.gather of tensors with different numbers of rows",
     "scatter by an index built for one model's batch": r"fc.*Tensor.scatter_ of tensors with different numbers of rows",
     "features selected by the samples": r"fc.*Tensor.index_select by an index computed from the models' samples",
-    "features added at positions picked by the samples": r"fc.*Tensor.index_add by an index computed from the",
+    # (the source is torch.ones(B, B): its second dimension, sized by the folded batch, is refused first)
+    "features added at positions picked by the samples": r"fc.*torch.ones given the size 6, .* for dimension 1 of",
     "scatter in place over the batch": r"fc.*Tensor.scatter_ along the dimension that holds the models' samples",
     "per-sample targets, reduction='none'": r"output.*F.cross_entropy of the models' samples with targets that differ",
     "per-sample targets, mean": r"F.cross_entropy.*targets that differ",
@@ -922,6 +923,118 @@ def test_numbers_that_count_one_models_samples_are_refused(pattern: str) -> None
         assert_close(stacked(x[: len(used)]), expected, msg=pattern)
 
 
+class _SecondBatchSized(_Pattern):
+    """``B = x.size(0)`` as the size of a dimension that does not hold the samples: a ``(B, B)`` constant, a
+    broadcast or repeat of the samples along a new dimension of size ``B``. Each original model's is ``B`` wide;
+    in the folded forward it would be ``M * B`` wide."""
+
+    def forward(self, x):  # x: (B, 4)
+        h = self.fc(x)
+        B, p, dt = x.size(0), self.pattern, h.dtype
+        if p == "ones(B, B) summed along its second dimension":
+            return torch.ones(B, B, dtype=dt).sum(1, keepdim=True) * h
+        if p == "zeros(B, B) softmax along its second dimension":
+            return torch.zeros(B, B, dtype=dt).softmax(1)[:, :1] * h
+        if p == "the width of ones(B, B) as a number":
+            return h * torch.ones(B, B).shape[1]
+        if p == "new_ones(B, B) cumulative sum":
+            return h.new_ones(B, B).cumsum(1)[:, -1:] * h
+        if p == "ones(B, F, B) summed along its last dimension":
+            return torch.ones(B, 4, B, dtype=dt).sum(-1) * h
+        if p == "expand (1, B, F) to (B, B, F), summed":
+            return h.unsqueeze(0).expand(B, -1, -1).sum(0)
+        if p == "expand (B, F, 1) to (B, F, B), summed":
+            return h.view(B, 4, 1).expand(-1, -1, B).sum(-1)
+        if p == "expand (B, 1, F) to (B, B, F), summed":
+            return h.unsqueeze(1).expand(-1, B, -1).sum(1)
+        if p == "expand (B, F) to (B, B, F), summed":
+            return h.expand(B, B, 4).sum(0)
+        if p == "broadcast with a (B, B, 1) constant, summed":
+            return (h[:, None] * torch.ones(B, B, 1, dtype=dt)).sum(1)
+        if p == "zeros(B, F, B) plus the samples, summed":
+            return (torch.zeros(B, 4, B, dtype=dt) + h[..., None]).sum(-1)
+        if p == "repeat (B, 1, F) B times along a new dimension":
+            return h.unsqueeze(1).repeat(1, B, 1).sum(1)
+        if p == "repeat (1, B, F) B times":
+            return h.unsqueeze(0).repeat(B, 1, 1).sum(0)
+        if p == "scores over pairs plus zeros(B, B)":
+            return (h @ h.t() + torch.zeros(B, B, dtype=dt)).sum(1, keepdim=True) * h
+        if p == "scores over pairs masked by eye(B)":
+            return (h @ h.t()).masked_fill(torch.eye(B, dtype=torch.bool), 0).sum(1, keepdim=True) * h
+        if p == "features sliced by B":
+            return h.repeat(1, 3)[:, :B].sum(1, keepdim=True) * h
+        if p == "features narrowed by B":
+            return h.repeat(1, 3).narrow(1, 0, B).sum(1, keepdim=True) * h
+        if p == "features split by B":
+            return torch.split(h.repeat(1, 3), B, dim=1)[0].sum(1, keepdim=True) * h
+        if p == "features picked by arange(B) % F":
+            return h[:, torch.arange(B) % 4]
+        if p == "features selected by arange(B) % F":
+            return h.index_select(1, torch.arange(B) % 4)
+        if p == "arange(B) broadcast to (B, B)":
+            return torch.arange(B).expand(B, -1).to(dt).sum(1, keepdim=True) * h
+        if p == "arange(B) as a row, repeated B times":
+            return torch.arange(B).unsqueeze(0).repeat(B, 1).to(dt).sum(1, keepdim=True) * h
+        if p == "new_zeros(F, B) plus the samples transposed":  # exact: the samples are where B was given
+            return (h.new_zeros(4, B) + h.t()).t() * 2
+        raise AssertionError(p)
+
+
+_GIVEN_B = r"given the size \d+, read from the size of a tensor that holds the models' samples"
+_SLICED_BY_B = r"of dimension 1, which does not hold the models' samples, by a size read from them"
+_INDEX_AS_LONG = r"of dimension 1, which does not hold the models' samples, by an index of shape \(\d+,\), as long as"
+_MOVED = r"a tensor of shape \(\d+,\), as long as the folded batch \(M \* B\) on dimension 0, broadcast or repeated"
+SECOND_BATCH_SIZED = {
+    "ones(B, B) summed along its second dimension": _GIVEN_B,
+    "zeros(B, B) softmax along its second dimension": _GIVEN_B,
+    "the width of ones(B, B) as a number": _GIVEN_B,
+    "new_ones(B, B) cumulative sum": _GIVEN_B,
+    "ones(B, F, B) summed along its last dimension": _GIVEN_B,
+    "expand (1, B, F) to (B, B, F), summed": _GIVEN_B,
+    "expand (B, F, 1) to (B, F, B), summed": _GIVEN_B,
+    "expand (B, 1, F) to (B, B, F), summed": _GIVEN_B,
+    "expand (B, F) to (B, B, F), summed": _GIVEN_B,
+    "broadcast with a (B, B, 1) constant, summed": _GIVEN_B,
+    "zeros(B, F, B) plus the samples, summed": _GIVEN_B,
+    "repeat (B, 1, F) B times along a new dimension": _GIVEN_B,
+    "repeat (1, B, F) B times": _GIVEN_B,
+    "scores over pairs plus zeros(B, B)": _GIVEN_B,
+    "scores over pairs masked by eye(B)": _GIVEN_B,
+    "features sliced by B": "Tensor.__getitem__ " + _SLICED_BY_B,
+    "features narrowed by B": "Tensor.narrow " + _SLICED_BY_B,
+    "features split by B": "torch.split " + _SLICED_BY_B,
+    "features picked by arange(B) % F": "Tensor.__getitem__ " + _INDEX_AS_LONG,
+    "features selected by arange(B) % F": "Tensor.index_select " + _INDEX_AS_LONG,
+    "arange(B) broadcast to (B, B)": _MOVED,
+    "arange(B) as a row, repeated B times": r"a tensor of shape \(1, \d+\), as long as the folded batch \(M \* B\) on "
+    "dimension 1, broadcast or repeated",
+}
+
+
+@pytest.mark.parametrize("num_models,batch", [(2, 1), (2, 3), (3, 2)], ids=lambda n: str(n))
+@pytest.mark.parametrize("pattern", list(SECOND_BATCH_SIZED))
+def test_the_batch_size_on_another_dimension_is_refused(pattern: str, num_models: int, batch: int) -> None:
+    """A dimension sized by ``B`` that does not hold the samples would be ``M * B`` wide in the folded forward
+    (a count or sum along it ``M`` times each original's, shapes that merely broadcast at ``B = 1``), and so
+    would one sliced by ``B`` or indexed by ``torch.arange(B)``: refused, naming the call and the dimension,
+    never a silent wrong result. Model by model: exact."""
+    models = [seeded(lambda: _SecondBatchSized(pattern), i) for i in range(num_models)]
+    x = torch.randn(num_models, batch, 4, dtype=torch.float64)
+    _refused(stack(models), x, SECOND_BATCH_SIZED[pattern])
+    expected = torch.stack([m(x[i]) for i, m in enumerate(models)])
+    assert_close(stack(models, execution="model_by_model")(x), expected, msg=pattern)
+
+
+@pytest.mark.parametrize("num_models,batch", [(2, 1), (2, 2), (3, 2)], ids=lambda n: str(n))
+def test_the_samples_are_where_the_batch_size_was_given(num_models: int, batch: int) -> None:
+    """``h.new_zeros(F, B)``: the samples on the dimension given ``B``, also where ``F`` equals ``M * B`` (4 = 2 * 2),
+    which a guess from the sizes would take for them: exact, gradients included."""
+    pattern = "new_zeros(F, B) plus the samples transposed"
+    compare_training(stack([seeded(lambda: _SecondBatchSized(pattern), i) for i in range(num_models)]),
+                     [seeded(lambda: _SecondBatchSized(pattern), i) for i in range(num_models)],
+                     lambda lead: torch.randn(*lead, 4, dtype=torch.float64), batch=batch)  # fmt: skip
+
+
 def test_folded_sizes_copy_and_pickle_as_plain_ints() -> None:
     """A size kept past the call (``self.last = x.size(0)``) copies and pickles as the number it is."""
     size = FoldedSize(12, 2)  # M * B = 2 * 6
@@ -1403,8 +1516,10 @@ def test_einsum_mixing_the_models_is_refused(equation: str, match: str) -> None:
             super().__init__()
             self.fc = nn.Linear(3, 4)
 
-        def forward(self, x):  # (B, 3, 3): a diagonal over 'b' needs a (B, B, 3) operand
-            operands = (x.unsqueeze(1).expand(-1, x.shape[0], -1, -1)[:, :, 0],) if equation == "bbc->bc" else (x, x)
+        def forward(self, x):  # (B, 3, 3): a diagonal over 'b' needs an (M * B, M * B, 3) operand, here by a
+            # literal 6 == M * B (expanded by the read x.shape[0], the expand is refused first, as a second
+            # dimension sized by the folded batch)
+            operands = (x.unsqueeze(1).expand(-1, 6, -1, -1)[:, :, 0],) if equation == "bbc->bc" else (x, x)
             if equation.count(",") == 2:  # pairs of samples (each model's own with two operands) and a third
                 operands += (torch.ones(3),)
             return self.fc(torch.einsum(equation, *operands))
