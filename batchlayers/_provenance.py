@@ -308,6 +308,17 @@ class Tracker(TorchFunctionMode):
             out = self._tracked(func, args, kwargs, tagged, kwargs)
         if sized:
             _check_sized(func, sized if isinstance(sized, list) else _sized_dims(func, args, kwargs, out), out)
+        elif numbers and tagged and func in _COUNTED_BY_SIZE and isinstance(get_tag(out), int):
+            set_tag(
+                out,
+                Lost(
+                    f"{_name(func)} by a size read from the models' samples (M * B, where each original model reads "
+                    "its own B)",
+                    wide=True,
+                ),
+            )
+        elif self.size_read and not tagged and func in _SIZES and getattr(args[0], _FROM_SIZE, False):
+            out = _marked_sizes_from_size(self, func, args, kwargs, out)
         return out
 
     def _tracked(self, func, args: tuple, kwargs: dict, tagged: list[_In], given: dict) -> object:
@@ -660,6 +671,17 @@ def _broadcast_tag(ctx: Tracker, what: str, tensors: Sequence, out_shape: Sequen
             return Lost(f"{what} combines the models' samples along two different dimensions")
     if dim is None:
         return None
+    for t in tensors:
+        # A value computed from B alone (torch.arange(B).mean()) that does not span the samples: the same for
+        # every sample, where each original model computes its own from its own B.
+        if isinstance(t, Tensor) and getattr(t, _FROM_SIZE, False) and get_tag(t) is None:
+            k = dim - (n - t.dim())
+            if not (0 <= k < t.dim() and t.shape[k] == out_shape[dim]):
+                return Lost(
+                    f"{what} combines the models' samples with values computed from a size read from the models' "
+                    f"samples alone (torch.arange(B), shape {tuple(t.shape)}), the same for every sample, where each "
+                    "original model computes its own from its own B"
+                )
     # An untagged operand that spans the model dimension (not broadcast over it) must be the same for every
     # sample along it, as a batch-sized constant is; otherwise each model would get another model's part.
     if any(isinstance(t, Tensor) and _differs_along(t, dim - (n - t.dim())) for t in tensors):
@@ -1531,6 +1553,21 @@ def _from_size_among(args: Sequence, kwargs: dict) -> bool:
     return False
 
 
+def _marked_sizes_from_size(ctx: Tracker, func: Callable, args: tuple, kwargs: dict, out: object) -> object:
+    """``torch.arange(B).numel()``, ``.shape``: the sizes of a tensor built from a read size alone that are as
+    long as the folded batch come back as :class:`FoldedSize` (M times each original model's), as read from the
+    samples."""
+    m, folded = ctx.num_models, ctx.folded_sizes
+    if isinstance(out, torch.Size):
+        return torch.Size([FoldedSize(n, m) if n in folded else n for n in out])
+    if type(out) is not int:
+        return out
+    x = cast(Tensor, args[0])
+    dim = _arg(args, kwargs, 1, "dim", None) if func is torch.Tensor.size else None
+    long = x.shape[_norm(dim, x.dim())] in folded if isinstance(dim, int) else any(n in folded for n in x.shape)
+    return FoldedSize(out, m) if long and out % m == 0 else out
+
+
 def _batch_sized(ctx: Tracker) -> Callable[[Tensor], bool] | None:
     """Whether an untagged tensor made from a size read from the samples has a dimension as long as the folded
     batch: used to index another dimension than the samples', it is ``M`` times each original model's."""
@@ -1541,7 +1578,13 @@ def _batch_sized(ctx: Tracker) -> Callable[[Tensor], bool] | None:
     )
 
 
-def _index_position(x: Tensor, index: object, d: int, batch_sized: Callable[[Tensor], bool] | None = None) -> Tag:
+def _index_position(
+    x: Tensor,
+    index: object,
+    d: int,
+    batch_sized: Callable[[Tensor], bool] | None = None,
+    name: str = "Tensor.__getitem__",
+) -> Tag:
     """Where dimension ``d`` of ``x`` goes in ``x[index]``, or Lost if it is indexed into (or another dimension
     by a size read from the samples, or, where ``batch_sized`` says so, by an index as long as them)."""
     items = index if isinstance(index, tuple) else (index,)
@@ -1570,7 +1613,7 @@ def _index_position(x: Tensor, index: object, d: int, batch_sized: Callable[[Ten
                     return Lost("slicing into the dimension that holds the models' samples")
                 found = out_dim
             elif any(isinstance(n, FoldedSize) for n in (it.start, it.stop, it.step)):
-                return _wide_index("Tensor.__getitem__", in_dim)
+                return _wide_index(name, in_dim)
             in_dim += 1
             out_dim += 1
         elif advanced(it):  # one index tensor, list or mask: its result dimensions replace the ones it indexes
@@ -1578,7 +1621,7 @@ def _index_position(x: Tensor, index: object, d: int, batch_sized: Callable[[Ten
             if in_dim <= d < in_dim + width:
                 return Lost("advanced indexing into the dimension that holds the models' samples")
             if batch_sized is not None and isinstance(it, Tensor) and batch_sized(it):
-                return _batch_long_index("Tensor.__getitem__", in_dim, it)
+                return _batch_long_index(name, in_dim, it)
             in_dim += width
             out_dim += 1 if isinstance(it, Tensor) and it.dtype == torch.bool else torch.as_tensor(it).dim()
         else:  # an int (or a 0-dim tensor) removes the dimension
@@ -1605,9 +1648,9 @@ def _setitem(ctx, name, args, kwargs, out, tagged) -> None:
         if vtag is not None:
             set_tag(x, Lost("writing the models' samples into a tensor shared by all models"))
         return
-    position = _index_position(x, index, d)
+    position = _index_position(x, index, d, _batch_sized(ctx), name)
     if isinstance(position, Lost):
-        return set_tag(x, Lost("writing into part of the models' samples (x[i] = ...)"))
+        return set_tag(x, position if position.wide else Lost("writing into part of the models' samples (x[i] = ...)"))
     if isinstance(value, Tensor):
         view = x[index]
         tag = _broadcast_tag(ctx, "Tensor.__setitem__", [_Probe(view, position), value], view.shape)
@@ -1844,15 +1887,21 @@ for _names, _owner, _start, _key in (
     for _n in _names.split():
         _SHAPE_GIVING[getattr(_owner, _n)] = ("shape", _start, _key)
 _SHAPE_GIVING[torch.eye] = ("eye", 0, "n")
+for _fn in (torch.randint, torch.normal):  # (the shape is the one sequence among the arguments)
+    _SHAPE_GIVING[_fn] = ("seq", 0, "size")
 for _fn, _start in ((Tensor.repeat, 1), (Tensor.tile, 1), (torch.tile, 1)):
     _SHAPE_GIVING[_fn] = ("right", _start, "dims")
 for _fn, _start in ((Tensor.unflatten, 2), (torch.unflatten, 2)):
     _SHAPE_GIVING[_fn] = ("unflatten", _start, "sizes")
 
 
+# Where a size is a count (of repeats, of a window's elements) rather than a shape: a FoldedSize there is M times
+# each original model's count, whichever dimension it applies to.
+_COUNTED_BY_SIZE = frozenset((Tensor.repeat_interleave, torch.repeat_interleave, Tensor.unfold))
+
 _UNIFORM_CREATORS = frozenset(
-    (torch.zeros, torch.ones, torch.full, torch.empty, torch.rand, torch.randn, Tensor.new_zeros, Tensor.new_ones)
-    + (Tensor.new_full, Tensor.new_empty)
+    (torch.zeros, torch.ones, torch.full, torch.empty, torch.rand, torch.randn, torch.randint, torch.normal)
+    + (Tensor.new_zeros, Tensor.new_ones, Tensor.new_full, Tensor.new_empty)
 )
 
 
@@ -1864,6 +1913,8 @@ def _sized_dims(func: Callable, args: tuple, kwargs: dict, out: object) -> list[
     if kind == "eye":
         n = _arg(args, kwargs, 0, "n")
         sizes = [n, _arg(args, kwargs, 1, "m", n)]
+    elif kind == "seq":
+        sizes = list(next((a for a in args if isinstance(a, (list, tuple))), kwargs.get(key, ())))
     elif len(args) > start:
         first = args[start]
         sizes = list(first) if isinstance(first, (list, tuple)) else list(args[start:]) if kind != "unflatten" else []

@@ -975,6 +975,30 @@ class _SecondBatchSized(_Pattern):
             return torch.arange(B).expand(B, -1).to(dt).sum(1, keepdim=True) * h
         if p == "arange(B) as a row, repeated B times":
             return torch.arange(B).unsqueeze(0).repeat(B, 1).to(dt).sum(1, keepdim=True) * h
+        if p == "features repeated B times each":
+            return h.repeat_interleave(B, dim=1).sum(1, keepdim=True) * h
+        if p == "samples repeated B times each":
+            return h.repeat_interleave(B, dim=0)[:B]
+        if p == "windows of B features":
+            return h.repeat(1, 3).unfold(1, B, 1).sum(-1).sum(1, keepdim=True) * h
+        if p == "randint(1, 2, (B, B)) summed":
+            return torch.randint(1, 2, (B, B)).to(dt).sum(1, keepdim=True) * h
+        if p == "normal(0, 0, (B, B)) summed":
+            return (torch.normal(0.0, 0.0, (B, B)) + 1).to(dt).sum(1, keepdim=True) * h
+        if p == "linspace(0, 1, B) summed, as a factor":
+            return h * torch.linspace(0, 1, B, dtype=dt).sum()
+        if p == "the mean of arange(B) as a factor":
+            return h * torch.arange(B, dtype=dt).mean()
+        if p == "the number of elements of arange(B)":
+            return h * torch.arange(B).numel()
+        if p == "features written by a slice of B":
+            g = h * 1
+            g[:, :B] = 0
+            return g
+        if p == "features written at arange(B) % F":
+            g = h * 1
+            g[:, torch.arange(B) % 4] = 0
+            return g
         if p == "new_zeros(F, B) plus the samples transposed":  # exact: the samples are where B was given
             return (h.new_zeros(4, B) + h.t()).t() * 2
         raise AssertionError(p)
@@ -984,6 +1008,8 @@ _GIVEN_B = r"given the size \d+, read from the size of a tensor that holds the m
 _SLICED_BY_B = r"of dimension 1, which does not hold the models' samples, by a size read from them"
 _INDEX_AS_LONG = r"of dimension 1, which does not hold the models' samples, by an index of shape \(\d+,\), as long as"
 _MOVED = r"a tensor of shape \(\d+,\), as long as the folded batch \(M \* B\) on dimension 0, broadcast or repeated"
+_COUNTED_BY_B = r"by a size read from the models' samples \(M \* B, where each original model reads its own B\)"
+_VALUES_FROM_B = r"values computed from a size read from the models' samples alone \(torch.arange\(B\)"
 SECOND_BATCH_SIZED = {
     "ones(B, B) summed along its second dimension": _GIVEN_B,
     "zeros(B, B) softmax along its second dimension": _GIVEN_B,
@@ -1006,6 +1032,16 @@ SECOND_BATCH_SIZED = {
     "features picked by arange(B) % F": "Tensor.__getitem__ " + _INDEX_AS_LONG,
     "features selected by arange(B) % F": "Tensor.index_select " + _INDEX_AS_LONG,
     "arange(B) broadcast to (B, B)": _MOVED,
+    "features repeated B times each": "Tensor.repeat_interleave " + _COUNTED_BY_B,
+    "samples repeated B times each": "Tensor.repeat_interleave " + _COUNTED_BY_B,
+    "windows of B features": "Tensor.unfold " + _COUNTED_BY_B,
+    "randint(1, 2, (B, B)) summed": _GIVEN_B,
+    "normal(0, 0, (B, B)) summed": _GIVEN_B,
+    "linspace(0, 1, B) summed, as a factor": _VALUES_FROM_B,
+    "the mean of arange(B) as a factor": _VALUES_FROM_B,
+    "the number of elements of arange(B)": r"uses the number \d+, read from the size of a tensor",
+    "features written by a slice of B": "Tensor.__setitem__ " + _SLICED_BY_B,
+    "features written at arange(B) % F": "Tensor.__setitem__ " + _INDEX_AS_LONG,
     "arange(B) as a row, repeated B times": r"a tensor of shape \(1, \d+\), as long as the folded batch \(M \* B\) on "
     "dimension 1, broadcast or repeated",
 }
