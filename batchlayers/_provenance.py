@@ -353,7 +353,22 @@ class Tracker(TorchFunctionMode):
             except RuntimeError as error:
                 wide = next((i.tag for i in tagged if isinstance(i.tag, Lost) and i.tag.wide), None)
                 if wide is None:
-                    raise
+                    if type(error) is not RuntimeError or self.num_models == 1:
+                        raise
+                    # torch's own error (its type and message kept) for a shape only the folded batch has
+                    raise RuntimeError(
+                        f"{error}\n(batchlayers: in a stacked model's batched forward the models' samples are folded "
+                        f"into one dimension, M * B = {self.folded_text()} rows where each original model has B; "
+                        f"{_name(func)} got "
+                        + ", ".join(
+                            f"{tuple(i.shape)} (samples on dimension {i.tag})"
+                            if isinstance(i.tag, int)
+                            else str(tuple(i.shape))
+                            for i in tagged
+                        )
+                        + ". Code that pairs the samples of one model with each other needs each model's B: stack "
+                        "with execution='model_by_model')"
+                    ) from error
                 # (M * B, B) scores plus a (B, B) constant: torch's own shape error, with why the sizes differ
                 raise ValueError(
                     f"batchlayers: {_name(func)} raised '{error}' on a tensor made by {wide.reason}. Stack with "

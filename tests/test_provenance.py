@@ -371,6 +371,30 @@ def test_refused_where_rows_cannot_be_assigned(pattern: str) -> None:
     _refused(batched, torch.randn(2, 3, 4), REFUSED[pattern])
 
 
+class _AttentionOverTheBatch(nn.Module):
+    """Each sample attends to its model's other samples: ``(B, B)`` scores times ``(B, F)`` values, valid for each
+    original model; on the folded batch torch itself rejects ``(M * B, B) @ (M * B, F)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return (h @ h.t()).softmax(-1) @ h
+
+
+def test_torch_shape_errors_on_the_folded_batch_say_why() -> None:
+    """torch's own error for a shape that only the folded batch has keeps its type and message and adds where
+    the sizes come from and what runs instead; model by model: exact."""
+    models = [seeded(_AttentionOverTheBatch, i) for i in range(2)]
+    x = torch.randn(2, 3, 4, dtype=torch.float64)
+    match = r"(?s)mat1 and mat2.*batchlayers: in a stacked model's batched forward.*M \* B = 2 \* 3.*model_by_model"
+    _refused(stack(models), x, match, RuntimeError)
+    expected = torch.stack([m(x[i]) for i, m in enumerate(models)])
+    assert_close(stack(models, execution="model_by_model")(x), expected, msg="attention over the batch")
+
+
 def test_refused_patterns_are_exact_for_one_model() -> None:
     """With M=1 every row is the one model's: nothing to assign, so nothing is refused."""
     for pattern in ("roll over the batch", "first sample for everyone"):
