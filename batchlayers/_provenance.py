@@ -50,9 +50,9 @@ length equal to ``M * B``), so batchlayers follows where every tensor came from:
   slicing, narrowing or splitting one, would make it ``M * B`` wide where each model's is ``B``: Lost, as is a
   tensor built from ``B`` alone (``torch.arange(B) % 4``, marked) indexing another dimension or broadcast
   onto one. Any other untagged tensor of that size (``arange``, ``eye``) may be a sequence or per-sample
-  indices of the folded batch: combined
-  with samples along the model dimension it is checked to be the same along it (else :class:`Lost`), and a
-  batched layer or the stacked root refuses it as ambiguous when the folded size leads its shape.
+  indices of the folded batch: combined with samples along the model dimension it is checked to be the same
+  along it (else :class:`Lost`), and a batched layer or the stacked root refuses it as ambiguous when the
+  folded size leads its shape.
 
 The tags are plain Python attributes and the mode is an ordinary ``TorchFunctionMode``, so ``torch.compile``
 traces both into one graph (the tags decide at trace time, like any Python control flow).
@@ -1814,7 +1814,7 @@ def _loss(ctx, name, args, kwargs, out, tagged) -> None:
 def _new_batch_sized(ctx: Tracker, out: Tensor, sized: list[tuple[int, int]] | None) -> list[int]:
     """The dimensions of a new tensor that may hold the samples: those given a :class:`FoldedSize`
     (:func:`_sized_dims`), known; else those whose size equals a folded batch size (a size that went through
-    ``int()``), guessed, first first."""
+    ``int()``), guessed. The creators take the first."""
     if sized:
         return [k for k, _ in sized]
     return [k for k, n in enumerate(out.shape) if n in ctx.folded_sizes]
