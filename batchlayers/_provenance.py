@@ -285,29 +285,28 @@ class Tracker(TorchFunctionMode):
                 "batchlayers: this stacked model's own code uses per-model tensors, whose sizes torch.compile "
                 "would read as the stored (M, *) ones; it runs without compiling (torch.compile falls back)"
             )
-        sized, numbers = None, None
+        shaped, numbers = False, None
         if self.num_models > 1 and not isinstance(func, torch._ops.OpOverload):  # (a compiled graph's ops)
             numbers = _numbers_that_differ(args, kwargs)
             if numbers and not (_EQUALS.get(func, False) and self._all_idiom(args) is not None):
                 self._refuse_numbers_that_differ(func, numbers)
-                sized = func in _SHAPE_GIVING
+                shaped = func in _SHAPE_GIVING
         tagged = _tagged(args, kwargs)
         if not tagged:
             out = func(*args, **kwargs)
-            if sized:
-                sized = _sized_dims(func, args, kwargs, out)
+            sized = _sized_dims(func, args, kwargs, out) if shaped else None
             if self.size_read and (numbers or _from_size_among(args, kwargs)):
                 _mark_from_size(out)
             if self.size_read and func in _CREATORS:
                 _CREATORS[func](self, out, sized, args[0] if args else None)
             if func is torch.arange and self.num_models > 1:
                 _mark_positions(args, kwargs, out)
-        elif "axis" in kwargs or "keepdims" in kwargs:
-            out = self._tracked(func, args, _torch_names(kwargs), tagged, kwargs)
         else:
-            out = self._tracked(func, args, kwargs, tagged, kwargs)
+            named = _torch_names(kwargs) if "axis" in kwargs or "keepdims" in kwargs else kwargs
+            out = self._tracked(func, args, named, tagged, kwargs)
+            sized = _sized_dims(func, args, kwargs, out) if shaped else None
         if sized:
-            _check_sized(func, sized if isinstance(sized, list) else _sized_dims(func, args, kwargs, out), out)
+            _check_sized(func, sized, out)
         elif numbers and tagged and func in _COUNTED_BY_SIZE and isinstance(get_tag(out), int):
             set_tag(
                 out,
@@ -1891,13 +1890,11 @@ for _fn in (Tensor.repeat, torch.tile, Tensor.tile):
 # result's last dimensions), "unflatten" (the sizes replace dimension ``dim``).
 _SHAPE_GIVING: dict[Callable, tuple[str, int, str]] = {}
 for _names, _owner, _start, _key in (
-    ("zeros ones empty rand randn", torch, 0, "size"),
-    ("full empty_strided", torch, 0, "size"),
+    ("zeros ones empty rand randn full empty_strided", torch, 0, "size"),
     ("new_zeros new_ones new_empty new_full new_empty_strided", Tensor, 1, "size"),
     ("view reshape", Tensor, 1, "shape"),
     ("reshape broadcast_to", torch, 1, "shape"),
-    ("expand", Tensor, 1, "size"),
-    ("broadcast_to", Tensor, 1, "size"),
+    ("expand broadcast_to", Tensor, 1, "size"),
 ):
     for _n in _names.split():
         _SHAPE_GIVING[getattr(_owner, _n)] = ("shape", _start, _key)
@@ -1950,7 +1947,7 @@ def _check_sized(func: Callable, sized: list[tuple[int, int]], out: object) -> N
     if not sized or not isinstance(out, Tensor):
         return
     tag = get_tag(out)
-    if func in _UNIFORM_CREATORS and len(sized) == 1 and not isinstance(tag, Lost):
+    if func in _UNIFORM_CREATORS and len(sized) == 1 and tag is not PerModel and not isinstance(tag, Lost):
         # x.new_zeros(T, B) with T == M * B: the samples are where B was given, not at the first size that
         # equals M * B (the rule's guess where no size was given)
         return set_tag(out, sized[0][0])
