@@ -245,6 +245,35 @@ def restore_models(saved: list[tuple[Tensor, Tensor]], models: Tensor | None) ->
 # uncompiled (e.g. past dynamo's recompile limit) the helpers are the eager ops themselves.
 
 
+# The dtypes in which ``fused=True`` with float hyperparameters, every model at one step, runs torch's own
+# fused kernel over the stacked tensors (one call, nothing to compile; the models share every value, so it
+# is torch's ``fused=True`` step on each). float64 keeps the compiled kernel, which equals the foreach path
+# bit for bit (torch's kernel rounds the bias corrections and the square root its own way), and so do
+# float16 and bfloat16: torch 2.13's CPU fused SGD is wrong in them (4 steps on 1000 elements against
+# float64: momentum buffers off by 6.3 in bfloat16 and inf in float16, where the foreach path is off by
+# 0.05 and 0.004).
+TORCH_FUSED_DTYPES = frozenset({torch.float32})
+
+
+def torch_fused_kernel(name: str, tensors: Sequence[Sequence[Tensor]], *values: float | Tensor) -> Callable | None:
+    """``torch._fused_<name>_`` where it serves these tensor lists (of one dtype and device, as the optimizer
+    buckets them), or ``None``: a per-model (tensor) value or step among ``values``, a dtype outside
+    :data:`TORCH_FUSED_DTYPES`, a device other than CPU and CUDA, or a tensor that is not contiguous (torch
+    2.13's CPU kernel steps a transposed or channels-last parameter wrongly when its gradient is contiguous:
+    off by 0.06 after 3 Adam steps on 30 elements)."""
+    for value in values:
+        if isinstance(value, Tensor):
+            return None
+    first = tensors[0][0]
+    if first.dtype not in TORCH_FUSED_DTYPES or first.device.type not in ("cpu", "cuda"):
+        return None
+    for ts in tensors:
+        for t in ts:
+            if not t.is_contiguous():
+                return None
+    return getattr(torch, f"_fused_{name}_", None)
+
+
 def pack_kernel_inputs(device: torch.device, *values: float | Tensor) -> dict[str, Any]:
     """Hyperparameters (floats, ``(M,)`` or ``(P, M)`` tensors) as a kernel's inputs: the floats in one tensor
     (one copy to the device per step), the tensors as they are, and where each value went. A compiled
@@ -369,12 +398,17 @@ class BatchedOptimizer(Optimizer):
     - ``fused=None`` / ``False`` (default): a few ``torch._foreach_*`` ops over the parameter list, each
       rounding as the op torch.optim applies to one model; every model's slice is bit-for-bit its own
       ``torch.optim`` step on CPU (float64 and float32).
-    - ``fused=True``: one ``torch.compile``'d kernel (one pass over each parameter's memory, like torch's
-      ``fused=True``), compiled on the first step (seconds) and again for new shapes, dtypes or flags. In
-      float64 it equals the foreach path bit for bit (SGD: in every dtype). In other dtypes Adam's and
-      RMSprop's square root is correctly rounded in the kernel and torch's CPU ``sqrt`` is not (1 ulp off
-      for under 1% of inputs): a few elements per step may differ by a few ulps, as torch's own
-      ``fused=True`` differs from its for-loop implementation (see ``kernel_sqrt``).
+    - ``fused=True``: in float32 with float hyperparameters, every model at one step and contiguous
+      tensors, torch's own fused kernel over the stacked tensors (``torch._fused_adam_``,
+      ``_fused_adamw_``, ``_fused_sgd_``; nothing to compile): each model gets the step torch's
+      ``fused=True`` takes on it, but for some last bits (torch's kernel rounds its vectorised loop and its
+      tail differently, and a slice's tail is not the whole tensor's). Otherwise one ``torch.compile``'d
+      kernel (one pass over each parameter's memory, like torch's ``fused=True``), compiled on first use
+      (seconds) and again for new shapes, dtypes or flags. In float64 it equals the foreach path bit for
+      bit (SGD: in every dtype). In other dtypes Adam's and RMSprop's square root is correctly rounded in
+      the kernel and torch's CPU ``sqrt`` is not (1 ulp off for under 1% of inputs): a few elements per
+      step may differ by a few ulps, as torch's own ``fused=True`` differs from its for-loop
+      implementation (see ``kernel_sqrt``).
     """
 
     per_model_hyperparameters: tuple[str | tuple[str, int], ...] = ()

@@ -25,6 +25,7 @@ from ._base import (
     pack_kernel_inputs,
     per_model_inputs,
     power,
+    torch_fused_kernel,
     unpack_kernel_inputs,
 )
 
@@ -50,9 +51,10 @@ class Adam(BatchedOptimizer):
             which is :class:`AdamW`). Default: ``0``.
         amsgrad: the AMSGrad variant. Default: ``False``.
         maximize: maximize the objective instead of minimizing it.
-        fused: ``True`` runs one compiled kernel per step instead of foreach kernels (``torch.compile``: the
-            first step compiles it, seconds). float64: the foreach path's numbers bit for bit; other dtypes:
-            a few elements per step may differ by a few ulps, from the square root (see
+        fused: ``True`` runs one fused kernel per step instead of foreach kernels: in float32 with float
+            hyperparameters (every model at one step) torch's own, otherwise a compiled one
+            (``torch.compile``: its first step compiles it, seconds). float64: the foreach path's numbers bit
+            for bit; float32: a few elements per step may differ by a few ulps (see
             :class:`~batchlayers.optim.BatchedOptimizer`). Default ``None``: foreach kernels, each model's
             slice bit for bit its own torch.optim step.
         foreach, capturable, differentiable: accepted for signature compatibility; ``True`` for the last two
@@ -152,13 +154,47 @@ class Adam(BatchedOptimizer):
         lr, beta1, beta2, eps, weight_decay = self._hyperparameters(group, num_models)
         steps = [s["step"] for s in states]
         step = self._steps_after_increment(steps)
+        exp_avgs = [s["exp_avg"] for s in states]
+        exp_avg_sqs = [s["exp_avg_sq"] for s in states]
+        max_exp_avg_sqs = [s["max_exp_avg_sq"] for s in states] if group["amsgrad"] else []
+        decoupled = bool(group["decoupled_weight_decay"])
+        kernel = torch_fused_kernel(
+            "adamw" if decoupled else "adam",
+            [params, grads, exp_avgs, exp_avg_sqs, *([max_exp_avg_sqs] if max_exp_avg_sqs else [])],
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            step,
+        )
+        if kernel is not None:
+            torch._foreach_add_(steps, 1.0)
+            # torch's kernel reads one step count per parameter: every model's, all being at one step.
+            kernel(
+                params,
+                grads,
+                exp_avgs,
+                exp_avg_sqs,
+                max_exp_avg_sqs,
+                [steps[0][0]] * len(params),
+                lr=lr,
+                beta1=beta1,
+                beta2=beta2,
+                weight_decay=weight_decay,
+                eps=eps,
+                amsgrad=bool(group["amsgrad"]),
+                maximize=bool(group["maximize"]),
+            )
+            self._counted(steps, step)
+            return
         neg_step_size, bias_correction2_sqrt = bias_corrections(lr, beta1, beta2, step, params[0].device)
         self._compiled(adam_kernel)(
             params,
             grads,
-            [s["exp_avg"] for s in states],
-            [s["exp_avg_sq"] for s in states],
-            [s["max_exp_avg_sq"] for s in states] if group["amsgrad"] else [],
+            exp_avgs,
+            exp_avg_sqs,
+            max_exp_avg_sqs,
             steps,
             **pack_kernel_inputs(
                 params[0].device,
@@ -171,7 +207,7 @@ class Adam(BatchedOptimizer):
             ),
             maximize=bool(group["maximize"]),
             has_weight_decay=not is_zero(weight_decay),
-            decoupled_weight_decay=bool(group["decoupled_weight_decay"]),
+            decoupled_weight_decay=decoupled,
             average_form=lerp_form(1 - beta1),
         )
         self._counted(steps, step)

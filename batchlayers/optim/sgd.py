@@ -21,6 +21,7 @@ from ._base import (
     per_model_inputs,
     restore_models,
     save_models,
+    torch_fused_kernel,
     unpack_kernel_inputs,
     zero_models,
 )
@@ -46,8 +47,10 @@ class SGD(BatchedOptimizer):
         weight_decay: L2 penalty. Default: ``0``.
         nesterov: Nesterov momentum (needs ``momentum > 0`` and ``dampening == 0`` for every model).
         maximize: maximize the objective instead of minimizing it.
-        fused: ``True`` runs one compiled kernel per step instead of foreach kernels (``torch.compile``: the
-            first step compiles it, seconds), with the same numbers bit for bit. Default ``None``: foreach
+        fused: ``True`` runs one fused kernel per step instead of foreach kernels: in float32 with float
+            hyperparameters (every model at one step) torch's own (a few last bits may differ), otherwise a
+            compiled one (``torch.compile``: its first step compiles it, seconds) with the foreach path's
+            numbers bit for bit. Default ``None``: foreach
             kernels, each model's slice bit for bit its own torch.optim step.
         foreach, differentiable: accepted for signature compatibility; ``differentiable=True`` raises.
 
@@ -154,6 +157,26 @@ class SGD(BatchedOptimizer):
         bufs = [s["momentum_buffer"] for s in states] if has_momentum else []
         idle, saved = self._set_aside_models_without_momentum(momentum, steps, bufs) if has_momentum else (None, [])
         step = self._steps_after_increment(steps) if has_momentum else 1.0
+        kernel = torch_fused_kernel(
+            "sgd", [params, grads, *([bufs] if bufs else [])], lr, momentum, dampening, weight_decay, step
+        )
+        if kernel is not None:  # (every model has momentum or none has: floats)
+            kernel(
+                params,
+                grads,
+                bufs,
+                weight_decay=weight_decay,
+                momentum=momentum,
+                lr=lr,
+                dampening=dampening,
+                nesterov=bool(group["nesterov"]),
+                maximize=bool(group["maximize"]),
+                is_first_step=step == 1,
+            )
+            if has_momentum:
+                torch._foreach_add_(steps, 1.0)
+                self._counted(steps, step)
+            return
         momentum_now, keep_now = momentum_factors(momentum, dampening, step) if has_momentum else (0.0, 0.0)
         self._compiled(sgd_kernel)(
             params,
