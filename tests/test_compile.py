@@ -65,13 +65,18 @@ def _fresh_dynamo():
 # Each case compiles a forward, a backward and a step with inductor (10-30 s each on 2 CPU cores): Adam, or
 # SGD with momentum for the ResNet (Adam's compiled step is the same over any parameters: the other cases run
 # it), and the GPT also with nn.Module.compile, which runs a stacked root's folding hooks inside its compiled
-# frame.
+# frame; one Adam with fused=True, whose kernel the compiled step then takes in.
 @pytest.mark.parametrize(
     ("case", "optimizer", "how"),
     [(case, "Adam", "torch.compile") for case in CASES if case != "stacked-ResNet-BatchNorm"]
-    + [("stacked-ResNet-BatchNorm", "SGD", "torch.compile"), ("stacked-GPT", "Adam", "module.compile")],
+    + [
+        ("stacked-ResNet-BatchNorm", "SGD", "torch.compile"),
+        ("stacked-GPT", "Adam", "module.compile"),
+        ("batched-layers", "Adam fused=True", "torch.compile"),
+    ],
 )
 def test_inductor_fullgraph_training_equals_the_original_models(case: str, optimizer: str, how: str) -> None:
+    optimizer, _, fused = optimizer.partition(" fused=")
     make, sample_shape, kind = CASES[case]
     originals, batched = make()  # the reference trains the originals themselves, each with torch.optim
     gen = torch.Generator().manual_seed(0)
@@ -100,7 +105,9 @@ def test_inductor_fullgraph_training_equals_the_original_models(case: str, optim
             outs.append(logits.detach())
         expected_outputs.append(torch.stack(outs))
 
-    opt = getattr(bl.optim, optimizer)(batched.parameters(), lr=torch.tensor(LRS, dtype=torch.float64), **options)
+    opt = getattr(bl.optim, optimizer)(
+        batched.parameters(), lr=torch.tensor(LRS, dtype=torch.float64), fused=bool(fused) or None, **options
+    )
     if how == "module.compile":
         batched.compile(fullgraph=True)
         forward = batched

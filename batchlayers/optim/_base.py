@@ -426,6 +426,8 @@ class BatchedOptimizer(Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
         self._adopt_hyperparameters(self.param_groups[-1])
+        if self.param_groups[-1].get("fused"):
+            _register_kernel_ops()  # now: a compiled training step cannot run it (torch.compile(optimizer.step))
 
     def _group_num_models(self, group: dict[str, Any]) -> int:
         sizes = {p.shape[0] if p.dim() > 0 else None for p in group["params"]}
@@ -646,7 +648,10 @@ class BatchedOptimizer(Optimizer):
             uniform[id(steps[0])] = (list(steps), [s._version for s in steps], step + 1)
 
     def _compiled(self, kernel: Callable) -> Callable:
-        """``kernel`` compiled with ``torch.compile``, once per optimizer (not pickled or deep-copied)."""
+        """``kernel`` compiled with ``torch.compile``, once per optimizer (not pickled or deep-copied); inside
+        a graph being compiled (a compiled training step), ``kernel`` itself, which that graph takes in."""
+        if torch.compiler.is_compiling():
+            return kernel  # (its ops registered when the group with fused=True was added)
         kernels = self.__dict__.setdefault("_compiled_kernels", {})
         if kernel not in kernels:
             _register_kernel_ops()
