@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchlayers import losses as BL
+from batchlayers import optim as _base_optim
 from batchlayers.clip_grad import clip_grad_norm_, nonfinite_models
 from batchlayers.linear import BatchedLinear
 from batchlayers.optim import SGD, Adam, AdamW, PerModelValue, RMSprop, _base
@@ -631,6 +632,45 @@ def test_step_counts_changed_in_place_are_read_again(fused) -> None:
                     state["step"].fill_(7)
         pair.step()
         pair.check(f"step {step}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("fused", [None, True], ids=["foreach", "fused"])
+@pytest.mark.parametrize("name", ["Adam", "SGD", "RMSprop"])
+def test_step_counts_held_as_rows_of_one_tensor(name, fused, dtype) -> None:
+    """A new optimizer holds its parameters' ``(M,)`` step counts as the rows of one tensor and counts them
+    with one add. A parameter without a gradient (step 2), and counts loaded from a copied state dict (step
+    4), are counted one by one: every count and every step stays each model's own (against torch.optim)."""
+    torch.manual_seed(0)
+    kwargs = {"lr": 0.1, "momentum": 0.9} if name == "SGD" else {"lr": 0.1}
+    params = [torch.nn.Parameter(torch.randn(M, *s, dtype=dtype)) for s in SHAPES]
+    opt = getattr(_base_optim, name)(params, **kwargs, fused=fused)
+    refs = [[torch.nn.Parameter(p[m].detach().clone()) for p in params] for m in range(M)]
+    ref_opts = [getattr(torch.optim, name)(ps, **kwargs) for ps in refs]
+    for step in range(6):
+        if step == 4:
+            resumed = getattr(_base_optim, name)(params, **kwargs, fused=fused)
+            resumed.load_state_dict(copy.deepcopy(opt.state_dict()))
+            opt = resumed
+        grads = [None if (step == 2 and i == 1) else torch.randn_like(p) for i, p in enumerate(params)]
+        for p, g in zip(params, grads):
+            p.grad = g
+        opt.step()
+        for m in range(M):
+            for q, g in zip(refs[m], grads):
+                q.grad = None if g is None else g[m].clone()
+            ref_opts[m].step()
+        steps = [opt.state[p]["step"] for p in params]
+        if step == 0:
+            assert all(s._base is steps[0]._base is not None for s in steps), "not rows of one tensor"
+        for i, (p, count) in enumerate(zip(params, steps)):
+            expected = step + 1 - (i == 1 and step >= 2)
+            assert_equal(count, torch.full((M,), float(expected)), f"step {step}: parameter {i}'s counts")
+            expected_param = torch.stack([refs[m][i].detach() for m in range(M)])
+            if dtype == torch.float64 or not fused:
+                assert_equal(p.detach(), expected_param, f"step {step}, parameter {i}")
+            else:  # torch's fused kernel or the compiled one's square root: the last bits (see above)
+                assert_close(p.detach(), expected_param, msg=f"step {step}, parameter {i}")
 
 
 def test_bias_corrections_are_pythons_float_powers() -> None:

@@ -163,6 +163,23 @@ def new_step_counts(param: Tensor) -> Tensor:
     return torch.zeros(param.shape[0], dtype=torch.float32, device=param.device)
 
 
+def increment_steps(steps: list[Tensor]) -> None:
+    """Count one step for every model of every parameter in ``steps``: one add on the tensor whose rows they
+    are, where they are all its rows in order (as :meth:`BatchedOptimizer.step` creates them, one row per
+    parameter), else a foreach add (a parameter without a gradient, or counts loaded or replaced one by one).
+    One add instead of one per parameter: 3 us against 10 (4 parameters) and 44 (20), 1 thread."""
+    base = steps[0]._base
+    if base is not None and base.dim() == 2 and base.shape[0] == len(steps) and not torch.compiler.is_compiling():
+        width, start = base.shape[1], base.storage_offset()
+        if base.stride() == (width, 1) and all(
+            s._base is base and s.storage_offset() == start + i * width and s.shape == (width,) and s.stride() == (1,)
+            for i, s in enumerate(steps)
+        ):
+            base.add_(1.0)
+            return
+    torch._foreach_add_(steps, 1.0)
+
+
 def steps_after_increment(steps: list[Tensor]) -> float | Tensor:
     """Each model's step count including the step being taken, as torch's Adam reads it (a Python float).
 
@@ -702,12 +719,14 @@ class BatchedOptimizer(Optimizer):
             inactive = None if active is None else self._inactive_models(active, num_models, params[0].device)
             if inactive is not None and inactive.numel() == num_models:
                 continue
-            states = []
+            states, fresh = [], []
             for p in params:
                 state = self.state[p]
                 if not state:  # before the snapshot below, so new state is masked too
                     state.update(self._init_state(p, group))
+                    fresh.append(state)
                 states.append(state)
+            self._count_steps_in_one_tensor(fresh)
             # Put inactive models' slices back afterwards: exact, and it covers every state entry.
             idle = inactive if inactive is not None and inactive.numel() > 0 else None
             saved = save_models(
@@ -731,6 +750,16 @@ class BatchedOptimizer(Optimizer):
                     )
             restore_models(saved, idle)
         return loss
+
+    @staticmethod
+    def _count_steps_in_one_tensor(states: list[dict[str, Any]]) -> None:
+        """Make new states' ``(M,)`` step counts the rows of one tensor, which :func:`increment_steps` counts
+        with one add (they are each still a state's own tensor, saved and loaded as such)."""
+        steps = [s["step"] for s in states if isinstance(s.get("step"), Tensor)]
+        if len(steps) > 1 and len({(t.shape, t.dtype, t.device) for t in steps}) == 1:
+            rows = torch.stack(steps).unbind(0)
+            for state, row in zip((s for s in states if isinstance(s.get("step"), Tensor)), rows):
+                state["step"] = row
 
     def _check_step(self, active: Tensor | None) -> None:
         """Refuse a step before anything changes (after the closure): none by default."""

@@ -16,6 +16,7 @@ from ._base import (
     foreach_add_scaled,
     foreach_addcdiv_scaled_,
     foreach_addcmul_scaled_,
+    increment_steps,
     is_zero,
     kernel_sqrt,
     kernel_value,
@@ -125,7 +126,7 @@ class Adam(BatchedOptimizer):
         steps = [s["step"] for s in states]
         step = self._steps_after_increment(steps)
         neg_step_size, bias_correction2_sqrt = bias_corrections(lr, beta1, beta2, step, params[0].device)
-        torch._foreach_add_(steps, 1.0)
+        increment_steps(steps)
         self._counted(steps, step)
         if group["maximize"]:
             grads = torch._foreach_neg(grads)
@@ -169,7 +170,7 @@ class Adam(BatchedOptimizer):
             step,
         )
         if kernel is not None:
-            torch._foreach_add_(steps, 1.0)
+            increment_steps(steps)
             # torch's kernel reads one step count per parameter: every model's, all being at one step.
             kernel(
                 params,

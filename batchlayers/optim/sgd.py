@@ -14,6 +14,7 @@ from ._base import (
     fma,
     foreach_add_scaled,
     foreach_add_scaled_,
+    increment_steps,
     is_zero,
     kernel_value,
     new_step_counts,
@@ -135,7 +136,7 @@ class SGD(BatchedOptimizer):
             momentum_now, keep_now = momentum_factors(momentum, dampening, step)
             torch._foreach_mul_(bufs, broadcast_per_model(momentum_now, params))
             foreach_add_scaled_(bufs, grads, broadcast_per_model(keep_now, params))
-            torch._foreach_add_(steps, 1.0)
+            increment_steps(steps)
             self._counted(steps, step)
             if group["nesterov"]:
                 nesterov_grads = foreach_add_scaled(grads, bufs, broadcast_per_model(momentum, params))
@@ -174,7 +175,7 @@ class SGD(BatchedOptimizer):
                 is_first_step=step == 1,
             )
             if has_momentum:
-                torch._foreach_add_(steps, 1.0)
+                increment_steps(steps)
                 self._counted(steps, step)
             return
         momentum_now, keep_now = momentum_factors(momentum, dampening, step) if has_momentum else (0.0, 0.0)
