@@ -51,8 +51,8 @@ class SGD(BatchedOptimizer):
         fused: ``True`` runs one fused kernel per step instead of foreach kernels: in float32 with float
             hyperparameters (every model at one step) torch's own (a few last bits may differ), otherwise a
             compiled one (``torch.compile``: its first step compiles it, seconds) with the foreach path's
-            numbers bit for bit. Default ``None``: foreach
-            kernels, each model's slice bit for bit its own torch.optim step.
+            numbers bit for bit. Default ``None``: foreach kernels, each model's slice bit for bit its own
+            torch.optim step.
         foreach, differentiable: accepted for signature compatibility; ``differentiable=True`` raises.
 
     State per parameter, once momentum is used: ``momentum_buffer`` (the parameter's shape) and ``step``
@@ -177,6 +177,7 @@ class SGD(BatchedOptimizer):
             if has_momentum:
                 increment_steps(steps)
                 self._counted(steps, step)
+            restore_models(saved, idle)
             return
         momentum_now, keep_now = momentum_factors(momentum, dampening, step) if has_momentum else (0.0, 0.0)
         self._compiled(sgd_kernel)(
