@@ -85,13 +85,25 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--results-file", type=pathlib.Path, help="default: results/<setup>.<format>")
     parser.add_argument("--format", choices=["csv", "json"], default="csv")
     parser.add_argument("--plot", action=argparse.BooleanOptionalAction, default=True, help="write a PNG plot")
-    parser.add_argument("--quick", action="store_true", help="fewer sizes and rounds: about a minute on 2 CPU cores")
+    parser.add_argument(
+        "--quick", action="store_true", help="fewer sizes and rounds: about three minutes on 2 CPU cores"
+    )
+    parser.add_argument(
+        "--per-model-optimizers",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also time one batchlayers.optim.Adam step against torch's fused Adam (python -m benchmarks.optimizers "
+        "on the 10-20-2 MLP at M=64 and the small ResNet at M=16; on CPU 1 thread, its CPU time) for the "
+        "optimizer targets (default: on unless --num-models or --workloads narrow the run)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
     args.iters = args.iters if args.iters is not None else (10 if args.quick else 30)
     args.budget_s = args.budget_s if args.budget_s is not None else (2.0 if args.quick else 8.0)
+    if args.per_model_optimizers is None:
+        args.per_model_optimizers = args.num_models is None and args.workloads == list(WORKLOADS)
     if args.compare_freed_memory is None:
         args.compare_freed_memory = args.device == "cpu" and not args.keep_freed_memory and can_keep_freed_memory()
     return args
@@ -115,6 +127,7 @@ def _kept_memory_run(args: argparse.Namespace) -> tuple[dict, list[dict]]:
         argv += ["--quick"] if args.quick else []
         argv += ["--compile"] if args.compile else []
         argv += ["--modes", *args.modes, "--keep-freed-memory", "--no-compare-freed-memory", "--no-memory", "--no-plot"]
+        argv += ["--no-per-model-optimizers"]
         argv += ["--no-progress", "--format", "json", "--results-file", str(path)]
         subprocess.run(argv, check=True, cwd=root, stdout=subprocess.DEVNULL)
         result = json.loads(path.read_text())
@@ -300,6 +313,25 @@ def run(args: argparse.Namespace) -> tuple[dict, list[dict]]:
     return setup, rows
 
 
+OPTIMIZER_SETS = ("mlp-tiny-64", "resnet-16")
+
+
+def _optimizer_run(args: argparse.Namespace) -> list[dict]:
+    """One Adam step of batchlayers.optim against torch's fused Adam (``benchmarks.optimizers``), on CPU with
+    one thread and its CPU time (so that a descheduled OpenMP thread does not count), threads put back."""
+    from . import optimizers
+
+    argv = ["--device", args.device, "--dtype", args.dtype, "--sets", *OPTIMIZER_SETS, "--optimizers", "Adam"]
+    argv += ["--threads", "1", "--clock", "thread"] if args.device == "cpu" else []
+    threads = torch.get_num_threads()
+    try:
+        if args.device == "cpu":
+            torch.set_num_threads(1)
+        return optimizers.run(optimizers.parse_args(argv + (["--quick"] if args.quick else [])))
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _setup_name(args: argparse.Namespace) -> str:
     parts = ["bench", args.device.replace(":", ""), args.dtype, f"{torch.get_num_threads()}threads"]
     parts += ["quick"] if args.quick else []
@@ -323,8 +355,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             _merge_kept(rows, kept_rows)
             setup["kept_memory_run"] = kept_setup["keep_freed_memory"]  # whether glibc took the settings there
+    optimizer_rows = _optimizer_run(args) if args.per_model_optimizers and args.dtype in ("float32", "float64") else []
     path = args.results_file or pathlib.Path("results") / f"{_setup_name(args)}.{args.format}"
     write_results(path, args.format, setup, rows)
+    if optimizer_rows:
+        write_results(path.with_name(f"{path.stem}-optimizers.{args.format}"), args.format, setup, optimizer_rows)
     header = (
         f"{setup['device']} ({setup['cpu']}), {setup['threads']} threads, torch {setup['torch']}, {setup['dtype']}; "
         f"dense GEMM {setup['gemm_gflops']} GFLOP/s"
@@ -339,7 +374,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     print(summary_table(rows))
     print("\nTargets (issue 10, and those of issues 5 and 9 it keeps):\n")
-    print(target_table(rows, compiled=args.compile))
+    print(target_table(rows, compiled=args.compile, optimizer_rows=optimizer_rows))
     print("\nWorkloads:\n")
     for name in args.workloads:
         workload = WORKLOADS[name]

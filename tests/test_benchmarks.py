@@ -155,3 +155,24 @@ def test_moe_benchmark_runs_and_contenders_agree(capsys):
     for row in rows:
         assert all(float(cell) > 0 for cell in row[3:6]), row
         assert float(row[-1]) < 1e-4, row
+
+
+def test_optimizer_targets_come_from_the_optimizer_benchmark(tmp_path) -> None:
+    """The quick benchmark's per-model optimizer targets: each fused batchlayers Adam's ratio to torch's fused
+    Adam, from a run of ``benchmarks.optimizers`` (timed, so only the rows are checked, not the verdicts)."""
+    from benchmarks.optimizers import main as optimizers
+    from benchmarks.report import target_table
+
+    argv = ["--sets", "mlp-tiny-64", "--optimizers", "Adam", "--threads", "1", "--clock", "thread"]
+    threads = torch.get_num_threads()
+    try:
+        rows = optimizers([*argv, "--repeats", "1", "--budget-s", "0", "--results-file", str(tmp_path / "o.csv")])
+    finally:
+        torch.set_num_threads(threads)
+    by_name = {r["contender"]: r for r in rows}
+    assert by_name["torch fused"]["vs_torch_fused"] == 1
+    table = target_table([], optimizer_rows=rows)
+    for lr in ("float", "(M,)"):
+        ratio = by_name[f"batchlayers {lr} lr fused"]["vs_torch_fused"]
+        line = f"| Adam fused=True, {lr} lr, mlp-tiny-64: <= 1x torch's fused Adam | {ratio:.3g} |"
+        assert line in table, table
