@@ -755,10 +755,9 @@ class BatchedOptimizer(Optimizer):
     def _count_steps_in_one_tensor(states: list[dict[str, Any]]) -> None:
         """Make new states' ``(M,)`` step counts the rows of one tensor, which :func:`increment_steps` counts
         with one add (they are each still a state's own tensor, saved and loaded as such)."""
-        steps = [s["step"] for s in states if isinstance(s.get("step"), Tensor)]
-        if len(steps) > 1 and len({(t.shape, t.dtype, t.device) for t in steps}) == 1:
-            rows = torch.stack(steps).unbind(0)
-            for state, row in zip((s for s in states if isinstance(s.get("step"), Tensor)), rows):
+        counted = [s for s in states if isinstance(s.get("step"), Tensor)]
+        if len(counted) > 1 and len({(s["step"].shape, s["step"].dtype, s["step"].device) for s in counted}) == 1:
+            for state, row in zip(counted, torch.stack([s["step"] for s in counted]).unbind(0)):
                 state["step"] = row
 
     def _check_step(self, active: Tensor | None) -> None:
