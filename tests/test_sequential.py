@@ -272,6 +272,21 @@ def test_inference_matches_loop():
         assert_close(model(x), y, msg="inference_mode output")
 
 
+@pytest.mark.parametrize("structure", ["gelu-silu-leaky", "inplace-silu-leaky", "relu-tanh-3"])
+def test_inference_runs_the_activations_in_place(structure):
+    """Without gradients nothing reads a linear's output again: every activation overwrites it, allocating no
+    tensor the size of the hidden layer, with the loop's numbers."""
+    model, loops = _build(STRUCTURES[structure])
+    x = _input(structure, (M, 4))
+    with RecordOps() as ops, torch.no_grad():
+        y = model(x)
+    assert_close(y, torch.stack([loops[m](x[m]) for m in range(M)]), msg="no_grad output")
+    kinds = {"aten.gelu", "aten.silu", "aten.leaky_relu", "aten.relu", "aten.tanh"}
+    ran = [op for op in (name.rsplit(".", 1)[0] for name, _, _ in ops.ops) if op.rstrip("_") in kinds]
+    assert all(op.endswith("_") for op in ran), ran
+    assert len(ran) == sum(not isinstance(m, (BatchedLinear, Folded)) for m in model), ran
+
+
 def test_autocast_runs_as_the_layers():
     model, _ = _build(STRUCTURES["relu-tanh-3"], torch.float32)
     plain = nn.Sequential(*model)

@@ -68,16 +68,20 @@ def fused_linear_chain(
     One autograd node while gradients are recorded (see the module docstring); without them, the same
     forward with each activation in place on its linear's output."""
     if not torch.is_grad_enabled() or not any(t.requires_grad for t in (x, *weights, *biases) if t is not None):
-        return _forward(x, weights, biases, activations, inplace=True)[0]
+        return _forward(x, weights, biases, activations, inplace=True, saves=False)[0]
     params = [t for pair in zip(weights, biases) for t in pair]
     return _LinearChain.apply(activations, x, *params)
 
 
-def _forward(x: Tensor, weights, biases, activations, *, inplace: bool) -> tuple[Tensor, list, list]:
+def _forward(
+    x: Tensor, weights, biases, activations, *, inplace: bool, saves: bool = True
+) -> tuple[Tensor, list, list]:
     """The chain's output, the activations' outputs (each layer's input but the first) and the inputs of the
     activations whose backward reads them (None for the others). With ``inplace`` (nothing recorded) the
     products run with the long side last (:func:`_product`), so the hidden tensors may be transposed views;
-    the output is contiguous, as ``nn.Linear``'s."""
+    the output is contiguous, as ``nn.Linear``'s. Activations run in place on their linear's output
+    where nothing reads that again: ReLU and Tanh (whose backward reads the output), and all of them
+    without ``saves`` (nothing kept for a backward)."""
     hidden: list[Tensor] = []
     pre: list[Tensor | None] = []
     h = x
@@ -86,8 +90,9 @@ def _forward(x: Tensor, weights, biases, activations, *, inplace: bool) -> tuple
         h = _unrecorded_affine(h, w, b, contiguous=i == last) if inplace else _affine(h, w, b)
         if i < len(activations):
             name, argument = activations[i]
-            pre.append(None if name in _FROM_OUTPUT else h)
-            h = _activate(h, name, argument, inplace)
+            keeps_input = saves and name not in _FROM_OUTPUT
+            pre.append(h if keeps_input else None)
+            h = _activate(h, name, argument, inplace and not keeps_input)
             hidden.append(h)
     return h, hidden, pre
 
@@ -149,10 +154,10 @@ def _activate(h: Tensor, name: str, argument, inplace: bool) -> Tensor:
     if name == "tanh":
         return h.tanh_() if inplace else torch.tanh(h)
     if name == "gelu":
-        return F.gelu(h, approximate=argument)
+        return torch._C._nn.gelu_(h, approximate=argument) if inplace else F.gelu(h, approximate=argument)
     if name == "silu":
-        return F.silu(h)
-    return F.leaky_relu(h, argument)
+        return F.silu(h, inplace=inplace)
+    return F.leaky_relu(h, argument, inplace=inplace)
 
 
 def _activation_backward_(grad: Tensor, name: str, argument, output: Tensor, input: Tensor | None) -> None:
