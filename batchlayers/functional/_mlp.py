@@ -154,7 +154,9 @@ def _activate(h: Tensor, name: str, argument, inplace: bool) -> Tensor:
     if name == "tanh":
         return h.tanh_() if inplace else torch.tanh(h)
     if name == "gelu":
-        return torch._C._nn.gelu_(h, approximate=argument) if inplace else F.gelu(h, approximate=argument)
+        if inplace:
+            return torch._C._nn.gelu_(h, approximate=argument)  # type: ignore[attr-defined]  # (no public gelu_)
+        return F.gelu(h, approximate=argument)
     if name == "silu":
         return F.silu(h, inplace=inplace)
     return F.leaky_relu(h, argument, inplace=inplace)
