@@ -24,7 +24,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from ._provenance import Lost, PerModel, Tracker, get_tag, set_tag
+from ._provenance import Lost, PerModel, Tracker, from_size_alone, from_size_message, get_tag, set_tag
 from ._utils import layer_name
 
 __all__ = [
@@ -508,6 +508,8 @@ class UnfoldLeafInputs:
                         f"of {type(layer).__name__} is rows of tokens, as many as its other inputs'"
                     )
             if tag is None:
+                if num_models > 1 and from_size_alone((t,), {}) is not None:
+                    raise ValueError(from_size_message(f"{layer_name(layer)}: its input", t))
                 _refuse_batch_sized(layer_name(layer), "its input", t, call, anywhere=False)
             elif tag is not PerModel:
                 model_dim = cast(int, tag)  # not None, not PerModel, not Lost (refused or made 0 above)

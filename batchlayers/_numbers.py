@@ -13,21 +13,27 @@ were each model's, so the number read and everything computed from it carry both
   model's number.
 
 Python's own operators, comparisons and ``round``/``abs``/``math.floor`` on these give marked numbers again, a
-comparison whose answer differs from each original model's is refused, and ``int()``/``float()`` (which
-Python makes plain whatever they return) are refused where they would lose a number that differs. The tracker
-(``batchlayers._provenance``) refuses a number that differs anywhere torch would use it as a value.
+comparison whose answer differs from each original model's is refused (also with a plain number that equals
+the folded one: ``B == h.shape[1]`` with ``h.shape[1] == M * B``), and ``int()``/``float()``, ``str()`` and
+``format()`` (which Python makes plain whatever they return) are refused where they would lose a number that
+differs. The tracker (``batchlayers._provenance``) refuses a number that differs anywhere torch would use it
+as a value.
 
 What Python computes without asking the number cannot be followed: a ``float`` on the left of an operator
 (``1.0 / B``, ``0.5 * B``: float's own operator reads the int directly), ``math.log(B)`` (which reads an int's
 digits), ``math`` functions of a :class:`FoldedValue` (``math.sqrt(B / 2)`` reads the float itself),
-``range(B - 1)``. Those stay plain numbers.
+``range(B)``, ``operator.index(B)`` and a list indexed by ``B`` (CPython takes an int subclass as it is),
+``"%d" % B``. Those stay plain numbers (``batchlayers.verify`` against the original models finds them).
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import math
 import operator
+import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -43,6 +49,13 @@ def plain_number_message(how: str, of: str, value: object, where: str, own: obje
         "Read the size with x.size(0) or x.shape[0] and compute with it, which batchlayers follows (as a shape "
         "it works, as a value it is refused), or stack with execution='model_by_model'"
     )
+
+
+# Code that may write a marked number into a message (see _Marked._refuse_text): batchlayers' own and torch's.
+_LIBRARIES = (
+    os.path.dirname(__file__) + os.sep,
+    os.path.dirname(importlib.util.find_spec("torch").origin) + os.sep,  # type: ignore[union-attr,arg-type]
+)
 
 
 def _parts(x: object) -> tuple[Any, Any] | None:
@@ -99,8 +112,6 @@ class _Marked:
         theirs = _parts(other)
         if theirs is None:
             return NotImplemented  # a tensor: its own comparison, where the tracker sees the number
-        if self._unmarked_size(other):
-            return op(self.folded(), other)
         folded, own = op(self.folded(), theirs[0]), op(self.own, theirs[1])
         if own != folded:
             raise ValueError(
@@ -109,9 +120,6 @@ class _Marked:
                 f"{folded}. Stack with execution='model_by_model', which runs each model's forward on its own samples"
             )
         return folded
-
-    def _unmarked_size(self, other: object) -> bool:
-        return False
 
     def _refuse_plain(self, how: str) -> None:
         if differs(self):
@@ -134,6 +142,39 @@ class _Marked:
     def __float__(self) -> float:
         self._refuse_plain("float()")
         return float(self.folded())
+
+    def __str__(self) -> str:
+        self._refuse_text("str()")
+        return str(self.folded())
+
+    def __format__(self, spec: str) -> str:
+        self._refuse_text("format()")
+        return format(self.folded(), spec)
+
+    def _refuse_text(self, how: str) -> None:
+        """Text is a plain string that batchlayers cannot follow (``int(f"{B}")``): refused where the number
+        differs, unless batchlayers or torch write it (into a message; ``repr()`` is never refused)."""
+        if differs(self) and not sys._getframe(2).f_code.co_filename.startswith(_LIBRARIES):
+            raise ValueError(
+                f"batchlayers: {how} of {self.kind} gives '{self.folded()}', {self.where()}, as text that batchlayers "
+                f"cannot follow, where each original model has its own ({self.own}). Compute with the number "
+                "itself, or stack with execution='model_by_model'"
+            )
+
+    @property
+    def real(self) -> Any:
+        return self
+
+    @property
+    def imag(self) -> Any:
+        return type(self.folded())(0)
+
+    def conjugate(self) -> Any:
+        return self
+
+    def as_integer_ratio(self) -> tuple:
+        self._refuse_plain("as_integer_ratio()")
+        return self.folded().as_integer_ratio()
 
     def __reduce__(self) -> tuple:
         return type(self.folded()), (self.folded(),)
@@ -194,6 +235,23 @@ class FoldedInt(_Marked, int):
     def __invert__(self) -> Any:
         return self._one(operator.invert)
 
+    @property
+    def numerator(self) -> Any:
+        return self
+
+    def as_integer_ratio(self) -> tuple:
+        return self, 1
+
+    def bit_length(self) -> Any:
+        return self._one(int.bit_length)
+
+    def bit_count(self) -> Any:
+        return self._one(int.bit_count)
+
+    def to_bytes(self, *args: Any, **kwargs: Any) -> bytes:
+        self._refuse_plain("to_bytes()")
+        return self.folded().to_bytes(*args, **kwargs)
+
     def __trunc__(self) -> Any:
         return self
 
@@ -214,6 +272,13 @@ class FoldedValue(_Marked, float):
 
     def __trunc__(self) -> Any:
         return self._one(math.trunc)
+
+    def is_integer(self) -> bool:
+        return bool(self._compare(0, lambda v, _: float(v).is_integer(), "is_integer()"))
+
+    def hex(self) -> str:
+        self._refuse_plain("hex()")
+        return self.folded().hex()
 
     def __floor__(self) -> Any:
         return self._one(math.floor)
@@ -244,10 +309,6 @@ class FoldedSize(FoldedInt):
     def where(self) -> str:
         m, own = self.num_models, self.own
         return f"{self.made} the size of a tensor that holds the models' samples (M * B = {m} * {own})"
-
-    def _unmarked_size(self, other: object) -> bool:
-        """A plain int equal to the folded size: a size of the samples read where batchlayers did not mark it."""
-        return type(other) is int and other == self.folded()
 
     def _sized(self, out: object) -> Any:
         return FoldedSize(out.folded(), self.num_models) if isinstance(out, _Marked) else out

@@ -59,6 +59,8 @@ from ._provenance import (
     einsum_labels,
     einsum_operands,
     einsum_tag,
+    from_size_alone,
+    from_size_message,
     get_tag,
     loss_arguments,
     set_tag,
@@ -87,6 +89,13 @@ def call(ctx, func: Callable, args: tuple, kwargs: dict) -> object:
             f"computed from one) with a tensor whose rows cannot be assigned to models: it was made by "
             f"{lost.reason}"
         )
+    if ctx.num_models > 1 and func not in _TAKES_THE_FOLDED_SIZE:
+        _refuse_folded_sizes(ctx, func, (args, kwargs))
+        alone = from_size_alone(args, kwargs)
+        if alone is not None:
+            raise ValueError(
+                from_size_message(f"batchlayers: {_name(func)} on a per-model value gets a tensor that", alone)
+            )
     meta = _META.get(func)
     if meta is not None and args and get_tag(args[0]) is PerModel:
         return meta(ctx.num_models, args[0], *args[1:], **kwargs)
@@ -95,7 +104,31 @@ def call(ctx, func: Callable, args: tuple, kwargs: dict) -> object:
         result = fast(ctx, func, args, kwargs)
         if result is not NotImplemented:
             return result
+    if ctx.num_models > 1 and func not in _PASS:
+        _refuse_folded_sizes(ctx, func, (args, kwargs))  # (a size-taking call its fast path did not take)
     return _per_model_loop(ctx, func, args, kwargs)
+
+
+def _refuse_folded_sizes(ctx, func: Callable, obj: object) -> None:
+    """Refuse a size read from the models' samples (``B = x.size(0)``, ``M * B`` in the folded forward) given
+    to a call on a per-model value other than one that brings it to the samples (``expand``, ``repeat``,
+    ``new_zeros``): ``table[:B]``, ``table[B]``, ``table.narrow(0, 0, B)`` would read ``M * B`` of each
+    model's value where each original model reads ``B``."""
+    if isinstance(obj, FoldedSize):
+        raise ValueError(
+            f"batchlayers: {_name(func)} gets {obj.folded()}, {obj.where()}, with a per-model value (a parameter, "
+            f"buffer or a value computed from one) whose size it does not bring to the samples: each original "
+            f"model reads its own ({obj.own}). Slice or index per-model values by their own sizes, or stack with "
+            "execution='model_by_model'"
+        )
+    if isinstance(obj, (list, tuple)):
+        for o in obj:
+            _refuse_folded_sizes(ctx, func, o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            _refuse_folded_sizes(ctx, func, o)
+    elif isinstance(obj, slice):
+        _refuse_folded_sizes(ctx, func, (obj.start, obj.stop, obj.step))
 
 
 def _all_tags(args: Sequence, kwargs: dict) -> list:
@@ -406,7 +439,7 @@ def _expand(ctx, method: str = "expand"):
                 (
                     k
                     for k, v in enumerate(sizes)
-                    if v in ctx.folded_sizes
+                    if (int.__int__(v) if isinstance(v, int) else v) in ctx.folded_sizes  # (no marked ==)
                     and (t.shape[k + 1] == 1 or (method != "expand" and isinstance(v, FoldedSize)))
                 ),
                 None,
@@ -908,6 +941,8 @@ def _expand_fast(ctx, func, args, kwargs):
 
 for _fn in _EXPANDS:
     _FAST[_fn] = _expand_fast
+# calls on a per-model value that may take the size of the samples, B = x.size(0) (see _refuse_folded_sizes)
+_TAKES_THE_FOLDED_SIZE = {*_EXPANDS, *_PASS, Tensor.new_zeros, Tensor.new_ones, Tensor.new_full, Tensor.new_empty}
 for _fn in (Tensor.new_zeros, Tensor.new_ones, Tensor.new_full, Tensor.new_empty):
     _FAST[_fn] = _new_tensor
 del _fn

@@ -305,6 +305,10 @@ class Tracker(TorchFunctionMode):
             named = _torch_names(kwargs) if "axis" in kwargs or "keepdims" in kwargs else kwargs
             out = self._tracked(func, args, named, tagged, kwargs)
             sized = _sized_dims(func, args, kwargs, out) if shaped else None
+            if self.size_read and _from_size_among(args, kwargs):
+                _mark_from_size([o for o in _outputs(out) if get_tag(o) is None])  # (arange(B).type_as(h))
+            if type(out) is tuple and self.num_models > 1 and not torch.compiler.is_compiling():
+                out = Parts(out)  # (h.unbind(1), h.chunk(k, 1): not to be indexed by B)
         if sized:
             _check_sized(func, sized, out)
         elif numbers and tagged and func in _COUNTED_BY_SIZE and isinstance(get_tag(out), int):
@@ -316,7 +320,12 @@ class Tracker(TorchFunctionMode):
                     wide=True,
                 ),
             )
-        elif self.size_read and not tagged and func in _SIZES and getattr(args[0], _FROM_SIZE, False):
+        elif (
+            self.size_read
+            and not tagged
+            and (func in _SIZES or func is Tensor.__len__)
+            and getattr(args[0], _FROM_SIZE, False)
+        ):
             out = _marked_sizes_from_size(self, func, args, kwargs, out)
         return out
 
@@ -1567,11 +1576,59 @@ def _from_size_among(args: Sequence, kwargs: dict) -> bool:
     return False
 
 
+class Parts(tuple):
+    """The parts of a tensor that holds the models' samples (``h.unbind(1)``, ``h.chunk(4, -1)``), as torch's
+    tuple, which refuses to be indexed by a number that differs per model (``parts[B]`` with ``B = x.size(0)``:
+    ``M * B`` in the folded forward, where each original model takes part ``B``). A plain tuple once copied."""
+
+    __slots__ = ()
+
+    def __getitem__(self, index: Any) -> Any:
+        for n in (index.start, index.stop, index.step) if isinstance(index, slice) else (index,):
+            if differs(n):
+                raise ValueError(
+                    f"batchlayers: the parts of a tensor that holds the models' samples (a tuple of {len(self)}) "
+                    f"are indexed by {n.folded()}, {n.where()}, where each original model takes its own "
+                    f"({n.own}). Index by a number that does not come from the samples' size, or stack with "
+                    "execution='model_by_model'"
+                )
+        return tuple.__getitem__(self, index)
+
+    def __reduce__(self) -> tuple:
+        return tuple, (tuple(self),)
+
+
+def from_size_alone(args: Sequence, kwargs: dict) -> Tensor | None:
+    """The first tensor among the arguments made from a size read from the samples without any tensor that holds
+    them (``torch.arange(B).mean()``): the same for every model, where each original model computes its own
+    from its own ``B``; None if there is none."""
+    for a in (*args, *kwargs.values()):
+        for b in a if isinstance(a, (list, tuple)) else (a,):
+            if isinstance(b, Tensor) and getattr(b, _FROM_SIZE, False) and get_tag(b) is None:
+                return b
+    return None
+
+
+def from_size_message(what: str, t: Tensor) -> str:
+    return (
+        f"{what} (shape {tuple(t.shape)}) was computed from a size read from the models' samples alone "
+        "(torch.arange(B) with B = x.size(0), which is M * B in the folded forward), the same for every model, "
+        "where each original model computes its own from its own B. Compute it from the samples themselves, or "
+        "stack with execution='model_by_model'"
+    )
+
+
 def _marked_sizes_from_size(ctx: Tracker, func: Callable, args: tuple, kwargs: dict, out: object) -> object:
     """``torch.arange(B).numel()``, ``.shape``: the sizes of a tensor built from a read size alone that are as
     long as the folded batch come back as :class:`FoldedSize` (M times each original model's), as read from the
     samples."""
     m, folded = ctx.num_models, ctx.folded_sizes
+    if func is Tensor.__len__:
+        n = cast(Tensor, args[0]).shape[0]
+        if n in folded and m > 1:  # (len() makes any int it gets plain: refused, as for the samples themselves)
+            where = f"read from the size of a tensor that holds the models' samples (M * B = {m} * {n // m} there)"
+            raise TypeError(plain_number_message("len()", "a tensor made from that size", n, where, n // m))
+        return out
     if isinstance(out, torch.Size):
         return torch.Size([FoldedSize(n, m) if n in folded else n for n in out])
     if type(out) is not int:
@@ -1636,13 +1693,22 @@ def _index_position(
                 return Lost("advanced indexing into the dimension that holds the models' samples")
             if batch_sized is not None and isinstance(it, Tensor) and batch_sized(it):
                 return _batch_long_index(name, in_dim, it)
+            if isinstance(it, list) and _holds_a_folded_size(it):
+                return _wide_index(name, in_dim)
             in_dim += width
             out_dim += 1 if isinstance(it, Tensor) and it.dtype == torch.bool else torch.as_tensor(it).dim()
         else:  # an int (or a 0-dim tensor) removes the dimension
             if in_dim == d:
                 return Lost("indexing into the dimension that holds the models' samples")
+            if isinstance(it, FoldedSize):
+                return _wide_index(name, in_dim)
             in_dim += 1
     return found if found is not None else out_dim + d - in_dim  # (dimensions after the index keep their order)
+
+
+def _holds_a_folded_size(items: list) -> bool:
+    """Whether a (nested) index list holds a size read from the models' samples."""
+    return any(_holds_a_folded_size(i) if isinstance(i, list) else isinstance(i, FoldedSize) for i in items)
 
 
 def _index_width(it: object) -> int:

@@ -158,7 +158,7 @@ class _FlatTokens(nn.Module):
 def test_positions_repeated_by_a_size_read_in_forward() -> None:
     """The batched forward reads N * B there and refuses, pointing here; model by model it is exact."""
     x = torch.randn(2, 3, 5, 4, dtype=torch.float64)
-    with pytest.raises(ValueError, match=r"do not broadcast.*execution='model_by_model'"):
+    with pytest.raises(ValueError, match=r"computed from a size read from the models' samples alone.*model_by_model'"):
         bl.stack([seeded(_FlatTokens, i) for i in range(2)])(x)
     batched, references = _stacked(_FlatTokens, 2)
     compare_training(batched, references, lambda lead: torch.randn(*lead, 5, 4, dtype=torch.float64), batch=3)

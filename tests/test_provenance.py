@@ -1100,7 +1100,7 @@ def test_folded_sizes_copy_and_pickle_as_plain_ints() -> None:
     size = FoldedSize(12, 2)  # M * B = 2 * 6
     for copied in (copy.deepcopy(size), pickle.loads(pickle.dumps(size))):
         assert type(copied) is int and copied == 12
-    assert (size * 3, size // 2, size + size) == (36, 6, 24)
+    assert tuple(v.folded() for v in (size * 3, size // 2, size + size)) == (36, 6, 24)
     assert all(isinstance(v, FoldedSize) for v in (size * 3, 3 * size, size // 2, size + size))
     assert not any(isinstance(v, FoldedSize) for v in (size // 4, size + 1, size * size, size * True))
     for number in (size - 1, size * 0.5, -size, 1 / size):
