@@ -429,11 +429,16 @@ _check_eagerly = torch.compiler.disable(
 
 def _refuse_batch_sized(name: str, what: str, t: Tensor, call: _Call, anywhere: bool) -> None:
     """A tensor without the models' samples whose size is the folded M*B may have been sized from the batch
-    (``torch.arange(x.size(0))``) or be a sequence of that length: refuse it rather than guess."""
+    (``torch.arange(x.size(0))``) or be a sequence of that length: refuse it rather than guess. Eagerly the
+    tracker knows which tensors were made from the read size (``from_size_alone``): only those are refused, a
+    sequence that merely has M*B entries (a (T, T) causal mask, ``torch.arange(T)``) is what it is."""
+    compiling = torch.compiler.is_compiling()
+    if not compiling and from_size_alone((t,), {}) is None:
+        return
     sizes = t.shape if anywhere else t.shape[:1]
     folded = next((n for n in call.tracker.folded_sizes if n in sizes), None)
     # torch.compile does not pass size reads to the tracker: there any such tensor may have been sized so.
-    size_read = call.tracker.size_read or torch.compiler.is_compiling()
+    size_read = call.tracker.size_read or compiling
     if call.num_models > 1 and size_read and folded is not None:
         raise ValueError(
             f"{name}: {what} is ambiguous: it has shape {tuple(t.shape)}, with the folded batch size M*B = "

@@ -1877,12 +1877,13 @@ def _loss(ctx, name, args, kwargs, out, tagged) -> None:
 
 
 def _new_batch_sized(ctx: Tracker, out: Tensor, sized: list[tuple[int, int]] | None) -> list[int]:
-    """The dimensions of a new tensor that may hold the samples: those given a :class:`FoldedSize`
-    (:func:`_sized_dims`), known; else those whose size equals a folded batch size (a size that went through
-    ``int()``), guessed. The creators take the first."""
+    """The dimensions of a new tensor that hold the samples: those given a :class:`FoldedSize`
+    (:func:`_sized_dims`). Never guessed from a size that equals the folded one (a (T, T) causal mask with
+    T == M * B is a mask): ``int(B)`` is refused, and what CPython reads without asking is documented as not
+    followed. The creators take the first."""
     if sized:
         return [k for k, _ in sized]
-    return [k for k, n in enumerate(out.shape) if n in ctx.folded_sizes]
+    return []
 
 
 def _uniform_creator(

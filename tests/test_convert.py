@@ -271,13 +271,14 @@ def test_gpt_loss_in_forward_is_each_models_own() -> None:
         assert_close(p.grad, ref, msg=f"gradient of {name}")
 
 
-def test_gpt_ambiguous_positions_raise() -> None:
-    """nanoGPT's ``arange(T)`` positions with T == M*B could be read as one index per sample: refuse."""
-    models = [seeded(lambda: zoo.GPT(zoo.GPTConfig(position_indices="T")), i) for i in range(2)]
-    batched = stack(models)
-    with pytest.raises(ValueError, match=r"wpe.*ambiguous.*unsqueeze\(0\)"):
-        batched(torch.randint(0, 11, (2, 4, 8)))  # M*B = 8 = T
-    batched(torch.randint(0, 11, (2, 3, 8)))  # M*B = 6: fine
+@pytest.mark.parametrize("batch", [4, 3], ids=["T == M*B", "T != M*B"])
+def test_gpt_positions_as_long_as_the_folded_batch_are_exact(batch: int) -> None:
+    """nanoGPT's ``arange(T)`` positions, also where T == M*B (8 = 2 * 4): made from T, not from the read
+    batch size, so they are one sequence shared by every sample, as in each original model."""
+    factory = lambda: zoo.GPT(zoo.GPTConfig(position_indices="T"))  # noqa: E731
+    make_input = lambda lead: torch.randint(0, 11, (*lead, 8))  # noqa: E731
+    compare_training(stack([seeded(factory, i) for i in range(2)]), [seeded(factory, i) for i in range(2)],
+                     make_input, batch=batch, logits=lambda out: out.logits)  # fmt: skip
 
 
 # Dynamo itself reads .grad of the output dataclass's tensors while tracing the root's output hook.

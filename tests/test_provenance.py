@@ -70,6 +70,20 @@ class TimeMajor(nn.Module):
         return h.transpose(0, 1)
 
 
+class CausalMask(nn.Module):
+    """Attention with a ``(T, T)`` causal mask built in forward from the sizes read (GPT-style)."""
+
+    def __init__(self, features: int = 4) -> None:
+        super().__init__()
+        self.qk = nn.Linear(features, 2 * features)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k = self.qk(x).split(C, -1)
+        mask = torch.triu(torch.ones(T, T, dtype=torch.bool), 1)
+        return (q @ k.transpose(1, 2)).masked_fill(mask, float("-inf")).softmax(-1) @ x
+
+
 def _sequences(seq: int):
     return lambda lead: torch.randn(*lead, seq, 4, dtype=torch.float64)
 
@@ -82,6 +96,8 @@ EXACT = {
     "flattened tokens T == M*B": (FlatTokens, _sequences(6), 3),
     "time-major": (TimeMajor, _sequences(5), 3),
     "time-major T == M*B": (TimeMajor, _sequences(6), 3),
+    "causal mask T != M*B": (CausalMask, _sequences(5), 3),
+    "causal mask T == M*B": (CausalMask, _sequences(6), 3),
     "GPT length-1 sequence, (T,) positions": (lambda: zoo.GPT(zoo.GPTConfig(position_indices="T")), None, 3),
     "GPT length-1 sequence, (1, T) positions": (lambda: zoo.GPT(zoo.GPTConfig(position_indices="1T")), None, 3),
 }
@@ -103,13 +119,13 @@ def _refused(model: nn.Module, x: torch.Tensor, match: str, error: type[Exceptio
     assert torch.overrides._get_current_function_mode_stack() == []
 
 
-def test_batchless_index_of_the_folded_size_after_reading_sizes_is_refused() -> None:
-    """Once ``x.shape`` put M*B into plain ints, a (T, T) index with T == M*B may be batch-sized: refused,
-    naming the layer; with T != M*B the same model is exact."""
+@pytest.mark.parametrize("batch", [3, 2], ids=["T == M*B", "T != M*B"])
+def test_batchless_index_after_reading_sizes_is_exact(batch: int) -> None:
+    """After ``B, T, C = x.shape``, a (T, T) index buffer is what it is, also where T == M*B: the tracker
+    knows that no tensor was made from ``B``, so nothing is guessed from sizes."""
     factory = lambda: RelativeBias(read_sizes=True)  # noqa: E731
     batched = stack([seeded(factory, i) for i in range(2)])
-    _refused(batched, torch.randn(2, 3, 6, 4, dtype=torch.float64), r"table.*ambiguous.*\(6, 6\).*M\*B = 2\*3 = 6")
-    compare_training(batched, [seeded(factory, i) for i in range(2)], _sequences(6), batch=2)
+    compare_training(batched, [seeded(factory, i) for i in range(2)], _sequences(6), batch=batch)
 
 
 class _Pattern(nn.Module):
@@ -1461,16 +1477,12 @@ class _MaskByIndex(nn.Module):
 
 @pytest.mark.parametrize("seq", [5, 6], ids=["T != M*B", "T == M*B"])
 def test_masks_built_by_indexing_with_arange_are_per_sample(seq: int) -> None:
-    """Exact; with T == M*B the (T, T) causal mask made after reading the sizes may be batch-sized, and its
-    tril then runs over what may be the samples: refused, never guessed."""
+    """Exact, also with T == M*B: the (T, T) causal mask is given T, a size read from another dimension than
+    the samples', so it is not batch-sized however its size compares with theirs."""
     models = [seeded(lambda: _MaskByIndex("arange"), i) for i in range(2)]
     x = torch.randn(2, 3, seq, 4, dtype=torch.float64)
     padding = torch.rand(2, 3, seq) > 0.3
     padding[..., 0] = True
-    if seq == 6:
-        with pytest.raises(ValueError, match=r"Tensor.tril over the dimension that holds the models' samples"):
-            stack(models)(x, padding)
-        return
     out = stack(models)(x, padding)
     assert_close(out, torch.stack([m(x[i], padding[i]) for i, m in enumerate(models)]), msg="masked attention")
     shuffled = stack([_MaskByIndex("flipped"), _MaskByIndex("flipped")])
@@ -1775,12 +1787,14 @@ class _CachedInForward(nn.Module):
         return (attention @ self.qk(x).view(b, n, self.heads, -1).transpose(1, 2)).transpose(1, 2).reshape(b, n, -1)
 
 
+@pytest.mark.parametrize("seq", [5, 6], ids=["N != M*B", "N == M*B"])
 @pytest.mark.parametrize("what", ["relative indices", "ALiBi heads == M"])
-def test_caches_that_forward_assigns_are_each_models_own(what: str) -> None:
-    """Exact on the call that fills the cache and on the calls that read it (they read it as one model's)."""
+def test_caches_that_forward_assigns_are_each_models_own(what: str, seq: int) -> None:
+    """Exact on the call that fills the cache and on the calls that read it (they read it as one model's),
+    also where the cache's length equals the folded batch: it was not made from the read batch size."""
     factory = lambda: _CachedInForward(what)  # noqa: E731
     references = [seeded(factory, i) for i in range(2)]
-    make_input = lambda lead: torch.randn(*lead, 5, 8, dtype=torch.float64)  # noqa: E731
+    make_input = lambda lead: torch.randn(*lead, seq, 8, dtype=torch.float64)  # noqa: E731
     compare_training(stack(references), [seeded(factory, i) for i in range(2)], make_input, batch=3, steps=3)
 
 
@@ -1789,8 +1803,6 @@ def test_caches_that_forward_assigns_are_each_models_own(what: str) -> None:
     [
         ("samples", 5, r"forward assigned a value computed from the models' samples .*'cache'"),
         ("positions of the batch", 5, r"the tensor forward assigned to 'cache' .* is ambiguous: it has shape \(6,\)"),
-        ("relative indices", 6, r"'cache' .* is ambiguous: it has shape \(1, 6, 6, 3\)"),  # N == M*B
-        ("ALiBi heads == M", 6, r"'cache' .* is ambiguous: it has shape \(2, 6, 6\)"),
     ],
 )
 def test_a_cache_of_the_samples_is_refused_and_the_buffer_kept(what: str, seq: int, match: str) -> None:
