@@ -56,6 +56,7 @@ from ._provenance import (
     _norm,
     _outputs,
     _tagged,
+    each_models_positions,
     einsum_labels,
     einsum_operands,
     einsum_tag,
@@ -91,6 +92,7 @@ def call(ctx, func: Callable, args: tuple, kwargs: dict) -> object:
         )
     if ctx.num_models > 1 and func not in _TAKES_THE_FOLDED_SIZE:
         _refuse_folded_sizes(ctx, func, (args, kwargs))
+        args, kwargs = cast(tuple, each_models_positions(ctx, args)), cast(dict, each_models_positions(ctx, kwargs))
         alone = from_size_alone(args, kwargs)
         if alone is not None:
             raise ValueError(

@@ -1834,6 +1834,25 @@ def _mark_positions(args: tuple, kwargs: dict, out: object) -> None:
         out._batchlayers_positions = end.one_model()  # type: ignore[attr-defined]  # (syntax: see set_tag)
 
 
+def each_models_positions(ctx, obj: object) -> object:
+    """``obj`` (arguments, nested) with each ``torch.arange(B)`` of a read ``B`` (see :func:`_mark_positions`)
+    replaced by ``arange`` of one model's ``B``: what every original model holds, for a call on per-model
+    values (``F.cross_entropy(scores.T, torch.arange(B))``, ``table[torch.arange(B)]``), which gives each
+    model its own result."""
+    if isinstance(obj, Tensor):
+        own = getattr(obj, _POSITIONS, None)
+        if own is None or get_tag(obj) is not None or len(obj) != own * ctx.num_models:
+            return obj
+        if not torch.equal(obj, torch.arange(len(obj), dtype=obj.dtype, device=obj.device)):
+            return obj  # written in place since: not each model's arange any more
+        return torch.arange(own, dtype=obj.dtype, device=obj.device)
+    if isinstance(obj, (list, tuple)) and any(isinstance(o, Tensor) for o in obj):
+        return type(obj)(each_models_positions(ctx, o) for o in obj)
+    if isinstance(obj, dict):
+        return {k: each_models_positions(ctx, v) for k, v in obj.items()}
+    return obj
+
+
 def _positions_as_targets(ctx, func, args, kwargs, tagged) -> object:
     """``F.cross_entropy(logits, torch.arange(B))``, ``B`` read from the samples: sample ``i``'s class is
     ``i`` (contrastive losses, where logits over pairs of samples score each sample against its own pair).

@@ -63,6 +63,8 @@ class BatchedPReLU(nn.Module):
         self.num_parameters = check_size(type(self).__name__, "num_parameters", num_parameters, 1)
         self.init = init
         self.weight = nn.Parameter(torch.empty((num_models, num_parameters), **factory_kwargs))
+        if num_parameters == 1:  # elementwise: in a stacked forward the samples may be on any dimension (h.T)
+            self._rowwise_trailing_dims = 0
         self.reset_parameters()
 
     def reset_parameters(self) -> None:

@@ -84,6 +84,18 @@ class CausalMask(nn.Module):
         return (q @ k.transpose(1, 2)).masked_fill(mask, float("-inf")).softmax(-1) @ x
 
 
+class TransposedPReLU(nn.Module):
+    """A single-slope PReLU (elementwise) on the samples transposed to the last dimension."""
+
+    def __init__(self, features: int = 6) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, features)
+        self.act = nn.PReLU(init=-0.5)
+
+    def forward(self, x):
+        return self.act(self.fc(x).T).T
+
+
 def _sequences(seq: int):
     return lambda lead: torch.randn(*lead, seq, 4, dtype=torch.float64)
 
@@ -98,6 +110,7 @@ EXACT = {
     "time-major T == M*B": (TimeMajor, _sequences(6), 3),
     "causal mask T != M*B": (CausalMask, _sequences(5), 3),
     "causal mask T == M*B": (CausalMask, _sequences(6), 3),
+    "single-slope PReLU on h.T": (TransposedPReLU, lambda lead: torch.randn(*lead, 4, dtype=torch.float64), 3),
     "GPT length-1 sequence, (T,) positions": (lambda: zoo.GPT(zoo.GPTConfig(position_indices="T")), None, 3),
     "GPT length-1 sequence, (1, T) positions": (lambda: zoo.GPT(zoo.GPTConfig(position_indices="1T")), None, 3),
 }
@@ -312,6 +325,9 @@ class _Pairs(nn.Module):
             texts = F.cross_entropy(scores, torch.arange(a.size(0)))
             images = F.nll_loss(scores.t().log_softmax(-1), torch.arange(0, scores.shape[1]))
             return (texts + images) / 2
+        if self.pattern == "CLIP's loss: logits and logits.T against one arange(B)":
+            logits, labels = a @ b.T * self.scale.exp(), torch.arange(B)
+            return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
         if self.pattern == "contrastive loss per sample":
             return F.cross_entropy(a @ b.T * self.scale, torch.arange(B), reduction="none")
         if self.pattern == "per-model mean of pair scores":
@@ -335,6 +351,7 @@ PAIRS = [
     "pairwise differences, then a shared weight",
     "cosine similarities (linalg norms)",
     "symmetric contrastive loss, arange(B) targets",
+    "CLIP's loss: logits and logits.T against one arange(B)",
     "contrastive loss per sample",
     "per-model mean of pair scores",
 ]
