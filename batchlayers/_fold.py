@@ -24,7 +24,18 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from ._provenance import Lost, PerModel, Tracker, from_size_alone, from_size_message, get_tag, set_tag
+from ._numbers import _Marked, close_call
+from ._provenance import (
+    UNTRACKED,
+    Lost,
+    PerModel,
+    Tracker,
+    from_size_alone,
+    from_size_message,
+    get_tag,
+    set_tag,
+    untracked,
+)
 from ._utils import layer_name
 
 __all__ = [
@@ -69,30 +80,40 @@ def _current_call() -> _Call | None:
     return calls[-1] if calls else None
 
 
-def map_tensors(obj: object, fn: Callable[[Tensor, str], object], where: str = "") -> object:
+def map_tensors(
+    obj: object, fn: Callable[[Tensor, str], object], where: str = "", other: Callable[[object], object] | None = None
+) -> object:
     """Apply ``fn(tensor, where)`` to every tensor in nested tuples, namedtuples, lists, dicts and dataclasses,
-    keeping the structure (and the container types)."""
+    keeping the structure (and the container types); ``other`` (if given) to every other leaf."""
     if isinstance(obj, Tensor):
         return fn(obj, where)
     if isinstance(obj, tuple):
-        items: list[Any] = [map_tensors(v, fn, f"{where}[{i}]") for i, v in enumerate(obj)]
+        items: list[Any] = [map_tensors(v, fn, f"{where}[{i}]", other) for i, v in enumerate(obj)]
         return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
     if isinstance(obj, list):
-        return [map_tensors(v, fn, f"{where}[{i}]") for i, v in enumerate(obj)]
+        return [map_tensors(v, fn, f"{where}[{i}]", other) for i, v in enumerate(obj)]
     if type(obj) is dict:
-        return {k: map_tensors(v, fn, f"{where}[{k!r}]") for k, v in obj.items()}
+        return {k: map_tensors(v, fn, f"{where}[{k!r}]", other) for k, v in obj.items()}
     if isinstance(obj, dict):
         out = copy.copy(obj)  # keeps OrderedDict, defaultdict and dict-like output classes
         for k, v in obj.items():
-            out[k] = map_tensors(v, fn, f"{where}[{k!r}]")
+            out[k] = map_tensors(v, fn, f"{where}[{k!r}]", other)
         return out
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        values = {f.name: map_tensors(getattr(obj, f.name), fn, f"{where}.{f.name}") for f in dataclasses.fields(obj)}
+        values = {
+            f.name: map_tensors(getattr(obj, f.name), fn, f"{where}.{f.name}", other) for f in dataclasses.fields(obj)
+        }
         made = type(obj).__new__(type(obj))  # not __init__: it may validate or compute (and torch.compile traces this)
         for name, value in {**getattr(obj, "__dict__", {}), **values}.items():
             object.__setattr__(made, name, value)
         return made
-    return obj
+    return obj if other is None else other(obj)
+
+
+def _each_models_number(obj: object) -> object:
+    """A number computed from a read batch size, returned by forward (``return h, x.size(0)``): each original
+    model's own, as a plain number (the folded ``M * B`` is no model's)."""
+    return obj.own if isinstance(obj, _Marked) else obj
 
 
 def _tensors(obj: object, where: str) -> list[tuple[str, Tensor]]:
@@ -284,6 +305,7 @@ def _unwind_stale_calls(root: nn.Module) -> None:
     calls = _calls()
     while any(c.owner == id(root) for c in calls):
         stale = calls.pop()
+        close_call(stale.tracker.numbers)
         modes = torch.overrides._get_current_function_mode_stack()
         if stale.tracker in modes:
             while torch.overrides._get_current_function_mode() is not stale.tracker:
@@ -350,12 +372,14 @@ class UnfoldOutputs:
                     f"{tag.reason}, so its rows cannot be assigned to models. Return outputs that keep each "
                     "sample's rows apart (the batch dimension first, as torch.nn layers do)"
                 )
+            if num_models > 1 and tag is None and untracked(t):
+                raise ValueError(f"{name}: output{where} (shape {tuple(t.shape)}) is {UNTRACKED}")
             if t.dim() == 0:
                 return t
             _refuse_batch_sized(name, f"output{where}", t, call, anywhere=True)
             return t.expand(num_models, *t.shape)  # the same value for every model
 
-        output = map_tensors(output, unfold)
+        output = map_tensors(output, unfold, other=_each_models_number)
         _passed(root, call)
         return output
 
@@ -515,6 +539,8 @@ class UnfoldLeafInputs:
             if tag is None:
                 if num_models > 1 and from_size_alone((t,), {}) is not None:
                     raise ValueError(from_size_message(f"{layer_name(layer)}: its input", t))
+                if num_models > 1 and untracked(t):
+                    raise ValueError(f"{layer_name(layer)}: its input (shape {tuple(t.shape)}) is {UNTRACKED}")
                 _refuse_batch_sized(layer_name(layer), "its input", t, call, anywhere=False)
             elif tag is not PerModel:
                 model_dim = cast(int, tag)  # not None, not PerModel, not Lost (refused or made 0 above)

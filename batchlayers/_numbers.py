@@ -34,8 +34,9 @@ import math
 import operator
 import os
 import sys
+import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 __all__ = ["FoldedInt", "FoldedSize", "FoldedValue", "differs", "plain_number_message"]
 
@@ -67,11 +68,45 @@ def _parts(x: object) -> tuple[Any, Any] | None:
     return None
 
 
-def _mark(folded: object, own: object, num_models: int) -> Any:
+class Call:
+    """The stacked call a marked number was read in: after it ends the number is a plain one (kept in a cache,
+    ``self.last = B``, einops' recipe cache), compared and used as its folded value, refused nowhere."""
+
+    __slots__ = ("alive",)
+
+    def __init__(self) -> None:
+        self.alive = True
+
+
+_ENDED = Call()
+_ENDED.alive = False
+_calls = threading.local()
+
+
+def open_call() -> Call:
+    """A stacked call begins on this thread: the sizes read from now on belong to it."""
+    call = Call()
+    _calls.__dict__.setdefault("stack", []).append(call)
+    return call
+
+
+def close_call(call: Call) -> None:
+    call.alive = False
+    stack = _calls.__dict__.get("stack", [])
+    if call in stack:
+        stack.remove(call)
+
+
+def _current_call() -> Call:
+    stack = _calls.__dict__.get("stack")
+    return stack[-1] if stack else _ENDED
+
+
+def _mark(folded: object, own: object, num_models: int, call: Call) -> Any:
     if isinstance(folded, int) and isinstance(own, int):
-        return FoldedInt(folded, own, num_models)
+        return FoldedInt(folded, own, num_models, call)
     if isinstance(folded, (int, float)) and isinstance(own, (int, float)):
-        return FoldedValue(folded, own, num_models)
+        return FoldedValue(folded, own, num_models, call)
     return folded  # (complex: not followed)
 
 
@@ -80,8 +115,8 @@ def _derive(op: Callable, a: object, b: object) -> Any:
     pa, pb = _parts(a), _parts(b)
     if pa is None or pb is None:
         return NotImplemented  # a tensor, numpy's numbers: their own reflected operator
-    m = a.num_models if isinstance(a, _Marked) else getattr(b, "num_models", 1)
-    return _mark(op(pa[0], pb[0]), op(pa[1], pb[1]), m)
+    marked = cast(_Marked, a if isinstance(a, _Marked) else b)
+    return _mark(op(pa[0], pb[0]), op(pa[1], pb[1]), marked.num_models, marked.call)
 
 
 class _Marked:
@@ -90,12 +125,16 @@ class _Marked:
 
     num_models: int
     own: Any
+    call: Call
     made = "computed from"  # (FoldedSize: "read from", what it is: "a size")
     kind = "a number"
 
-    def __new__(cls, value: Any, own: Any, num_models: int) -> Any:
+    def __new__(cls, value: Any, own: Any = None, num_models: Any = None, call: Call | None = None) -> Any:
+        if own is None or num_models is None:  # type(B)(value), as statistics.mean does: a plain number
+            return cls.__mro__[2](value)  # (int or float)
         number = super().__new__(cls, value)  # type: ignore[call-arg]  # int's or float's
         number.own, number.num_models = own, num_models
+        number.call = _current_call() if call is None else call
         return number
 
     def folded(self) -> Any:
@@ -106,14 +145,14 @@ class _Marked:
         return f"{self.made} the size of a tensor that holds the models' samples ({self.num_models} models folded)"
 
     def _one(self, op: Callable) -> Any:
-        return _mark(op(self.folded()), op(self.own), self.num_models)
+        return _mark(op(self.folded()), op(self.own), self.num_models, self.call)
 
     def _compare(self, other: object, op: Callable, symbol: str) -> Any:
         theirs = _parts(other)
         if theirs is None:
             return NotImplemented  # a tensor: its own comparison, where the tracker sees the number
         folded, own = op(self.folded(), theirs[0]), op(self.own, theirs[1])
-        if own != folded:
+        if own != folded and self.call.alive and (not isinstance(other, _Marked) or other.call.alive):
             raise ValueError(
                 f"batchlayers: a stacked model's forward compares {self.folded()}, {self.where()}, with {other} "
                 f"({symbol}): each original model compares its own ({self.own}) and gets {own}, the folded batch "
@@ -178,6 +217,12 @@ class _Marked:
 
     def __reduce__(self) -> tuple:
         return type(self.folded()), (self.folded(),)
+
+    def __copy__(self) -> Any:
+        return self if self.call.alive else self.folded()  # (copied in its call, it is still followed)
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        return self.__copy__()
 
     def __neg__(self) -> Any:
         return self._one(operator.neg)
@@ -252,6 +297,12 @@ class FoldedInt(_Marked, int):
         self._refuse_plain("to_bytes()")
         return self.folded().to_bytes(*args, **kwargs)
 
+    def __index__(self) -> int:
+        # Called only explicitly (B.__index__()): CPython takes an int subclass as it is for indexing and
+        # range() (see the module docstring), so this refuses the one read it can see.
+        self._refuse_plain("__index__()")
+        return self.folded()
+
     def __trunc__(self) -> Any:
         return self
 
@@ -299,8 +350,10 @@ class FoldedSize(FoldedInt):
 
     made, kind = "read from", "a size"
 
-    def __new__(cls, value: int, num_models: int) -> FoldedSize:
-        return super().__new__(cls, value, value // num_models, num_models)
+    def __new__(cls, value: int, num_models: Any = None, call: Call | None = None) -> Any:
+        if num_models is None:
+            return int(value)
+        return super().__new__(cls, value, value // num_models, num_models, call)
 
     def one_model(self) -> int:
         """Each model's own size: ``B`` of ``M * B``."""
@@ -311,7 +364,7 @@ class FoldedSize(FoldedInt):
         return f"{self.made} the size of a tensor that holds the models' samples (M * B = {m} * {own})"
 
     def _sized(self, out: object) -> Any:
-        return FoldedSize(out.folded(), self.num_models) if isinstance(out, _Marked) else out
+        return FoldedSize(out.folded(), self.num_models, self.call) if isinstance(out, _Marked) else out
 
     def __mul__(self, other: object) -> Any:
         out = _derive(operator.mul, self, other)
@@ -345,4 +398,4 @@ class FoldedSize(FoldedInt):
 
 def differs(x: object) -> bool:
     """Whether ``x`` is a marked number whose folded value differs from each original model's."""
-    return isinstance(x, _Marked) and x.num_models > 1 and x.own != x.folded()
+    return isinstance(x, _Marked) and x.num_models > 1 and x.own != x.folded() and x.call.alive

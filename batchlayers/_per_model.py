@@ -76,6 +76,12 @@ def call(ctx, func: Callable, args: tuple, kwargs: dict) -> object:
     """Run ``func`` on arguments of which at least one is a per-model tensor (``ctx``: the tracker)."""
     if func in _PASS:
         return func(*args, **kwargs)
+    if func == _SET_DATA:
+        raise ValueError(
+            "batchlayers: a stacked forward assigns to .data of a per-model value (a parameter, buffer or a value "
+            "computed from one): its (M, *) storage cannot take one model's tensor. Write into it in place "
+            "(with torch.no_grad(): w.clamp_(-0.5, 0.5)), or stack with execution='model_by_model'"
+        )
     ctx.refuse_checkpointing(_name(func))
     rule = _RULES.get(func)
     if rule is not None and rule.over_samples is not None:
@@ -760,10 +766,17 @@ def _conservative_answer(func: Callable, outs: list) -> bool | None:
 def _per_model_loop(ctx, func, args, kwargs):
     m = ctx.num_models
     name = _name(func)
-    inplace = func in _INPLACE_FUNCS or func is Tensor.__setitem__ or "out" in kwargs
-    target = kwargs.get("out", args[0] if args else None)
+    out = kwargs.get("out")  # (F.normalize, torch.norm pass out=None)
+    inplace = func in _INPLACE_FUNCS or func is Tensor.__setitem__ or out is not None
+    target = out if out is not None else args[0] if args else None
     if inplace and isinstance(target, Tensor) and get_tag(target) is None:
         raise ValueError(f"{name} inside a stacked forward writes per-model values into a tensor all models share")
+    if inplace and getattr(func, "__name__", "") in _RESHAPES_IN_PLACE:
+        raise ValueError(
+            f"batchlayers: {name} inside a stacked forward changes the shape of a per-model value (a parameter, "
+            "buffer or a value computed from one) in place, which its (M, *) storage cannot follow. Use the "
+            f"out-of-place {name.rstrip('_').split('.')[-1]}, or stack with execution='model_by_model'"
+        )
     samples = any(isinstance(t, int) for t in _all_tags(args, kwargs))
     rule = _RULES.get(func)
     if samples and rule is None:
@@ -822,6 +835,13 @@ def _join(first: Tensor | tuple | list, outs: list, name: str) -> object:
 
 def _join_one(outs: list[Tensor], name: str) -> Tensor:
     tag = get_tag(outs[0])
+    shapes = {tuple(o.shape) if not isinstance(tag, int) else tuple(o.shape[:tag] + o.shape[tag + 1 :]) for o in outs}
+    if len(shapes) > 1:  # (h[:, w.sum(0) > 0]: a mask of each model's own selects its own number of columns)
+        raise ValueError(
+            f"batchlayers: {name} inside a stacked forward gives results of different shapes for different models "
+            f"({', '.join(str(tuple(o.shape)) for o in outs[:3])}{', ...' if len(outs) > 3 else ''}), which cannot "
+            "be held in one tensor. Stack with execution='model_by_model'"
+        )
     if isinstance(tag, int):
         out = torch.cat(outs, dim=tag)
         set_tag(out, tag)
@@ -862,7 +882,33 @@ def _block_size(args, kwargs, m: int) -> int:
 # ----------------------------------------------------------------------------------------------------------
 # The table
 
-_INPLACE_FUNCS = {fn for n in _INPLACE.split() for owner in (torch, Tensor) if callable(fn := getattr(owner, n, None))}
+
+class _WritesInPlace:
+    """``func in _INPLACE_FUNCS``: whether ``func`` writes into its first argument (or ``out=``). By name, as
+    torch names them (``mul_``, ``index_fill_``, ``__iadd__``), so that no in-place op is taken for one that
+    returns a new tensor (the loop's results are joined by a copy, which a chained ``v.mul_(2).add_(1)`` would
+    then write into instead of ``v``)."""
+
+    def __init__(self, known: set) -> None:
+        self._known = dict.fromkeys(known, True)
+
+    def __contains__(self, func: object) -> bool:
+        found = self._known.get(func)
+        if found is None:
+            name = getattr(func, "__name__", "")
+            found = name.startswith("__i") and name.endswith("__") or (name.endswith("_") and not name.startswith("_"))
+            self._known[func] = found
+        return found
+
+
+_SET_DATA = Tensor.data.__set__  # type: ignore[attr-defined]  # (a method-wrapper: compared with ==)
+_INPLACE_FUNCS = _WritesInPlace(
+    {fn for n in _INPLACE.split() for owner in (torch, Tensor) if callable(fn := getattr(owner, n, None))}
+)
+# in-place ops that change a tensor's shape or storage, not its values: a per-model view cannot pass them on
+_RESHAPES_IN_PLACE = frozenset(
+    "unsqueeze_ squeeze_ t_ transpose_ swapaxes_ swapdims_ resize_ resize_as_ as_strided_ set_".split()
+)
 _FAST: dict[Callable, Callable] = {}
 
 _ELEMENTWISE_FAST = """

@@ -75,7 +75,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-from ._numbers import FoldedInt, FoldedSize, FoldedValue, differs, plain_number_message
+from ._numbers import FoldedInt, FoldedSize, FoldedValue, close_call, differs, open_call, plain_number_message
 
 __all__ = ["FoldedInt", "FoldedSize", "FoldedValue", "Lost", "PerModel", "Tracker", "get_tag", "set_tag"]
 
@@ -275,6 +275,14 @@ class Tracker(TorchFunctionMode):
         # (see _view); any later in-place write to either would not reach the other, as it would in torch.
         self.copied_views: list[tuple[Tensor, int, str]] = []
 
+    def __enter__(self):
+        self.numbers = open_call()  # the sizes read in this call (batchlayers._numbers.Call)
+        return super().__enter__()
+
+    def __exit__(self, *exc_info):
+        close_call(self.numbers)  # from here they are plain numbers (kept in caches, returned)
+        return super().__exit__(*exc_info)
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}
@@ -301,6 +309,10 @@ class Tracker(TorchFunctionMode):
                 _CREATORS[func](self, out, sized, args[0] if args else None)
             if func is torch.arange and self.num_models > 1:
                 _mark_positions(args, kwargs, out)
+            elif func in _KEEPS_POSITIONS and isinstance(out, Tensor) and out.shape == args[0].shape:
+                own = getattr(args[0], _POSITIONS, None)  # (torch.arange(B).clone(), .long(), .to(device))
+                if own is not None:
+                    out._batchlayers_positions = own  # (syntax: see set_tag)
         else:
             named = _torch_names(kwargs) if "axis" in kwargs or "keepdims" in kwargs else kwargs
             out = self._tracked(func, args, named, tagged, kwargs)
@@ -695,6 +707,8 @@ def _broadcast_tag(ctx: Tracker, what: str, tensors: Sequence, out_shape: Sequen
     if dim is None:
         return None
     for t in tensors:
+        if isinstance(t, Tensor) and untracked(t):
+            return Lost(f"{what} combines the models' samples with {UNTRACKED}")
         # A value computed from B alone (torch.arange(B).mean()) that does not span the samples: the same for
         # every sample, where each original model computes its own from its own B.
         if isinstance(t, Tensor) and getattr(t, _FROM_SIZE, False) and get_tag(t) is None:
@@ -1576,6 +1590,19 @@ def _from_size_among(args: Sequence, kwargs: dict) -> bool:
     return False
 
 
+UNTRACKED = (
+    "a tensor computed by code that batchlayers does not see (a torch.jit.script function, torch.vmap, "
+    "Tensor.as_subclass, torch.Tensor(h), a DLPack round trip), so it cannot tell which model its values belong to"
+)
+
+
+def untracked(t: Tensor) -> bool:
+    """A tensor with an autograd history but no tag: computed from the models' samples or per-model values by
+    code the tracker never saw (every tensor the tracker sees made from them is tagged; the inputs, parameters
+    and buffers are). Known only while gradients are recorded: under ``torch.no_grad()`` there is no history."""
+    return not torch.compiler.is_compiling() and get_tag(t) is None and t.grad_fn is not None  # (dynamo: no grad_fn)
+
+
 class Parts(tuple):
     """The parts of a tensor that holds the models' samples (``h.unbind(1)``, ``h.chunk(4, -1)``), as torch's
     tuple, which refuses to be indexed by a number that differs per model (``parts[B]`` with ``B = x.size(0)``:
@@ -1812,6 +1839,11 @@ def _per_sample_target(args: Sequence, kwargs: dict, tagged: list[_In]) -> bool:
 
 
 _POSITIONS = "_batchlayers_positions"
+# copies and conversions that keep an arange(B)'s values (see _mark_positions)
+_KEEPS_POSITIONS = {
+    Tensor.clone, torch.clone, Tensor.contiguous, Tensor.detach, torch.detach, Tensor.to, Tensor.long, Tensor.int,
+    Tensor.cpu, Tensor.cuda,
+}  # fmt: skip
 
 
 def _mark_positions(args: tuple, kwargs: dict, out: object) -> None:
@@ -2122,6 +2154,9 @@ int long short bool byte char cpu cuda requires_grad_ detach_ zero_ normal_ unif
 zeros_like ones_like empty_like full_like rand_like randn_like randint_like pin_memory __neg__ __pos__ __abs__
 __invert__ positive conj resolve_conj resolve_neg __deepcopy__ exponential_ geometric_ cauchy_ log_normal_ random_
 relu_ sigmoid_ tanh_ elu_ leaky_relu_ hardtanh_ silu_ gelu_ softplus_
+floor_ ceil_ round_ trunc_ frac_ neg_ negative_ abs_ absolute_ exp_ exp2_ expm1_ log_ log2_ log10_ log1p_ sqrt_
+rsqrt_ square_ reciprocal_ sign_ sgn_ sin_ cos_ tan_ asin_ acos_ atan_ sinh_ cosh_ asinh_ acosh_ atanh_ logit_
+erf_ erfc_ erfinv_ hardsigmoid_ hardswish_ mish_ relu6_ celu_ selu_ rrelu_ threshold_ logical_not_ bitwise_not_
 """
 _INPLACE = """
 add_ sub_ mul_ div_ pow_ masked_fill_ copy_ lerp_ addcmul_ addcdiv_ maximum_ minimum_ where_ floor_divide_

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import threading
+import traceback
 from collections.abc import Callable, Sequence
 
 import torch
 from harness import assert_close
 from torch import Tensor, nn
+
+from batchlayers.convert import stack
 
 
 def seeded(factory: Callable[[], nn.Module], seed: int) -> nn.Module:
@@ -72,6 +76,38 @@ def compare_training(
                 for q in ref_params:
                     q -= lr * q.grad
                     q.grad = None
+
+
+def assert_exact_or_refused(
+    factory: Callable[[], nn.Module], num_models: int, make_input: Callable[[Sequence[int]], Tensor], batch: int
+) -> str:
+    """The oracle of the adversarial hunts: a stacked model (default execution) of ``num_models`` seeded
+    ``factory()`` models either equals the original models (output, parameter gradients for a random cotangent,
+    buffers after the call) or raises batchlayers' own ValueError/TypeError, leaving no mode behind. Never
+    a silent wrong result. Returns "exact" or "refused"."""
+    originals = [seeded(factory, i) for i in range(num_models)]
+    stacked = stack([seeded(factory, i) for i in range(num_models)])
+    x = make_input((num_models, batch))
+    expected = torch.stack([m(x[i]) for i, m in enumerate(originals)])
+    try:
+        out = stacked(x)
+    except (ValueError, TypeError) as error:
+        raised_in = traceback.extract_tb(error.__traceback__)[-1].filename
+        assert f"{os.sep}batchlayers{os.sep}" in raised_in, f"not batchlayers' refusal: {error!r}"
+        assert torch.overrides._get_current_function_mode_stack() == []
+        return "refused"
+    assert_close(out, expected, msg="silent wrong result")
+    cotangent = torch.randn_like(expected)
+    (expected * cotangent).sum().backward()
+    (out * cotangent).sum().backward()
+    for key, p in stacked.named_parameters():
+        grads = [dict(m.named_parameters())[key] for m in originals]
+        expected_grad = torch.stack([q.grad if q.grad is not None else torch.zeros_like(q) for q in grads])
+        assert_close(p.grad if p.grad is not None else torch.zeros_like(p), expected_grad, msg=f"gradient of {key}")
+    for key, buf in stacked.named_buffers():
+        own = [dict(m.named_buffers())[key] for m in originals]
+        assert_close(buf, own[0] if buf.shape == own[0].shape else torch.stack(own), msg=f"buffer {key}")
+    return "exact"
 
 
 def assert_threads_get_their_own(

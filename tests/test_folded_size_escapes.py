@@ -6,14 +6,13 @@ Model by model every pattern is exact."""
 
 from __future__ import annotations
 
+import copy
 import math
 import operator
-import os
-import traceback
 
 import pytest
 import torch
-from convert_harness import seeded
+from convert_harness import assert_exact_or_refused, seeded
 from harness import assert_close
 from torch import nn
 
@@ -93,6 +92,8 @@ PATTERNS = {
     "B.bit_length()": lambda m, x, h, B: h * B.bit_length(),
     "B.numerator": lambda m, x, h, B: h * B.numerator,
     "B.to_bytes": lambda m, x, h, B: h * B.to_bytes(2, "little")[0],
+    "copy.copy(B)": lambda m, x, h, B: h * copy.copy(B),
+    "copy.deepcopy(B - 1)": lambda m, x, h, B: h * copy.deepcopy(B - 1),
     "a dict keyed by B": lambda m, x, h, B: h * {1: 0.5, 2: 1.0, 3: 2.0, 6: 3.0}[B],
     "h.unbind(1)[B]": lambda m, x, h, B: h.unbind(1)[B][:, None] * h,
     "h.chunk(8, 1)[B]": lambda m, x, h, B: h.chunk(FEATURES, 1)[B] * h,
@@ -115,6 +116,10 @@ NOT_FOLLOWED = {
 }
 
 
+def _rows(lead):
+    return torch.randn(*lead, 4, dtype=torch.float64)
+
+
 def _originals(pattern: str, num_models: int) -> list[nn.Module]:
     return [seeded(lambda: _Uses(pattern), i) for i in range(num_models)]
 
@@ -122,24 +127,7 @@ def _originals(pattern: str, num_models: int) -> list[nn.Module]:
 @pytest.mark.parametrize("num_models,batch", [(2, 3), (3, 2), (2, 1)], ids=lambda n: str(n))
 @pytest.mark.parametrize("pattern", list(PATTERNS))
 def test_each_use_of_the_batch_size_is_exact_or_refused(pattern: str, num_models: int, batch: int) -> None:
-    models = _originals(pattern, num_models)
-    x = torch.randn(num_models, batch, 4, dtype=torch.float64)
-    expected = torch.stack([m(x[i]) for i, m in enumerate(models)])
-    expected.sum().backward()
-    batched = stack(_originals(pattern, num_models))
-    try:
-        out = batched(x)
-    except (ValueError, TypeError) as error:
-        raised_in = traceback.extract_tb(error.__traceback__)[-1].filename
-        assert f"{os.sep}batchlayers{os.sep}" in raised_in, f"{pattern}: not batchlayers' refusal: {error!r}"
-        assert torch.overrides._get_current_function_mode_stack() == []
-        return
-    assert_close(out, expected, msg=f"{pattern}: silent wrong result")
-    out.sum().backward()
-    for key, p in batched.named_parameters():
-        grads = [dict(m.named_parameters())[key] for m in models]
-        expected_grad = torch.stack([q.grad if q.grad is not None else torch.zeros_like(q) for q in grads])
-        assert_close(p.grad if p.grad is not None else torch.zeros_like(p), expected_grad, msg=key)
+    assert_exact_or_refused(lambda: _Uses(pattern), num_models, _rows, batch)
 
 
 @pytest.mark.parametrize("pattern", [*PATTERNS, *NOT_FOLLOWED])

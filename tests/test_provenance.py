@@ -17,7 +17,7 @@ from convert_harness import assert_threads_get_their_own, compare_training, seed
 from harness import assert_close
 from torch import nn
 
-from batchlayers._numbers import FoldedInt, FoldedSize, FoldedValue
+from batchlayers._numbers import FoldedInt, FoldedSize, FoldedValue, close_call, open_call
 from batchlayers.convert import stack
 
 
@@ -1224,13 +1224,19 @@ def test_numbers_computed_from_a_read_size_carry_each_models_value(expression: s
 def test_numbers_that_differ_are_not_made_plain(how: str, refused) -> None:
     """``int()``, ``float()`` (``math.sqrt`` of an int calls it; of a float it reads the float itself) and a
     comparison whose answer differs from each model's would make a number that differs per model plain:
-    refused. Where every model has the same value they are allowed and plain."""
+    refused. Where every model has the same value they are allowed and plain; so are all of them once the
+    stacked call that read them has ended (kept in a cache, returned)."""
+    call = open_call()  # (what a stacked call does when it begins)
     numbers = [FoldedSize(12, 2), FoldedSize(12, 2) - 1]
-    for number in numbers if how == "math.sqrt" else [*numbers, FoldedSize(12, 2) * 0.75]:
+    numbers = numbers if how == "math.sqrt" else [*numbers, FoldedSize(12, 2) * 0.75]
+    for number in numbers:
         with pytest.raises(ValueError, match="(plain Python number|compares)"):
             refused(number)
     same = FoldedSize(12, 2) / FoldedSize(6, 2)  # a ratio of two sizes: 2 in every model
     assert refused(same) == refused(2.0)
+    close_call(call)
+    for number in numbers:
+        assert refused(number) == refused(number.folded())
 
 
 class _LayoutAlias(nn.Module):

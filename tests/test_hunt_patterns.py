@@ -1,0 +1,184 @@
+"""Patterns an adversarial hunt (1,100 code patterns against the default batched execution) found silently
+wrong, each now exact against the original models or refused by batchlayers: code the tracker never sees
+(TorchScript, ``torch.vmap``, ``as_subclass``), writes into per-model values (chained in-place ops, ``.data``
+assignment), ``torch`` functions that pass ``out=None``, and numbers computed from the batch size returned by
+forward. Model by model, every pattern is exact."""
+
+from __future__ import annotations
+
+import warnings
+
+import einops
+import pytest
+import torch
+import torch.nn.functional as F
+from convert_harness import assert_exact_or_refused, seeded
+from harness import assert_close
+from torch import nn
+
+from batchlayers.convert import stack
+
+
+def _swish(h: torch.Tensor) -> torch.Tensor:
+    return h * torch.sigmoid(h)
+
+
+def _mean(h: torch.Tensor) -> torch.Tensor:
+    return h.mean(0)
+
+
+with warnings.catch_warnings():  # (deprecated in torch 2.13, still in timm and transformers)
+    warnings.simplefilter("ignore", DeprecationWarning)
+    _scripted_swish, _scripted_mean = torch.jit.script(_swish), torch.jit.script(_mean)
+
+
+class _Hunted(nn.Module):
+    """``fc`` gives ``h`` (B, 6); ``w`` and ``b`` are per-model parameters, ``buf`` a per-model buffer."""
+
+    def __init__(self, pattern: str) -> None:
+        super().__init__()
+        self.pattern = pattern
+        self.fc = nn.Linear(4, 6)
+        self.out = nn.Linear(6, 5)
+        self.w = nn.Parameter(torch.randn(5, 6))
+        self.b = nn.Parameter(torch.randn(5))
+        self.register_buffer("buf", torch.rand(6) + 0.5)
+
+    def forward(self, x):
+        return PATTERNS[self.pattern](self, self.fc(x))
+
+
+def _chained(m, h):
+    r = m.buf.exp_()
+    r += 1
+    return h * m.buf
+
+
+def _clamp_data(m, h):
+    m.w.data = m.w.data.clamp(-0.5, 0.5)
+    return F.linear(h, m.w)
+
+
+def _data_of_buffer(m, h):
+    m.buf.data = h.mean(0)
+    return h * m.buf
+
+
+def _old_drop_path(m, h, keep=1.0):
+    """timm's DropPath before ``bernoulli_`` (kept 1.0 here, so that it is deterministic)."""
+    mask = keep + torch.rand((h.shape[0],) + (1,) * (h.ndim - 1), dtype=h.dtype)
+    mask.floor_()
+    return h.div(keep) * mask
+
+
+PATTERNS = {
+    # code the tracker never sees (while gradients are recorded)
+    "a TorchScript activation, then a layer": lambda m, h: (
+        m.out(_scripted_swish(h)).mean(0, keepdim=True) + 0 * h[:, :5]
+    ),
+    "h - a TorchScript mean": lambda m, h: h - _scripted_mean(h),
+    "torch.vmap(torch.tanh), then a layer": lambda m, h: m.out(torch.vmap(torch.tanh)(h)),
+    "h.as_subclass(Tensor), then a layer": lambda m, h: m.out(h.as_subclass(torch.Tensor)),
+    "h.as_subclass(Tensor) as the output": lambda m, h: h.as_subclass(torch.Tensor),
+    # writes into per-model values
+    "buf.mul_(2).sqrt_().add_(1)": lambda m, h: h * m.buf.mul_(2).sqrt_().add_(1),
+    "buf.sqrt_().mul_(3)": lambda m, h: h + m.buf.sqrt_().mul_(3),
+    "buf.abs_().neg_() then read": lambda m, h: h * m.buf.abs_().neg_().reciprocal_(),
+    "r = buf.exp_(); r += 1": _chained,
+    "w.data = w.data.clamp(...)": _clamp_data,
+    "buf.data = h.mean(0)": _data_of_buffer,
+    "buf.unsqueeze_(0)": lambda m, h: h * m.buf.unsqueeze_(0),
+    # in-place math on a batch-sized tensor (refused before: no rule for floor_)
+    "timm's old DropPath: (keep + rand(B, 1)).floor_()": _old_drop_path,
+    # a contrastive loss with the targets copied first (the copy lost what made them each model's own)
+    "cross_entropy(h @ h.T, arange(B).clone())": lambda m, h: F.cross_entropy(
+        h @ h.T, torch.arange(h.shape[0]).clone()
+    ),
+    # a per-model mask selecting each model's own number of features
+    "h[:, w.sum(0) > 0]": lambda m, h: h[:, m.w.sum(0) > 0].sum(-1, keepdim=True) * h,
+    # torch functions that pass out=None
+    "F.linear(h, w, F.normalize(b, dim=0))": lambda m, h: F.linear(h, m.w, F.normalize(m.b, dim=0)),
+    "cosine head F.linear(F.normalize(h), F.normalize(w))": lambda m, h: F.linear(F.normalize(h), F.normalize(m.w)),
+    "h * torch.norm(w)": lambda m, h: h * torch.norm(m.w),
+    "torch.tensordot(h, w, dims=([1], [1]))": lambda m, h: torch.tensordot(h, m.w, dims=([1], [1])),
+}
+
+
+def _rows(lead):
+    return torch.randn(*lead, 4, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("num_models,batch", [(2, 3), (3, 2)], ids=lambda n: str(n))
+@pytest.mark.parametrize("pattern", list(PATTERNS))
+def test_hunted_pattern_is_exact_or_refused(pattern: str, num_models: int, batch: int) -> None:
+    assert_exact_or_refused(lambda: _Hunted(pattern), num_models, _rows, batch)
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    ["F.linear(h, w, F.normalize(b, dim=0))", "cosine head F.linear(F.normalize(h), F.normalize(w))",
+     "h * torch.norm(w)", "buf.mul_(2).sqrt_().add_(1)", "timm's old DropPath: (keep + rand(B, 1)).floor_()",
+     "cross_entropy(h @ h.T, arange(B).clone())"],
+)  # fmt: skip
+def test_per_model_functions_and_in_place_chains_are_exact(pattern: str) -> None:
+    """Not only not silent: these compute each model's own."""
+    assert assert_exact_or_refused(lambda: _Hunted(pattern), 2, _rows, 3) == "exact"
+
+
+@pytest.mark.parametrize("pattern", list(PATTERNS))
+def test_hunted_pattern_is_exact_model_by_model(pattern: str) -> None:
+    models = [seeded(lambda: _Hunted(pattern), i) for i in range(2)]
+    stacked = stack([seeded(lambda: _Hunted(pattern), i) for i in range(2)], execution="model_by_model")
+    x = _rows((2, 3))
+    assert_close(stacked(x), torch.stack([m(x[i]) for i, m in enumerate(models)]), msg=pattern)
+
+
+class _Counts(nn.Module):
+    """Returns numbers computed from the batch size beside the output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 6)
+
+    def forward(self, x):
+        B = x.shape[0]
+        return self.fc(x), {"n": B, "shape": x.shape, "half": B // 2, "scaled": B * 1.5, "pair": (B - 1, -B)}
+
+
+@pytest.mark.parametrize("num_models,batch", [(2, 3), (3, 2)], ids=lambda n: str(n))
+def test_numbers_returned_by_forward_are_each_models_own(num_models: int, batch: int) -> None:
+    """Each original model returns its own B (and what it computes from it); the stacked model returns that
+    number, as a plain one, never the folded M * B."""
+    models = [seeded(_Counts, i) for i in range(num_models)]
+    x = _rows((num_models, batch))
+    out, numbers = stack(models)(x)
+    own = models[0](x[0])[1]
+    assert numbers == own and all(type(numbers[k]) is type(own[k]) for k in own), (numbers, own)
+    assert type(numbers["shape"]) is torch.Size and all(type(n) is int for n in numbers["shape"])
+    assert_close(out, torch.stack([m(x[i])[0] for i, m in enumerate(models)]), msg="output")
+
+
+class _Recipes(nn.Module):
+    """einops with the batch size read in forward, which einops keeps in its recipe cache."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 6)
+
+    def forward(self, x):  # (B, T, 4)
+        B = x.shape[0]
+        h = self.fc(x).reshape(-1, 6)  # (B * T, 6)
+        return einops.rearrange(h, "(b t) c -> b t c", b=B)
+
+
+def test_sizes_kept_past_the_call_are_plain_numbers() -> None:
+    """A size read in one stacked call and kept (einops' recipe cache, ``self.last = B``) is a plain number
+    once the call has ended: code outside any stacked model that meets it (einops with ``b=6``) runs, and a
+    later call with other numbers of models and samples is exact, not refused with the old call's sizes."""
+    for num_models, batch in [(2, 3), (3, 2), (2, 3)]:
+        models = [seeded(_Recipes, i) for i in range(num_models)]
+        x = torch.randn(num_models, batch, 5, 4, dtype=torch.float64)
+        expected = torch.stack([m(x[i]) for i, m in enumerate(models)])
+        assert_close(stack(models)(x), expected, msg=f"M={num_models}, B={batch}")
+        plain = torch.randn(6, 5)
+        assert torch.equal(einops.rearrange(plain, "(b t) c -> b t c", b=6), plain.view(6, 1, 5))
