@@ -96,6 +96,8 @@ PATTERNS = {
     ),
     # a per-model mask selecting each model's own number of features
     "h[:, w.sum(0) > 0]": lambda m, h: h[:, m.w.sum(0) > 0].sum(-1, keepdim=True) * h,
+    # per-model values through dunders that are not in-place (they look like __iadd__)
+    "~(w > 0), and rows of w iterated": lambda m, h: h[:, :5] * (~(m.w > 0)).sum(1) + sum(r.sum() for r in m.w),
     # torch functions that pass out=None
     "F.linear(h, w, F.normalize(b, dim=0))": lambda m, h: F.linear(h, m.w, F.normalize(m.b, dim=0)),
     "cosine head F.linear(F.normalize(h), F.normalize(w))": lambda m, h: F.linear(F.normalize(h), F.normalize(m.w)),
@@ -118,7 +120,7 @@ def test_hunted_pattern_is_exact_or_refused(pattern: str, num_models: int, batch
     "pattern",
     ["F.linear(h, w, F.normalize(b, dim=0))", "cosine head F.linear(F.normalize(h), F.normalize(w))",
      "h * torch.norm(w)", "buf.mul_(2).sqrt_().add_(1)", "timm's old DropPath: (keep + rand(B, 1)).floor_()",
-     "cross_entropy(h @ h.T, arange(B).clone())"],
+     "cross_entropy(h @ h.T, arange(B).clone())", "~(w > 0), and rows of w iterated"],
 )  # fmt: skip
 def test_per_model_functions_and_in_place_chains_are_exact(pattern: str) -> None:
     """Not only not silent: these compute each model's own."""
