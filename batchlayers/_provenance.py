@@ -309,10 +309,12 @@ class Tracker(TorchFunctionMode):
                 _CREATORS[func](self, out, sized, args[0] if args else None)
             if func is torch.arange and self.num_models > 1:
                 _mark_positions(args, kwargs, out)
-            elif func in _KEEPS_POSITIONS and isinstance(out, Tensor) and out.shape == args[0].shape:
+            elif func in _KEEPS_POSITIONS and args and isinstance(out, Tensor) and out.shape == args[0].shape:
                 own = getattr(args[0], _POSITIONS, None)  # (torch.arange(B).clone(), .long(), .to(device))
                 if own is not None:
                     out._batchlayers_positions = own  # (syntax: see set_tag)
+            if isinstance(out, Tensor) and out.grad_fn is not None:
+                out._batchlayers_seen = True  # from a shared trainable tensor (see untracked)
         else:
             named = _torch_names(kwargs) if "axis" in kwargs or "keepdims" in kwargs else kwargs
             out = self._tracked(func, args, named, tagged, kwargs)
@@ -1597,10 +1599,16 @@ UNTRACKED = (
 
 
 def untracked(t: Tensor) -> bool:
-    """A tensor with an autograd history but no tag: computed from the models' samples or per-model values by
-    code the tracker never saw (every tensor the tracker sees made from them is tagged; the inputs, parameters
-    and buffers are). Known only while gradients are recorded: under ``torch.no_grad()`` there is no history."""
-    return not torch.compiler.is_compiling() and get_tag(t) is None and t.grad_fn is not None  # (dynamo: no grad_fn)
+    """A tensor with an autograd history but no tag, not made by a call the tracker saw (from a trainable tensor
+    that all models share, a closure's): computed from the models' samples or per-model values by code the
+    tracker never saw (every tensor the tracker sees made from them is tagged; the inputs, parameters and
+    buffers are). Known only while gradients are recorded: under ``torch.no_grad()`` there is no history."""
+    return (
+        not torch.compiler.is_compiling()  # (dynamo cannot read grad_fn)
+        and get_tag(t) is None
+        and t.grad_fn is not None
+        and not getattr(t, "_batchlayers_seen", False)  # computed here from a trainable tensor all models share
+    )
 
 
 class Parts(tuple):

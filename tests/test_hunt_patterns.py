@@ -184,3 +184,21 @@ def test_sizes_kept_past_the_call_are_plain_numbers() -> None:
         assert_close(stack(models)(x), expected, msg=f"M={num_models}, B={batch}")
         plain = torch.randn(6, 5)
         assert torch.equal(einops.rearrange(plain, "(b t) c -> b t c", b=6), plain.view(6, 1, 5))
+
+
+_SHARED_SCALE = nn.Parameter(torch.tensor(0.5, dtype=torch.float64))  # trained, and shared by every model
+
+
+class _Closure(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 6)
+
+    def forward(self, x):
+        return self.fc(x) * _SHARED_SCALE.exp() + torch.tanh(_SHARED_SCALE)
+
+
+def test_a_trainable_tensor_shared_through_a_closure_is_not_untracked_code() -> None:
+    """A tensor computed in forward from a trainable tensor outside the models (a closure's) has an autograd
+    history and no tag, as untracked code's results have, but the tracker saw it made: exact, not refused."""
+    assert assert_exact_or_refused(_Closure, 3, _rows, 2) == "exact"
