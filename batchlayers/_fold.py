@@ -298,6 +298,27 @@ def _keep_replaced_per_model(root: nn.Module, call: _Call) -> None:
         module._buffers[leaf] = stored
 
 
+def _refuse_replaced_shared_buffer(root: nn.Module, path: str, before: Tensor, name: str) -> None:
+    """A buffer stored once because it was equal in every model, that forward assigned anew (``self.cache_k =
+    k``): a value without the samples stays (the same for every model); one computed from the samples or from
+    per-model values would differ per model, which one shared tensor cannot hold: the old tensor is put back
+    and the call refused."""
+    now = _tensor(root, path)
+    tag = get_tag(now) if now is not None else None
+    if now is before or tag is None:
+        return
+    *parents, leaf = path.split(".")
+    module = root.get_submodule(".".join(parents))
+    module._buffers[leaf] = before
+    what = "a per-model value" if tag is PerModel else "a value computed from the models' samples"
+    raise ValueError(
+        f"{name}: forward assigned {what} (shape {tuple(now.shape)}) to the buffer '{path}', which the stacked "
+        "model stores once because it was equal in every model; one tensor cannot hold what differs per model. "
+        "Keep such a cache out of the module's buffers (a local variable, or a returned value), or stack with "
+        "execution='model_by_model'"
+    )
+
+
 def _unwind_stale_calls(root: nn.Module) -> None:
     """Drop what an earlier call of ``root`` left behind when it was interrupted by an exception that skipped
     the hooks (``KeyboardInterrupt``, ``SystemExit``): its call record and its tracker on torch's mode stack.
@@ -343,6 +364,7 @@ class UnfoldOutputs:
         num_models = call.num_models
         name = f"stacked {type(root).__name__}"
         for path, buf, version in call.shared_buffer_versions:
+            _refuse_replaced_shared_buffer(root, path, buf, name)
             if buf._version != version:
                 raise RuntimeError(
                     f"{name}: forward modified the buffer '{path}' in place, but it is one "

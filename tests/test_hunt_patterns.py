@@ -202,3 +202,38 @@ def test_a_trainable_tensor_shared_through_a_closure_is_not_untracked_code() -> 
     """A tensor computed in forward from a trainable tensor outside the models (a closure's) has an autograd
     history and no tag, as untracked code's results have, but the tracker saw it made: exact, not refused."""
     assert assert_exact_or_refused(_Closure, 3, _rows, 2) == "exact"
+
+
+class _CachesInASharedBuffer(nn.Module):
+    """A buffer equal in every model (stored once by stack) that forward assigns anew."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__()
+        self.what = what
+        self.fc = nn.Linear(4, 6)
+        self.register_buffer("cache", torch.zeros(1, 6))
+
+    def forward(self, x):
+        h = self.fc(x)
+        if self.what == "the samples":
+            self.cache = h.detach()
+        elif self.what == "a per-model value":
+            self.cache = self.fc.bias[None].detach() * 2
+        else:  # a constant, the same for every model
+            self.cache = torch.full((1, 6), 0.5, dtype=h.dtype)
+        return h + self.cache
+
+
+@pytest.mark.parametrize("what", ["the samples", "a per-model value", "a constant"])
+def test_a_shared_buffer_that_forward_replaces(what: str) -> None:
+    """Holding the samples or a per-model value it would hold the folded batch or one model's value for all:
+    refused, the buffer put back; a constant is each model's own: exact."""
+    factory = lambda: _CachesInASharedBuffer(what)  # noqa: E731
+    outcome = assert_exact_or_refused(factory, 2, _rows, 3)
+    assert outcome == ("exact" if what == "a constant" else "refused")
+    if outcome == "refused":
+        stacked = stack([seeded(factory, i) for i in range(2)])
+        kept = stacked.cache
+        with pytest.raises(ValueError, match="stores once because it was equal in every model"):
+            stacked(_rows((2, 3)))
+        assert stacked.cache is kept
