@@ -112,7 +112,7 @@ def call(ctx, func: Callable, args: tuple, kwargs: dict) -> object:
         result = fast(ctx, func, args, kwargs)
         if result is not NotImplemented:
             return result
-    if ctx.num_models > 1 and func not in _PASS:
+    if ctx.num_models > 1 and func in _TAKES_THE_FOLDED_SIZE:
         _refuse_folded_sizes(ctx, func, (args, kwargs))  # (a size-taking call its fast path did not take)
     return _per_model_loop(ctx, func, args, kwargs)
 
