@@ -47,16 +47,27 @@ _METADATA = frozenset({"name_or_path"})
 _PLAIN = (int, float, complex, str, bytes, bool, type(None), tuple, list, dict, set, frozenset)
 
 
-def _config(module: nn.Module) -> dict[str, object]:
+def _config(module: nn.Module, model_dim: bool = False) -> dict[str, object]:
     """A module's plain attributes (stride, eps, n_head, a list of sizes, private ones too): one value for all
     models, so they must agree. Tensors held as plain attributes are compared by ``stack`` (see
     :func:`tensor_attributes`); functions and other objects (a transformers config) are the architecture's
-    code, not compared."""
+    code, not compared. ``model_dim`` (stacked models): tensors holding values per model or samples, also
+    inside containers, are compared by ``concat``, which joins them."""
     return {
-        k: v
+        k: _without_models(v) if model_dim else v
         for k, v in vars(module).items()
         if k not in _MODULE_INTERNALS and k not in _METADATA and not k.startswith("_batchlayers") and _is_plain(v)
     }
+
+
+def _without_models(v: object) -> object:
+    if isinstance(v, Tensor) and getattr(v, "_batchlayers_models", None) is not None:
+        return "a tensor with a value per model or the models' samples"
+    if isinstance(v, (tuple, list)):
+        return type(v)(_without_models(x) for x in v)
+    if isinstance(v, dict):
+        return {k: _without_models(x) for k, x in v.items()}
+    return v
 
 
 def _is_plain(v: object) -> bool:
@@ -177,7 +188,7 @@ def check_same_architecture(models: Sequence[nn.Module], what: str = "stack", mo
                     f"{'train' if ref_module.training else 'eval'} mode in model 0; call .train() or .eval() "
                     "on all models first"
                 )
-            diff = first_difference(_config(ref_module), _config(module))
+            diff = first_difference(_config(ref_module, model_dim), _config(module, model_dim))
             if diff:
                 raise ValueError(
                     f"{what}: {where} is configured differently in model {i} than in model 0: {diff}. A plain "

@@ -32,6 +32,7 @@ Limits, by design:
 from __future__ import annotations
 
 import copy
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import cast
@@ -41,6 +42,7 @@ from torch import Tensor, nn
 
 from . import _fold
 from ._architecture import (
+    _MODULE_INTERNALS,
     _param_names,
     check_models,
     check_same_architecture,
@@ -51,7 +53,7 @@ from ._architecture import (
 )
 from ._copy import rebind_functions
 from ._model_by_model import ModelByModel
-from ._provenance import PerModel, get_tag, set_tag
+from ._provenance import Lost, PerModel, get_tag, set_tag
 from ._utils import model_count_holders, set_num_models_
 from .container import BatchedSequential, Folded, fusable_runs
 from .population import _model_tensors
@@ -646,11 +648,61 @@ def _stacked_tensors(batched: nn.Module) -> dict[int, Tensor]:
     that forward stored as plain attributes, e.g. spectral_norm's weight), by id."""
     shared = set(shared_buffers(batched))
     found = {id(t): t for n, t in tensor_table(batched, remove_duplicate=True).items() if n not in shared}
-    for module in batched.modules():
-        for value in vars(module).values():
-            if isinstance(value, Tensor) and get_tag(value) is PerModel:
-                found.setdefault(id(value), value)
+    for _, t in _attribute_tensors(batched):
+        if get_tag(t) is PerModel:
+            found.setdefault(id(t), t)
     return found
+
+
+def _attribute_tensors(batched: nn.Module) -> Iterable[tuple[str, Tensor]]:
+    """Tensors that ``batched``'s modules hold in plain attributes (not parameters or buffers), also inside
+    lists, tuples, deques and dicts (``self.history.append(h)``), with where each is held."""
+    registered = {id(t) for t in tensor_table(batched).values()}
+
+    def walk(value: object, where: str, depth: int) -> Iterable[tuple[str, Tensor]]:
+        if isinstance(value, Tensor):
+            if id(value) not in registered:
+                yield where, value
+        elif depth < 4 and isinstance(value, (list, tuple, deque)):
+            for i, item in enumerate(value):
+                yield from walk(item, f"{where}[{i}]", depth + 1)
+        elif depth < 4 and isinstance(value, dict):
+            for k, item in value.items():
+                yield from walk(item, f"{where}[{k!r}]", depth + 1)
+
+    for path, module in batched.named_modules():
+        for name, value in vars(module).items():
+            if name not in _MODULE_INTERNALS:
+                yield from walk(value, f"{path}.{name}" if path else name, 0)
+
+
+def _samples_held(batched: nn.Module, what: str) -> dict[int, tuple[Tensor, int]]:
+    """Tensors that a stacked model's forward stored in plain attributes from the models' samples (``self.prev
+    = h.detach()``), by id, with the dimension holding all models' samples, model-major: each model's copy
+    holds its own rows. A value computed from every model's samples together is no model's: refused."""
+    found: dict[int, tuple[Tensor, int]] = {}
+    for where, t in _attribute_tensors(batched):
+        tag = get_tag(t)
+        if isinstance(tag, int):
+            found[id(t)] = (t, tag)
+        elif isinstance(tag, Lost):
+            raise ValueError(
+                f"{what}: the attribute '{where}' holds a tensor (shape {tuple(t.shape)}) that forward computed from "
+                f"every model's samples together by {tag.reason}, so no part of it is one model's. Set it to None "
+                f"before {what}, or keep it per sample (the batch dimension first)"
+            )
+    return found
+
+
+def _rows(t: Tensor, dim: int, num_models: int, index: Tensor) -> Tensor:
+    """The samples of the models ``index`` in ``t``, whose dimension ``dim`` holds all models' samples."""
+    if t.shape[dim] % num_models:
+        raise ValueError(
+            f"a tensor attribute holds {t.shape[dim]} samples in dimension {dim}, which {num_models} models "
+            "cannot share equally; it was not made by this stacked model's forward"
+        )
+    parts = t.detach().unflatten(dim, (num_models, -1))
+    return parts.index_select(dim, index.to(t.device)).flatten(dim, dim + 1)
 
 
 def _copy_with(batched: nn.Module, memo: dict[int, object]) -> nn.Module:
@@ -673,9 +725,12 @@ def unstack(batched: nn.Module) -> list[nn.Module]:
     if not isinstance(getattr(batched, "num_models", None), int):  # built from batched layers by hand
         return [_one_model(batched, "", i, {}) for i in range(num_models)]
     stacked = _stacked_tensors(batched)
+    samples = _samples_held(batched, "unstack")
     models = []
     for i in range(num_models):
         memo: dict[int, object] = {k: _rebuilt(t, t.detach()[i].clone()) for k, t in stacked.items()}
+        for k, (t, dim) in samples.items():
+            memo[k] = _rows(t, dim, num_models, torch.tensor([i]))
         model = copy.deepcopy(batched, memo)
         replaced: dict[int, object] = {}
         for path, module in list(model.named_modules()):
@@ -728,6 +783,9 @@ def select(batched: nn.Module, indices: Sequence[int] | Tensor) -> nn.Module:
     for k, t in _stacked_tensors(batched).items():
         memo[k] = rebuilt = _rebuilt(t, t.detach().index_select(0, index.to(t.device)))
         set_tag(rebuilt, get_tag(t))  # (tensor attributes are tagged only here; parameters on every call)
+    for k, (t, dim) in _samples_held(batched, "select").items():
+        memo[k] = rows = _rows(t, dim, num_models, index)
+        set_tag(rows, dim)
     result = _copy_with(batched, memo)
     set_num_models_(result, len(index))
     _fold.tag_per_model(result)
@@ -751,16 +809,44 @@ def concat(models: Sequence[nn.Module]) -> nn.Module:
         if name not in shared:
             data = torch.cat([table[name].detach() for table in tables])
             memo[id(t)] = _rebuilt(t, data)
-    attributes = [tensor_attributes(m) for m in models]
-    for name, t in attributes[0].items():
-        if get_tag(t) is PerModel:  # a per-model tensor attribute (see stack)
-            joined = torch.cat([a[name].detach() for a in attributes])
-            set_tag(joined, PerModel)
-            memo[id(t)] = joined
+    memo.update(_joined_attributes(models))
     result = _copy_with(models[0], memo)
     set_num_models_(result, total)
     _fold.tag_per_model(result)
     return result
+
+
+def _joined_attributes(models: Sequence[nn.Module]) -> dict[int, Tensor]:
+    """The per-model tensors that the stacked models hold as plain attributes (see stack) and the samples
+    their forward stored there (see _samples_held), joined as one stacked model would hold them (model-major),
+    by the id of the first model's tensor."""
+    held = [_samples_held(m, "concat") for m in models]
+    where = [dict(_attribute_tensors(m)) for m in models]
+    counts = [_require_stacked(m, "concat") for m in models]
+    joined = {}
+    for name, t in where[0].items():
+        tag = get_tag(t)
+        if tag is not PerModel and id(t) not in held[0]:
+            continue
+        dim = 0 if tag is PerModel else held[0][id(t)][1]
+        parts = []
+        for i, (attributes, count) in enumerate(zip(where, counts)):
+            other = attributes.get(name)
+            if other is None or get_tag(other) != tag or (tag is not PerModel and other.shape[dim] % count):
+                raise ValueError(
+                    f"concat: the attribute '{name}' holds {'a per-model value' if tag is PerModel else 'samples'} in "
+                    f"stacked model 0 but not in stacked model {i}; set it to None in every model before concat"
+                )
+            parts.append(other.detach() if tag is PerModel else other.detach().unflatten(dim, (count, -1)))
+        if len({p.shape[dim + 1 :] for p in parts}) > 1:
+            raise ValueError(
+                f"concat: the attribute '{name}' holds tensors of different shapes (or samples of different batch "
+                "sizes) in the stacked models; set it to None in every model before concat"
+            )
+        rows = torch.cat(parts, dim)
+        joined[id(t)] = rows if tag is PerModel else rows.flatten(dim, dim + 1)
+        set_tag(joined[id(t)], tag)
+    return joined
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -1,0 +1,103 @@
+"""Tensors that a model's forward keeps on the module as plain attributes (the previous step's hidden state,
+a history list, a dict cache): a stacked model holds them for all models, and ``unstack``, ``select`` and
+``concat`` give each model its own part, as if each original model had run the same calls. A value made from
+every model's samples together is no model's: refused, never handed to each model whole."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from convert_harness import seeded
+from harness import assert_close
+from torch import nn
+
+from batchlayers.convert import concat, select, stack, unstack
+
+
+class Remembers(nn.Module):
+    """Adds what it kept from its last call (``pattern`` says how it keeps it) to this call's hidden state."""
+
+    def __init__(self, pattern: str) -> None:
+        super().__init__()
+        self.pattern = pattern
+        self.fc = nn.Linear(4, 4)
+        self.scale = nn.Parameter(torch.rand(4) + 0.5)
+        self.prev: torch.Tensor | None = None
+        self.history: list[torch.Tensor] = []
+        self.cache: dict[str, torch.Tensor] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        if self.pattern == "attribute":
+            if self.prev is not None:
+                h = h + self.prev
+            self.prev = h.detach()
+        elif self.pattern == "transposed":  # the samples on dimension 1 of the kept tensor
+            if self.prev is not None:
+                h = h + self.prev.t()
+            self.prev = h.detach().t()
+        elif self.pattern == "history":
+            for old in self.history:
+                h = h + 0.5 * old
+            self.history.append(h.detach())
+        elif self.pattern == "total":  # one model's sum over its samples; stacked, a sum over all models'
+            self.prev = h.detach().sum(0)
+        elif self.pattern == "dict":
+            if "h" in self.cache:
+                h = h * self.cache["scale"] + self.cache["h"]
+            self.cache.update(h=h.detach(), scale=self.scale * 2)  # samples, and a per-model value
+        return h
+
+
+PATTERNS = ["attribute", "transposed", "history", "dict"]
+SIZES = [(3, 2), (2, 3), (2, 1)]  # (models, batch): M * B of one equals B of another
+
+
+def _models(pattern: str, num_models: int) -> list[nn.Module]:
+    return [seeded(lambda: Remembers(pattern), seed) for seed in range(num_models)]
+
+
+def _inputs(num_models: int, batch: int, seed: int) -> torch.Tensor:
+    return torch.randn(num_models, batch, 4, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def _run_both(stacked: nn.Module, models: list[nn.Module], batch: int, seed: int) -> None:
+    x = _inputs(len(models), batch, seed)
+    assert_close(stacked(x), torch.stack([m(x[i]) for i, m in enumerate(models)]), msg=f"stacked call {seed}")
+
+
+def _after_two_calls(pattern: str, num_models: int, batch: int) -> tuple[nn.Module, list[nn.Module]]:
+    models = _models(pattern, num_models)
+    stacked = stack(models)
+    for seed in range(2):
+        _run_both(stacked, models, batch, seed)
+    return stacked, models
+
+
+@pytest.mark.parametrize("num_models,batch", SIZES)
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_unstack_gives_each_model_its_own_kept_samples(pattern: str, num_models: int, batch: int) -> None:
+    stacked, models = _after_two_calls(pattern, num_models, batch)
+    x = _inputs(num_models, batch, 2)
+    for i, (one, original) in enumerate(zip(unstack(stacked), models)):
+        assert_close(one(x[i]), original(x[i]), msg=f"model {i}'s next call after unstack")
+
+
+@pytest.mark.parametrize("num_models,batch", SIZES)
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_select_and_concat_keep_each_models_samples(pattern: str, num_models: int, batch: int) -> None:
+    stacked, models = _after_two_calls(pattern, num_models, batch)
+    order = list(range(num_models))[::-1]
+    chosen = select(stacked, order)
+    _run_both(chosen, [models[i] for i in order], batch, 2)
+    joined = concat([select(chosen, [k]) for k in range(num_models)])
+    _run_both(joined, [models[i] for i in order], batch, 3)
+
+
+@pytest.mark.parametrize("what", ["unstack", "select"])
+def test_a_value_from_every_models_samples_is_refused(what: str) -> None:
+    stacked = stack(_models("total", 2))
+    stacked(_inputs(2, 3, 0))
+    message = rf"{what}: the attribute 'prev' holds a tensor \(shape \(4,\)\).*every model's samples together"
+    with pytest.raises(ValueError, match=message):
+        unstack(stacked) if what == "unstack" else select(stacked, [0])
