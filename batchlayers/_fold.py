@@ -29,6 +29,7 @@ from ._provenance import (
     UNTRACKED,
     Lost,
     PerModel,
+    SharedBuffer,
     Tracker,
     from_size_alone,
     from_size_message,
@@ -59,7 +60,7 @@ class _Call:
     num_models: int
     batch: int
     tracker: Tracker
-    shared_buffer_versions: list[tuple[str, Tensor, int]]
+    shared_buffers: list[SharedBuffer]
     # per swapped layer being called: (broadcast, model dimension of its inputs, whether an input without samples
     # has a leading 1, None when it has samples), a stack for re-entry
     leaves: dict[int, list[tuple[bool, int, bool | None]]] = field(default_factory=dict)
@@ -201,6 +202,7 @@ class FoldInputs:
         buffers = [] if compiling else [(n, _tensor(root, n)) for n in self.shared_buffers]
         _unwind_stale_calls(root)
         tracker = Tracker(num_models, [num_models * b for b in batches])
+        name = f"stacked {type(root).__name__}"
         tracker.eager_only = bool(getattr(self, "own_code", ()))
         _calls().append(
             _Call(
@@ -208,7 +210,7 @@ class FoldInputs:
                 num_models=num_models,
                 batch=batches[0],
                 tracker=tracker,
-                shared_buffer_versions=[(n, b, b._version) for n, b in buffers],
+                shared_buffers=[tracker.guard_shared_buffer(n, b, name) for n, b in buffers],
                 per_model_slots=slots,
                 signature=signature,
             )
@@ -363,13 +365,14 @@ class UnfoldOutputs:
             return None
         num_models = call.num_models
         name = f"stacked {type(root).__name__}"
-        for path, buf, version in call.shared_buffer_versions:
-            _refuse_replaced_shared_buffer(root, path, buf, name)
-            if buf._version != version:
+        for guard in call.shared_buffers:
+            _refuse_replaced_shared_buffer(root, guard.path, guard.tensor, name)
+            if guard.unseen_write():
                 raise RuntimeError(
-                    f"{name}: forward modified the buffer '{path}' in place, but it is one "
-                    "copy shared by all models (it was equal in every model). Register a batched counterpart "
-                    "for the module that owns it with batchlayers.register(...)"
+                    f"{name}: forward modified the buffer '{guard.path}' in place, where batchlayers does not see "
+                    "what it wrote (code outside torch's Python API), but it is one copy shared by all models (it "
+                    "was equal in every model). Register a batched counterpart for the module that owns it with "
+                    "batchlayers.register(...)"
                 )
 
         def unfold(t: Tensor, where: str) -> Tensor:

@@ -36,10 +36,11 @@ from ._fold import check_inputs, input_tensors, map_tensors
 from ._provenance import (
     _RESHAPES,
     _VIEWS,
+    CopiedViews,
     PerModel,
-    check_copied_views,
     get_tag,
     inside_checkpoint,
+    note_views,
     reshape_of_another_layout,
     set_tag,
     view_of_a_copy,
@@ -423,18 +424,24 @@ class _CopiedViews(TorchFunctionMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.copied: list[tuple[Tensor, int, str]] = []
+        self.copied = CopiedViews()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.copied.storages:
+            self.copied.refuse_write(func, args, kwargs)
         if func in _VIEWS:
-            return view_of_a_copy(func, args, kwargs, self.copied, _not_contiguous, _CHANNELS_LAST_VIEW)
-        if func in _RESHAPES:
-            return reshape_of_another_layout(func, args, kwargs, self.copied, _not_contiguous, _CHANNELS_LAST_RESHAPE)
-        return func(*args, **kwargs)
+            out = view_of_a_copy(func, args, kwargs, self.copied, _not_contiguous, _CHANNELS_LAST_VIEW)
+        elif func in _RESHAPES:
+            out = reshape_of_another_layout(func, args, kwargs, self.copied, _not_contiguous, _CHANNELS_LAST_RESHAPE)
+        else:
+            out = func(*args, **kwargs)
+        if args and isinstance(args[0], Tensor) and args[0].is_inference():
+            note_views(args[0], out)  # (what Tensor._base would say: see _original_layout)
+        return out
 
     def check(self) -> None:
-        check_copied_views(self.copied)
+        self.copied.check()
 
 
 _CHANNELS_LAST_VIEW = ".view() of a layer output that a model-by-model pass keeps channels-last"

@@ -60,6 +60,7 @@ traces both into one graph (the tags decide at trace time, like any Python contr
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import os
@@ -97,14 +98,78 @@ def _holds_samples(x: Tensor) -> bool:
     return isinstance(get_tag(x), int)
 
 
+class CopiedViews:
+    """Tensors that are a copy in a stacked (or model-by-model) pass where the original model's are an alias,
+    or the reverse (see :func:`view_of_a_copy`, :func:`reshape_of_another_layout`): an in-place write to one of
+    them afterwards would reach the other tensor in one and not in the other, so it is refused. Writes are
+    seen by the tensors' version counters (:meth:`check`), which also count writes the tracker does not see;
+    inference tensors have none, so under ``torch.inference_mode()`` their storages are recorded instead and a
+    write into one is refused before it runs (:meth:`refuse_write`)."""
+
+    def __init__(self) -> None:
+        self.versions: list[tuple[Tensor, int, str]] = []  # (tensor, version when recorded, what)
+        self.storages: dict[int, str] = {}  # inference tensors: storage address -> what
+
+    def record(self, tensors: Sequence[Tensor], what: str) -> None:
+        for t in tensors:
+            if t.is_inference():
+                address = _storage_address(t)
+                if address:
+                    self.storages[address] = what
+            else:
+                self.versions.append((t, t._version, what))
+
+    def check(self) -> None:
+        """Refuse an in-place write, since it was recorded, to a tensor with a version counter."""
+        for t, version, what in self.versions:
+            if t._version != version:
+                self.versions.clear()  # reported once (the root's output hook runs after an error in forward too)
+                _refuse_copied_write(what)
+
+    def refuse_write(self, func: Callable, args: tuple, kwargs: dict) -> None:
+        """Refuse ``func`` if it writes in place into a recorded inference tensor."""
+        if self.storages:
+            for t in written_tensors(func, args, kwargs):
+                what = self.storages.get(_storage_address(t))
+                if what is not None:
+                    self.storages.clear()
+                    _refuse_copied_write(what)
+
+
+def _refuse_copied_write(what: str) -> None:
+    raise RuntimeError(
+        f"batchlayers: a tensor was written in place after {what}, so the write would reach the other tensor in "
+        "one and not in the other. Use an out-of-place operation there, or call .contiguous() first"
+    )
+
+
+def _storage_address(t: Tensor) -> int:
+    """The address of ``t``'s storage, shared by all its views (0: none, e.g. an empty or a meta tensor)."""
+    try:
+        return t.untyped_storage().data_ptr() if t.numel() else 0
+    except (RuntimeError, NotImplementedError):  # (sparse and other storage-less tensors)
+        return 0
+
+
+def written_tensors(func: Callable, args: tuple, kwargs: dict) -> list[Tensor]:
+    """The tensors that the call ``func(*args, **kwargs)`` writes in place: an in-place method's or function's
+    first argument, ``x[i] = v``'s ``x``, ``out=``'s tensors."""
+    found: object = kwargs.get("out")
+    if found is None and args and (_IN_PLACE.get(func, False) or func is Tensor.__setitem__):
+        found = args[0]
+    if isinstance(found, Tensor):
+        return [found]
+    return [t for t in found if isinstance(t, Tensor)] if isinstance(found, (tuple, list)) else []
+
+
 def view_of_a_copy(
-    func: Callable, args: tuple, kwargs: dict, copied: list[tuple[Tensor, int, str]], copies: Callable, what: str
+    func: Callable, args: tuple, kwargs: dict, copied: CopiedViews, copies: Callable, what: str
 ) -> Tensor:
     """``x.view(...)`` (``func``: a view function) where torch.nn's layout would allow it: when ``x`` is in
     another memory format (``copies(x)``: one that batchlayers made) and the view has no strides, the view is
-    made of a contiguous copy. A copy does not alias its source, so both are recorded in ``copied`` with their
-    versions and ``what`` the view was, and an in-place write to either afterwards is refused (see
-    :func:`check_copied_views`) instead of silently not reaching the other."""
+    made of a contiguous copy. A copy does not alias its source, so both are recorded in ``copied`` with
+    ``what`` the view was, and an in-place write to either afterwards is refused instead of silently not
+    reaching the other."""
     try:
         return func(*args, **kwargs)
     except RuntimeError as error:
@@ -112,44 +177,61 @@ def view_of_a_copy(
         if not copies(x) or "view size is not compatible" not in str(error):
             raise
     out = func(x.contiguous(), *args[1:], **kwargs)
-    copied.extend(
-        (t, t._version, f"{what}, a copy in the stacked model and an alias in the original") for t in (x, out)
-    )
+    copied.record((x, out), f"{what}, a copy in the stacked model and an alias in the original")
     return out
 
 
 def reshape_of_another_layout(
-    func: Callable, args: tuple, kwargs: dict, copied: list[tuple[Tensor, int, str]], copies: Callable, what: str
+    func: Callable, args: tuple, kwargs: dict, copied: CopiedViews, copies: Callable, what: str
 ) -> object:
     """``x.reshape(...)``, ``x.flatten(...)``, ``x.contiguous()`` (``func`` in :data:`_RESHAPES`): a view of
     ``x`` where its layout allows one, else a copy. Where ``x`` is, or is a permutation of, a tensor in a
     memory format batchlayers made (``copies``: channels-last where torch.nn's is contiguous), the original's
     result may alias where this one is a copy, or the reverse: both are then recorded in ``copied``, and an
-    in-place write to either afterwards is refused (:func:`check_copied_views`)."""
+    in-place write to either afterwards is refused (:class:`CopiedViews`)."""
     out = func(*args, **kwargs)
     x = args[0] if args else None
     if torch.compiler.is_compiling() or not isinstance(x, Tensor) or not isinstance(out, Tensor):
         return out  # (compiled: a graph has no aliasing to follow, its in-place writes are functional)
     if x.device.type == "meta":
         return out
-    original = _original_layout(x, copies)
-    if original is None:
-        return out
-    aliases = out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
-    probe = func(original, *args[1:], **kwargs)
+    # (under inference mode, a view of a tensor made there does not say it is one)
+    with torch.inference_mode(False) if x.is_inference() else contextlib.nullcontext():
+        original = _original_layout(x, copies)
+        if original is None:
+            return out
+        probe = func(original, *args[1:], **kwargs)
     would_alias = probe is original or probe._is_view()
+    aliases = out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
     if aliases != would_alias:
         kinds = ("an alias", "a copy") if aliases else ("a copy", "an alias")
-        described = f"{what}, {kinds[0]} in the stacked model and {kinds[1]} in the original"
-        copied.extend((t, t._version, described) for t in (x, out))
+        copied.record((x, out), f"{what}, {kinds[0]} in the stacked model and {kinds[1]} in the original")
     return out
+
+
+def base_of(t: Tensor) -> Tensor | None:
+    """The tensor that ``t`` is a view of (``Tensor._base``), or None. Inference tensors do not record it;
+    the tracker does, for the views that the code it follows makes of them (see :func:`note_views`)."""
+    return t._base if t._base is not None else getattr(t, "_batchlayers_base", None)
+
+
+def note_views(x: Tensor, out: object) -> None:
+    """Under ``torch.inference_mode()``: mark the outputs of an op on ``x`` that share its storage (views) with
+    the tensor they view, as ``Tensor._base`` does outside inference mode."""
+    address = _storage_address(x)
+    for o in _outputs(out):
+        if o is not x and address and _storage_address(o) == address:
+            base = base_of(x)
+            o._batchlayers_base = x if base is None else base  # type: ignore[attr-defined]  # (syntax: see set_tag)
 
 
 def _original_layout(x: Tensor, copies: Callable) -> Tensor | None:
     """A meta tensor with the strides the original model's ``x`` would have, where ``x`` views a tensor in a
     memory format batchlayers made (the original's: contiguous) by folding and permuting its dimensions; else
     None."""
-    base = x._base if x._base is not None else x
+    base = base_of(x)
+    if base is None:
+        base = x
     if not (copies(x) or copies(base)) or base.is_contiguous() or x.storage_offset() != base.storage_offset():
         return None
     standard = torch.empty(base.shape, device="meta").stride()
@@ -187,19 +269,6 @@ def _dimension_runs(x: Tensor, base: Tensor) -> list[list[int]] | None:
     if any(base.shape[d] != 1 for d in range(base.dim()) if d not in used):
         return None
     return runs
-
-
-def check_copied_views(copied: list[tuple[Tensor, int, str]]) -> None:
-    """Refuse an in-place write, since the copy, to a tensor that :func:`view_of_a_copy` or
-    :func:`reshape_of_another_layout` recorded."""
-    for t, version, what in copied:
-        if t._version != version:
-            copied.clear()  # reported once (the root's output hook runs after an error in forward too)
-            raise RuntimeError(
-                f"batchlayers: a tensor was written in place after {what}, so the write would reach the other "
-                "tensor in one and not in the other. Use an out-of-place operation there, or call .contiguous() "
-                "first"
-            )
 
 
 def inside_checkpoint(grad_enabled: bool) -> bool:
@@ -257,6 +326,21 @@ def set_tag(t: Tensor, tag: Tag) -> None:
         del t._batchlayers_models  # type: ignore[attr-defined]
 
 
+@dataclass
+class SharedBuffer:
+    """A buffer that the stacked model ``name`` stores once for all models, at ``path``, with its version
+    counter's value after the last write the tracker allowed (None: an inference tensor, without one)."""
+
+    path: str
+    tensor: Tensor
+    version: int | None
+    name: str
+
+    def unseen_write(self) -> bool:
+        """Whether the buffer was written in place other than by writes the tracker allowed (untracked code)."""
+        return self.version is not None and self.tensor._version != self.version
+
+
 class Tracker(TorchFunctionMode):
     """The mode active during one stacked call (see the module docstring)."""
 
@@ -271,9 +355,11 @@ class Tracker(TorchFunctionMode):
         self.size_read = False  # the folded size of a tagged tensor was read into an int
         self.eager_only = False  # refuse to be traced by torch.compile (see FoldInputs.tag_per_model)
         self.grad_enabled = torch.is_grad_enabled()  # at the start of the call (see refuse_checkpointing)
-        # (tensor, version at the copy, what): storage that a .view() of a layer output was copied from or to
+        # tensors that a .view() or reshape of a layer output copied where the original aliases, or the reverse
         # (see _view); any later in-place write to either would not reach the other, as it would in torch.
-        self.copied_views: list[tuple[Tensor, int, str]] = []
+        self.copied_views = CopiedViews()
+        # buffers stored once for all models, by storage address (see guard_shared_buffer)
+        self.shared_buffers: dict[int, SharedBuffer] = {}
 
     def __enter__(self):
         self.numbers = open_call()  # the sizes read in this call (batchlayers._numbers.Call)
@@ -300,6 +386,9 @@ class Tracker(TorchFunctionMode):
                 self._refuse_numbers_that_differ(func, numbers)
                 shaped = func in _SHAPE_GIVING
         tagged = _tagged(args, kwargs)
+        if self.copied_views.storages:
+            self.copied_views.refuse_write(func, args, kwargs)
+        written = self._write_into_shared_buffer(func, args, kwargs, tagged) if self.shared_buffers else None
         if not tagged:
             out = func(*args, **kwargs)
             sized = _sized_dims(func, args, kwargs, out) if shaped else None
@@ -341,6 +430,9 @@ class Tracker(TorchFunctionMode):
             and getattr(args[0], _FROM_SIZE, False)
         ):
             out = _marked_sizes_from_size(self, func, args, kwargs, out)
+        for guard in written or ():
+            if guard.version is not None:
+                guard.version = guard.tensor._version
         return out
 
     def _tracked(self, func, args: tuple, kwargs: dict, tagged: list[_In], given: dict) -> object:
@@ -351,8 +443,8 @@ class Tracker(TorchFunctionMode):
             if isinstance(func, torch._ops.OpOverload):
                 return func(*args, **given)  # a compiled graph running: its ops are on the stored tensors
             return _per_model.call(self, func, args, kwargs)
-        if self.copied_views:
-            self.check_copied_views()
+        if self.copied_views.versions:
+            self.copied_views.check()
         if _ESCAPES.get(func, False) and self.num_models > 1:  # (one model: every value is its own)
             _refuse_escape(func, tagged)
         if _EQUALS.get(func, False):
@@ -396,6 +488,8 @@ class Tracker(TorchFunctionMode):
                     f"batchlayers: {_name(func)} raised '{error}' on a tensor made by {wide.reason}. Stack with "
                     "execution='model_by_model' for this code"
                 ) from None
+        if args and isinstance(args[0], Tensor) and not torch.compiler.is_compiling() and args[0].is_inference():
+            note_views(args[0], out)
         if isinstance(out, (tuple, list)) and torch.compiler.is_compiling():
             # torch.compile cannot store an attribute on the outputs of a multi-output op (split, sort): tag
             # views of them instead.
@@ -414,7 +508,7 @@ class Tracker(TorchFunctionMode):
             isinstance(written, Tensor)
             and self.num_models > 1
             and not torch.compiler.is_compiling()  # (an eager check: it compares values)
-            and written._base is not None
+            and base_of(written) is not None
         ):
             _refuse_lost_write_into_a_view(func, written, tagged)
         if torch.compiler.is_compiling() and _IN_PLACE.get(func, False) and args and isinstance(args[0], Tensor):
@@ -432,7 +526,40 @@ class Tracker(TorchFunctionMode):
         return view_of_a_copy(func, args, kwargs, self.copied_views, _holds_samples, _OTHER_FORMAT)
 
     def check_copied_views(self) -> None:
-        check_copied_views(self.copied_views)
+        self.copied_views.check()
+
+    def guard_shared_buffer(self, path: str, buffer: Tensor, name: str) -> SharedBuffer:
+        """Follow the in-place writes into a buffer that the stacked model ``name`` stores once because it was
+        equal in every model (see :meth:`_write_into_shared_buffer`)."""
+        guard = SharedBuffer(path, buffer, None if buffer.is_inference() else buffer._version, name)
+        address = _storage_address(buffer)
+        if address:
+            self.shared_buffers[address] = guard
+        return guard
+
+    def _write_into_shared_buffer(
+        self, func: Callable, args: tuple, kwargs: dict, tagged: list[_In]
+    ) -> list[SharedBuffer]:
+        """An in-place write into a buffer stored once for all models (``self.steps += 1``, a view of it, or
+        ``.data``): one of values that do not depend on the samples or per-model values keeps it equal in every
+        model, as every original writes the same values into its own copy; any other is refused before it
+        runs, so the buffer keeps its value. Returns the buffers written (their versions are taken after)."""
+        allowed = []
+        for t in written_tensors(func, args, kwargs):
+            guard = self.shared_buffers.get(_storage_address(t))
+            if guard is None:
+                continue
+            if tagged:
+                source = "per-model values" if tagged[0].tag is PerModel else "the models' samples"
+                raise ValueError(
+                    f"{guard.name}: forward writes {_name(func)} into the buffer '{guard.path}' values computed from "
+                    f"{source}, but the stacked "
+                    "model stores that buffer once because it was equal in every model; one tensor cannot hold what "
+                    "differs per model. Register a batched counterpart for the module that owns it with "
+                    "batchlayers.register(...), or stack with execution='model_by_model'"
+                )
+            allowed.append(guard)
+        return allowed
 
     def _over_samples(self, name: str, func, args: tuple, kwargs: dict) -> object:
         """A reduction over the models' samples (a loss, ``x.mean(0)``, ``x.max()``): each model's own, a

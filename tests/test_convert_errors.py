@@ -299,23 +299,6 @@ def test_buffer_that_differs_between_models_is_stored_per_model() -> None:
         convert.replicate(lambda: next(models), 2)
 
 
-class _MutatesBuffer(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(2, 2)
-        self.register_buffer("calls", torch.zeros(()))
-
-    def forward(self, x):
-        self.calls += 1
-        return self.fc(x)
-
-
-def test_shared_buffer_modified_in_forward() -> None:
-    batched = stack([_MutatesBuffer(), _MutatesBuffer()])
-    with pytest.raises(RuntimeError, match="modified the buffer 'calls' in place"):
-        batched(torch.randn(2, 3, 2))
-
-
 def test_bad_inputs_to_the_stacked_model() -> None:
     batched = stack([zoo.MLP(), zoo.MLP()])
     with pytest.raises(

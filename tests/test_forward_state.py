@@ -101,3 +101,53 @@ def test_a_value_from_every_models_samples_is_refused(what: str) -> None:
     message = rf"{what}: the attribute 'prev' holds a tensor \(shape \(4,\)\).*every model's samples together"
     with pytest.raises(ValueError, match=message):
         unstack(stacked) if what == "unstack" else select(stacked, [0])
+
+
+class Counts(nn.Module):
+    """A buffer equal in every model (stored once when stacked) that forward writes in place, as ``how`` says."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("steps", torch.zeros(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        writes = {
+            "+= 1": lambda: self.steps.__iadd__(1),
+            "a view of it, += 1": lambda: self.steps[0].add_(1),
+            ".data": lambda: self.steps.data.mul_(2).add_(1),
+            "copy_ of a constant": lambda: self.steps.copy_(self.steps + torch.tensor([1.0, 3.0], dtype=x.dtype)),
+            "a per-model value": lambda: self.steps.copy_(h.mean()),
+            "a per-model value into a view": lambda: self.steps.__setitem__(1, h.mean()),
+            "a sum over the samples": lambda: self.steps.add_(h.detach().sum()),
+            "out= of the samples' mean": lambda: torch.mean(h.detach(), 0, out=self.steps[:1].squeeze(0)),
+        }
+        writes[self.how]()
+        return h * self.steps.sum()
+
+
+KEPT_EQUAL = ["+= 1", "a view of it, += 1", ".data", "copy_ of a constant"]
+DIFFERS = ["a per-model value", "a per-model value into a view", "a sum over the samples", "out= of the samples' mean"]
+
+
+@pytest.mark.parametrize("how", KEPT_EQUAL)
+def test_a_shared_buffer_written_with_values_equal_in_every_model(how: str) -> None:
+    """Every original writes the same values into its own copy, so the one shared copy stays each model's."""
+    models = [seeded(lambda: Counts(how), seed) for seed in range(3)]
+    stacked = stack(models)
+    for seed in range(3):
+        _run_both(stacked, models, 2, seed)
+        for i, one in enumerate(unstack(stacked)):
+            assert_close(one.steps, models[i].steps, msg=f"model {i}'s steps after call {seed}")
+
+
+@pytest.mark.parametrize("mode", [torch.enable_grad, torch.no_grad, torch.inference_mode])
+@pytest.mark.parametrize("how", DIFFERS)
+def test_a_shared_buffer_written_with_values_per_model_is_refused_before_the_write(how: str, mode: type) -> None:
+    stacked = stack([seeded(lambda: Counts(how), seed) for seed in range(2)])
+    with pytest.raises(ValueError, match=r"stacked Counts: forward writes .* into the buffer 'steps' values computed"):
+        with mode():
+            stacked(_inputs(2, 3, 0))
+    assert torch.equal(stacked.steps, torch.zeros(2, dtype=torch.float64))

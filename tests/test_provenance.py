@@ -4,6 +4,7 @@ wrong result (batchlayers._provenance knows which tensors carry samples instead 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import pickle
@@ -398,10 +399,15 @@ def test_inputs_with_different_numbers_of_samples(texts: int, images: int) -> No
         assert_close(p.grad, torch.stack([dict(m.named_parameters())[key].grad for m in models]), msg=key)
 
 
+GRAD_MODES = [contextlib.nullcontext, torch.no_grad, torch.inference_mode]  # (inference: no version counters)
+
+
+@pytest.mark.parametrize("mode", GRAD_MODES)
 @pytest.mark.parametrize("pattern", list(REFUSED))
-def test_refused_where_rows_cannot_be_assigned(pattern: str) -> None:
+def test_refused_where_rows_cannot_be_assigned(pattern: str, mode: type) -> None:
     batched = stack([_Mixes(pattern), _Mixes(pattern)])
-    _refused(batched, torch.randn(2, 3, 4), REFUSED[pattern])
+    with mode():
+        _refused(batched, torch.randn(2, 3, 4), REFUSED[pattern])
 
 
 class _AttentionOverTheBatch(nn.Module):
@@ -1266,17 +1272,19 @@ class _LayoutAlias(nn.Module):
 LAYOUT_ALIASES = ["flatten", "contiguous", "permute, reshape"]
 
 
+@pytest.mark.parametrize("mode", GRAD_MODES)
 @pytest.mark.parametrize("execution", ["batched", "model_by_model"])
 @pytest.mark.parametrize("pattern", LAYOUT_ALIASES)
-def test_writes_after_a_reshape_whose_aliasing_differs_are_refused(pattern: str, execution: str) -> None:
+def test_writes_after_a_reshape_whose_aliasing_differs_are_refused(pattern: str, execution: str, mode: type) -> None:
     """Without a write the reshape is exact; a write in place to its source afterwards is refused, since it
     would reach the reshaped tensor in one of the two layouts only (a silent difference otherwise)."""
     x = torch.randn(2, 3, 3, 5, 5, dtype=torch.float64)
     models = [seeded(lambda: _LayoutAlias(pattern), i) for i in range(2)]
-    out = stack(models, execution=execution)(x)
-    assert_close(out, torch.stack([m(x[i]) for i, m in enumerate(models)]), msg=pattern)
+    with mode():
+        out = stack(models, execution=execution)(x)
+        assert_close(out, torch.stack([m(x[i]) for i, m in enumerate(models)]), msg=pattern)
     written = [seeded(lambda: _LayoutAlias(f"{pattern}, then in place"), i) for i in range(2)]
-    with pytest.raises(RuntimeError, match=r"written in place after .*(copy|alias) in the stacked model"):
+    with pytest.raises(RuntimeError, match=r"written in place after .*(copy|alias) in the stacked model"), mode():
         stack(written, execution=execution)(x)
     assert torch.overrides._get_current_function_mode_stack() == []
 

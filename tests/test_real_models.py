@@ -155,9 +155,7 @@ def test_transformers_model_stacks_exactly(name: str, execution: str) -> None:
     options = {"use_cache": False} if execution == "model_by_model" and name in WITH_CACHE else {}
     out = batched(**inputs, **options)
     refs = [models[i](**{k: v[i] for k, v in inputs.items()}, **options) for i in range(M)]
-    for key in ("logits", "last_hidden_state", "pooler_output", "logits_per_image", "logits_per_text", "image_embeds"):
-        if getattr(refs[0], key, None) is not None:
-            assert_close(getattr(out, key), torch.stack([getattr(r, key) for r in refs]), msg=f"{name} {key}")
+    _assert_same_outputs(out, refs, name)
     grad = torch.randn_like(_main_output(out))
     (_main_output(out) * grad).sum().backward()
     for i, r in enumerate(refs):
@@ -168,6 +166,27 @@ def test_transformers_model_stacks_exactly(name: str, execution: str) -> None:
         state = back.state_dict()
         for key, value in original.state_dict().items():
             assert_close(state[key], value, msg=f"{name}: unstacked {key}")
+
+
+def _assert_same_outputs(out: object, refs: list, name: str) -> None:
+    for key in ("logits", "last_hidden_state", "pooler_output", "logits_per_image", "logits_per_text", "image_embeds"):
+        if getattr(refs[0], key, None) is not None:
+            assert_close(getattr(out, key), torch.stack([getattr(r, key) for r in refs]), msg=f"{name} {key}")
+
+
+@pytest.mark.parametrize("execution", ["batched", "model_by_model"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_transformers_model_under_inference_mode(name: str, execution: str) -> None:
+    """Under ``torch.inference_mode()`` tensors have no version counters and views do not record their base,
+    which batchlayers' checks of in-place writes read: the outputs are still each original's."""
+    models = _originals(name)
+    batched = stack(models, execution=execution)
+    inputs = _inputs(name)
+    options = {"use_cache": False} if execution == "model_by_model" and name in WITH_CACHE else {}
+    with torch.inference_mode():
+        out = batched(**inputs, **options)
+        refs = [models[i](**{k: v[i] for k, v in inputs.items()}, **options) for i in range(M)]
+    _assert_same_outputs(out, refs, name)
 
 
 def _labels(name: str, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -197,15 +216,16 @@ def test_transformers_loss_is_each_models_own(name: str) -> None:
     _assert_same_gradients(batched, models, name)
 
 
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
 @pytest.mark.parametrize("name", ["gpt2", "llama", "opt"])
-def test_cached_decoding_is_exact(name: str) -> None:
+def test_cached_decoding_is_exact(name: str, mode: type) -> None:
     """A prefill then T = 1 steps, each model with its own cache (transformers' DynamicCache): the stacked
     model's cache holds every model's keys and values, and every step's logits are each model's own."""
     models = _originals(name)
     batched = stack(models)
     cache = "cache" if "cache" in inspect.signature(models[0].forward).parameters else "past_key_values"
     ids = torch.randint(3, 50, (M, B, T))
-    with torch.no_grad():
+    with mode():
         out = batched(input_ids=ids, use_cache=True)
         refs = [m(input_ids=ids[i], use_cache=True) for i, m in enumerate(models)]
         for step in range(4):
