@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -160,6 +161,15 @@ def check_inputs(root: nn.Module, found: list[tuple[str, Tensor]]) -> list[int]:
     return sorted({t.shape[1] for _, t in found})
 
 
+def _by_module(names: list[str]) -> list[tuple[tuple[str, ...], list[str]]]:
+    """``names`` grouped by the path of their module (its atoms) and the names within it."""
+    by_module: dict[tuple[str, ...], list[str]] = {}
+    for name in names:
+        *path, leaf = name.split(".")
+        by_module.setdefault(tuple(path), []).append(leaf)
+    return list(by_module.items())
+
+
 class FoldInputs:
     """Forward pre-hook of the stacked root: ``(M, B, *)`` tensor inputs become ``(M * B, *)``."""
 
@@ -169,11 +179,7 @@ class FoldInputs:
         self.shared_buffers = list(shared_buffers)
         self.per_model = list(per_model)  # every (M, *) parameter and buffer, by name
         # ... grouped by module (path atoms, tensor names): tagging walks to each module once per call
-        by_module: dict[tuple[str, ...], list[str]] = {}
-        for name in self.per_model:
-            *path, leaf = name.split(".")
-            by_module.setdefault(tuple(path), []).append(leaf)
-        self.per_model_by_module = list(by_module.items())
+        self.per_model_by_module = _by_module(self.per_model)
         self.own_code = list(own_code)  # those of them that the architecture's own code uses (not a batched layer)
 
     def __call__(self, root: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
@@ -204,19 +210,48 @@ class FoldInputs:
         tracker = Tracker(num_models, [num_models * b for b in batches])
         name = f"stacked {type(root).__name__}"
         tracker.eager_only = bool(getattr(self, "own_code", ()))
-        _calls().append(
-            _Call(
-                owner=id(root),
-                num_models=num_models,
-                batch=batches[0],
-                tracker=tracker,
-                shared_buffers=[tracker.guard_shared_buffer(n, b, name) for n, b in buffers],
-                per_model_slots=slots,
-                signature=signature,
-            )
+        call = _Call(
+            owner=id(root),
+            num_models=num_models,
+            batch=batches[0],
+            tracker=tracker,
+            shared_buffers=[],
+            per_model_slots=slots,
+            signature=signature,
         )
+        call.shared_buffers = [
+            tracker.guard_shared_buffer(n, b, name, functools.partial(self.store_per_model, root, n, call=call))
+            for n, b in buffers
+        ]
+        _calls().append(call)
         tracker.__enter__()
         return args, kwargs
+
+    def store_per_model(self, root: nn.Module, name: str, call: _Call | None) -> None:
+        """From ``call`` on, store the shared buffer ``name`` per model, ``(M, *)``: forward writes per-model
+        values into it (see ``Tracker._write_into_shared_buffer``), or assigned it one (``call``: None, after
+        the call). Written in place, each model's copy starts as its value now; the tensor object stays the same
+        (``Tensor.set_``), so every reference to it sees the change."""
+        buffer = _tensor(root, name)
+        every_name = _every_name(root, [name])
+        if get_tag(buffer) is not PerModel:
+            with torch.no_grad():
+                stored = buffer.detach().expand(cast(int, root.num_models), *buffer.shape).clone()
+                buffer.set_(stored.untyped_storage(), 0, stored.shape, stored.stride())
+            set_tag(buffer, PerModel)
+        self.shared_buffers.remove(name)
+        self.per_model.append(name)
+        self.own_code.append(name)  # read by the architecture's code: calls run without compiling
+        self.per_model_by_module = _by_module(self.per_model)
+        *path, leaf = name.split(".")
+        for hook in (*root._state_dict_hooks.values(), *root._load_state_dict_pre_hooks.values()):
+            hook = getattr(hook, "hook", hook)  # (torch wraps load-state-dict pre-hooks)
+            if isinstance(hook, (ExpandSharedBuffers, SqueezeSharedBuffers)):
+                hook.names = [n for n in hook.names if n not in every_name]
+        if call is not None:
+            call.tracker.eager_only = True
+            call.shared_buffers = [g for g in call.shared_buffers if g.tensor is not buffer]
+            call.per_model_slots.append((root.get_submodule(".".join(path)), leaf, buffer))
 
     def tag_per_model(self, root: nn.Module) -> list[tuple[nn.Module, str, Tensor | None]]:
         """Tag the ``(M, *)`` tensors as per-model: the architecture's code reads them as one model's (see
@@ -302,17 +337,21 @@ def _keep_replaced_per_model(root: nn.Module, call: _Call) -> None:
 
 def _refuse_replaced_shared_buffer(root: nn.Module, path: str, before: Tensor, name: str) -> None:
     """A buffer stored once because it was equal in every model, that forward assigned anew (``self.cache_k =
-    k``): a value without the samples stays (the same for every model); one computed from the samples or from
-    per-model values would differ per model, which one shared tensor cannot hold: the old tensor is put back
+    k``): a value without the samples stays (the same for every model); a per-model value of the buffer's
+    shape (``self.mean = 0.9 * self.mean + 0.1 * x.mean(0)``) is stored per model from now on; one computed
+    from the samples would differ per model, which one shared tensor cannot hold: the old tensor is put back
     and the call refused."""
     now = _tensor(root, path)
     tag = get_tag(now) if now is not None else None
     if now is before or tag is None:
         return
+    if tag is PerModel and now.shape == (cast(int, root.num_models), *before.shape):
+        next(h for h in root._forward_pre_hooks.values() if isinstance(h, FoldInputs)).store_per_model(root, path, None)
+        return
     *parents, leaf = path.split(".")
     module = root.get_submodule(".".join(parents))
     module._buffers[leaf] = before
-    what = "a per-model value" if tag is PerModel else "a value computed from the models' samples"
+    what = "a per-model value of another shape" if tag is PerModel else "a value computed from the models' samples"
     raise ValueError(
         f"{name}: forward assigned {what} (shape {tuple(now.shape)}) to the buffer '{path}', which the stacked "
         "model stores once because it was equal in every model; one tensor cannot hold what differs per model. "

@@ -335,6 +335,8 @@ class SharedBuffer:
     tensor: Tensor
     version: int | None
     name: str
+    # stores it (M, *), tagged per-model, from this call on (see batchlayers._fold.FoldInputs.store_per_model)
+    store_per_model: Callable[[], None]
 
     def unseen_write(self) -> bool:
         """Whether the buffer was written in place other than by writes the tracker allowed (untracked code)."""
@@ -388,7 +390,11 @@ class Tracker(TorchFunctionMode):
         tagged = _tagged(args, kwargs)
         if self.copied_views.storages:
             self.copied_views.refuse_write(func, args, kwargs)
-        written = self._write_into_shared_buffer(func, args, kwargs, tagged) if self.shared_buffers else None
+        written = None
+        if self.shared_buffers:
+            written = self._write_into_shared_buffer(func, args, kwargs, tagged)
+            if written is None:  # a buffer just stored per model: the write is one into a per-model value
+                tagged = _tagged(args, kwargs)
         if not tagged:
             out = func(*args, **kwargs)
             sized = _sized_dims(func, args, kwargs, out) if shaped else None
@@ -528,10 +534,13 @@ class Tracker(TorchFunctionMode):
     def check_copied_views(self) -> None:
         self.copied_views.check()
 
-    def guard_shared_buffer(self, path: str, buffer: Tensor, name: str) -> SharedBuffer:
+    def guard_shared_buffer(
+        self, path: str, buffer: Tensor, name: str, store_per_model: Callable[[], None]
+    ) -> SharedBuffer:
         """Follow the in-place writes into a buffer that the stacked model ``name`` stores once because it was
         equal in every model (see :meth:`_write_into_shared_buffer`)."""
-        guard = SharedBuffer(path, buffer, None if buffer.is_inference() else buffer._version, name)
+        version = None if buffer.is_inference() else buffer._version
+        guard = SharedBuffer(path, buffer, version, name, store_per_model)
         address = _storage_address(buffer)
         if address:
             self.shared_buffers[address] = guard
@@ -539,27 +548,47 @@ class Tracker(TorchFunctionMode):
 
     def _write_into_shared_buffer(
         self, func: Callable, args: tuple, kwargs: dict, tagged: list[_In]
-    ) -> list[SharedBuffer]:
+    ) -> list[SharedBuffer] | None:
         """An in-place write into a buffer stored once for all models (``self.steps += 1``, a view of it, or
         ``.data``): one of values that do not depend on the samples or per-model values keeps it equal in every
-        model, as every original writes the same values into its own copy; any other is refused before it
-        runs, so the buffer keeps its value. Returns the buffers written (their versions are taken after)."""
-        allowed = []
+        model, as every original writes the same values into its own copy. One of per-model values into the
+        buffer itself (an exponential moving average of ``x.mean(0)``) makes the models' copies differ: the
+        buffer is stored per model from then on (:meth:`SharedBuffer.store_per_model`), and the caller runs the
+        write as one into a per-model value. Any other is refused before it runs, so the buffer keeps its
+        value. Returns the buffers written (their versions are taken after), None after storing one per
+        model."""
+        allowed: list[SharedBuffer] = []
+        promoted = False
         for t in written_tensors(func, args, kwargs):
             guard = self.shared_buffers.get(_storage_address(t))
             if guard is None:
                 continue
-            if tagged:
-                source = "per-model values" if tagged[0].tag is PerModel else "the models' samples"
-                raise ValueError(
-                    f"{guard.name}: forward writes {_name(func)} into the buffer '{guard.path}' values computed from "
-                    f"{source}, but the stacked "
-                    "model stores that buffer once because it was equal in every model; one tensor cannot hold what "
-                    "differs per model. Register a batched counterpart for the module that owns it with "
-                    "batchlayers.register(...), or stack with execution='model_by_model'"
+            if not tagged:
+                allowed.append(guard)
+                continue
+            if t is guard.tensor and all(i.tag is PerModel for i in tagged):
+                del self.shared_buffers[_storage_address(t)]
+                guard.store_per_model()
+                promoted = True
+                continue
+            samples = next((i for i in tagged if i.tag is not PerModel), None)
+            raise ValueError(
+                f"{guard.name}: forward writes {_name(func)} into "
+                + (f"the buffer '{guard.path}'" if t is guard.tensor else f"a view of the buffer '{guard.path}'")
+                + " values computed from "
+                + ("the models' samples" if samples is not None else "per-model values")
+                + ", but the stacked model stores that buffer once because it was equal in every model; one tensor "
+                "cannot hold what differs per model. "
+                + (
+                    "A buffer written whole with per-model values (x.mean(0), not a sum over the samples) is "
+                    "stored per model; "
+                    if samples is not None or t is not guard.tensor
+                    else ""
                 )
-            allowed.append(guard)
-        return allowed
+                + "register a batched counterpart for the module that owns it with batchlayers.register(...), or "
+                "stack with execution='model_by_model'"
+            )
+        return None if promoted else allowed
 
     def _over_samples(self, name: str, func, args: tuple, kwargs: dict) -> object:
         """A reduction over the models' samples (a loss, ``x.mean(0)``, ``x.max()``): each model's own, a

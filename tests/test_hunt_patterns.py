@@ -219,18 +219,23 @@ class _CachesInASharedBuffer(nn.Module):
             self.cache = h.detach()
         elif self.what == "a per-model value":
             self.cache = self.fc.bias[None].detach() * 2
+        elif self.what == "a per-model value of another shape":
+            self.cache = self.fc.bias[None, None].detach() * 2
         else:  # a constant, the same for every model
             self.cache = torch.full((1, 6), 0.5, dtype=h.dtype)
         return h + self.cache
 
 
-@pytest.mark.parametrize("what", ["the samples", "a per-model value", "a constant"])
+@pytest.mark.parametrize(
+    "what", ["the samples", "a per-model value", "a per-model value of another shape", "a constant"]
+)
 def test_a_shared_buffer_that_forward_replaces(what: str) -> None:
-    """Holding the samples or a per-model value it would hold the folded batch or one model's value for all:
-    refused, the buffer put back; a constant is each model's own: exact."""
+    """Holding the samples it would hold the folded batch, and a per-model value of another shape is not the
+    buffer's value per model: refused, the buffer put back; a constant is each model's own, and a per-model
+    value of the buffer's shape is stored per model from then on: exact."""
     factory = lambda: _CachesInASharedBuffer(what)  # noqa: E731
     outcome = assert_exact_or_refused(factory, 2, _rows, 3)
-    assert outcome == ("exact" if what == "a constant" else "refused")
+    assert outcome == ("exact" if what in ("a constant", "a per-model value") else "refused")
     if outcome == "refused":
         stacked = stack([seeded(factory, i) for i in range(2)])
         kept = stacked.cache
