@@ -781,6 +781,38 @@ class SqueezeSharedBuffers:
             state_dict[key] = value[0]
 
 
+class MovesKeysOnly:
+    """A load-state-dict pre-hook of the architecture (transformers' renaming of old checkpoints' keys),
+    kept on the stacked model: it runs on the stacked state dict, whose tensors hold every model's values, so
+    it may move and rename entries but not compute new values from them (which it would do per model). One
+    that does is refused before anything is loaded into the module."""
+
+    def __init__(self, hook: Callable, where: str) -> None:
+        self.hook = hook
+        self.where = where
+
+    def __call__(self, state_dict: dict, *args: object) -> None:
+        given = {id(v): v._version for v in state_dict.values() if isinstance(v, Tensor)}
+        self.hook(state_dict, *args)
+        for key, value in state_dict.items():
+            if isinstance(value, Tensor) and given.get(id(value)) != value._version:
+                raise ValueError(
+                    f"load_state_dict: a load-state-dict hook of {self.where} computed '{key}' from the state dict's "
+                    "tensors, which in a stacked model hold every model's values; it can only move and rename "
+                    "entries there. Load each model's state dict into an original model and stack them"
+                )
+
+
+def keep_load_hooks(root: nn.Module) -> None:
+    """Wrap the load-state-dict pre-hooks of ``root``'s modules in :class:`MovesKeysOnly`."""
+    for path, module in root.named_modules():
+        hooks = module._load_state_dict_pre_hooks
+        for key, hook in list(hooks.items()):
+            if not isinstance(getattr(hook, "hook", hook), _HOOK_TYPES):
+                where = f"'{path}' ({type(module).__name__})" if path else f"the model itself ({type(module).__name__})"
+                hooks[key] = MovesKeysOnly(hook, where)  # type: ignore[assignment]  # (a callable, as torch's)
+
+
 class NestedTensorGuard:
     """Forward pre-hook of a ``torch.nn.TransformerEncoder`` inside a stacked model. In eval mode without
     gradients and with a ``src_key_padding_mask``, torch may run the original through its nested-tensor
@@ -872,4 +904,7 @@ def detach_hooks(module: nn.Module) -> None:
     pre_hooks = module._load_state_dict_pre_hooks
     for key in [k for k, h in pre_hooks.items() if isinstance(getattr(h, "hook", h), _HOOK_TYPES)]:
         del pre_hooks[key]
+    for key, hook in list(pre_hooks.items()):
+        if isinstance(hook, MovesKeysOnly):
+            pre_hooks[key] = hook.hook  # type: ignore[assignment]  # (the architecture's own, as it was)
     module.__dict__.pop("_batchlayers_path", None)

@@ -161,9 +161,8 @@ _UNTRACKED_HOOKS = (
     ("_backward_hooks", "backward"),
     ("_state_dict_pre_hooks", "state-dict"),
     ("_state_dict_hooks", "state-dict"),
-    ("_load_state_dict_pre_hooks", "load-state-dict"),
     ("_load_state_dict_post_hooks", "load-state-dict"),
-)
+)  # (load-state-dict pre-hooks are kept: see _fold.MovesKeysOnly)
 
 
 def _known_hook(hook: object) -> bool:
@@ -322,6 +321,7 @@ def _skeleton(template: nn.Module, num_models: int, differing: frozenset[str] = 
     root = _swap_in(root, replaced)
     _fuse_sequentials(root)
     rebind_functions(root, _translator(memo, replaced))
+    _fold.keep_load_hooks(root)
     stacked = {n: t for n, t in tensor_table(root, remove_duplicate=True).items() if n not in shared}
     if not _fold.is_swapped_leaf(root):
         if "num_models" in vars(root):

@@ -14,7 +14,7 @@ import torch
 import transformers as tf
 from harness import assert_close
 
-from batchlayers import losses, stack, unstack, verify
+from batchlayers import losses, stack, stack_state_dicts, unstack, verify
 
 M, B, T = 2, 3, 5  # M * B != T; test_provenance covers the coincidences
 _LM = dict(vocab_size=50, bos_token_id=0, eos_token_id=0)
@@ -70,6 +70,14 @@ CONFIGS = {
                          d_model=16, encoder_ffn_dim=32, decoder_ffn_dim=32, num_mel_bins=8, max_source_positions=8,
                          max_target_positions=16, pad_token_id=0, decoder_start_token_id=0, **_LM)
     ),
+    # load-state-dict pre-hooks that rename old checkpoints' keys (kept on the stacked model)
+    "mamba": lambda: tf.MambaModel(
+        tf.MambaConfig(vocab_size=50, hidden_size=16, state_size=4, num_hidden_layers=2, expand=2, conv_kernel=3)
+    ),
+    "esm": lambda: tf.EsmModel(
+        tf.EsmConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+                     pad_token_id=1, mask_token_id=49, position_embedding_type="rotary", max_position_embeddings=16)
+    ),
 }  # fmt: skip
 
 
@@ -98,7 +106,7 @@ MOE = {
 CONFIGS.update(MOE)
 
 
-WITH_CACHE = ("gpt2", "llama", "mistral", "opt", "t5", "bart", "whisper", *MOE)
+WITH_CACHE = ("gpt2", "llama", "mistral", "opt", "t5", "bart", "whisper", "mamba", *MOE)
 
 
 def _inputs(name: str) -> dict[str, torch.Tensor]:
@@ -187,6 +195,48 @@ def test_transformers_model_under_inference_mode(name: str, execution: str) -> N
         out = batched(**inputs, **options)
         refs = [models[i](**{k: v[i] for k, v in inputs.items()}, **options) for i in range(M)]
     _assert_same_outputs(out, refs, name)
+
+
+def test_load_state_dict_hooks_rename_old_checkpoints_keys() -> None:
+    """Mamba renames an old checkpoint's ``embedding.`` keys before loading: on the stacked model too (its
+    tensors move as they are), and the unstacked models get the hook back as it was."""
+    models = _originals("mamba")
+    old_style = [{k.replace("embeddings.", "embedding."): v for k, v in m.state_dict().items()} for m in models]
+    assert any(k.startswith("embedding.") for k in old_style[0])
+    batched = stack([_originals("mamba")[0]] * M)  # other weights: loading must bring the originals'
+    batched.load_state_dict(stack_state_dicts(old_style))
+    ids = torch.randint(3, 50, (M, B, T))
+    expected = torch.stack([m(input_ids=ids[i]).last_hidden_state for i, m in enumerate(models)])
+    assert_close(batched(input_ids=ids).last_hidden_state, expected, msg="after loading old keys")
+    for i, back in enumerate(unstack(batched)):
+        back.load_state_dict(old_style[i])
+        assert_close(back(input_ids=ids[i]).last_hidden_state, expected[i], msg=f"unstacked model {i}")
+
+
+class _TransposesOldWeights(torch.nn.Module):
+    """Its load-state-dict hook transposes an old checkpoint's weight: a value computed per model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(3, 3)
+        self._register_load_state_dict_pre_hook(self._transpose_old)
+
+    def _transpose_old(self, state_dict, prefix, *args) -> None:
+        old = state_dict.pop(prefix + "fc.weight_t", None)
+        if old is not None:
+            state_dict[prefix + "fc.weight"] = old.transpose(-1, -2)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def test_load_state_dict_hook_that_computes_values_is_refused() -> None:
+    batched = stack([_TransposesOldWeights() for _ in range(M)])
+    state = batched.state_dict()
+    batched.load_state_dict(state)  # (nothing to rename: the hook leaves the entries as they are)
+    state["fc.weight_t"] = state.pop("fc.weight")
+    with pytest.raises(ValueError, match=r"hook of the model itself \(_TransposesOldWeights\) computed 'fc.weight'"):
+        batched.load_state_dict(state)
 
 
 def _labels(name: str, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
