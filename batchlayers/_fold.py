@@ -810,7 +810,7 @@ def keep_load_hooks(root: nn.Module) -> None:
         for key, hook in list(hooks.items()):
             if not isinstance(getattr(hook, "hook", hook), _HOOK_TYPES):
                 where = f"'{path}' ({type(module).__name__})" if path else f"the model itself ({type(module).__name__})"
-                hooks[key] = MovesKeysOnly(hook, where)  # type: ignore[assignment]  # (a callable, as torch's)
+                hooks[key] = MovesKeysOnly(hook, where)
 
 
 class NestedTensorGuard:
@@ -906,5 +906,5 @@ def detach_hooks(module: nn.Module) -> None:
         del pre_hooks[key]
     for key, hook in list(pre_hooks.items()):
         if isinstance(hook, MovesKeysOnly):
-            pre_hooks[key] = hook.hook  # type: ignore[assignment]  # (the architecture's own, as it was)
+            pre_hooks[key] = hook.hook
     module.__dict__.pop("_batchlayers_path", None)
