@@ -396,6 +396,7 @@ def _dim_op(method: str, position: int = 0, default=None, key: str = "dim") -> C
 
     def transform(t, s, *args, **kwargs):
         args = list(args)
+        kwargs.pop("_stacklevel", None)  # (F.softmax's, which the Tensor method does not take)
         if key in kwargs:
             kwargs[key] = _shift_dims(kwargs[key], len(s))
         elif len(args) > position:
