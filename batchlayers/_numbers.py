@@ -68,6 +68,31 @@ def _parts(x: object) -> tuple[Any, Any] | None:
     return None
 
 
+# Torch's own code where a comparison of a folded size with a plain number (not the folded size itself, which
+# may be a size read unmarked) whose answer differs per model takes one answer instead of being refused,
+# (file suffix, function) -> which:
+# - "own", each original model's: torch.distributions' check that a value's shape broadcasts with the
+#   distribution's (every ``log_prob`` validating its arguments, the default). It only decides whether to
+#   raise, nothing it computes is used afterwards, so the call raises, or returns, as each original model's.
+# - "folded": ``torch.broadcast_shapes`` (MultivariateNormal's batch shape). It broadcasts the folded sizes,
+#   whose result is the folded size of each model's result (``M * B`` with 1 where each model's ``B`` is 1),
+#   or raises where folding makes sizes disagree (``M * 1`` with ``k``, where each model broadcasts 1 to ``k``).
+_ANSWERED_BY = {
+    ("torch/distributions/distribution.py", "_validate_sample"): "own",
+    ("torch/_refs/__init__.py", "_broadcast_shapes"): "folded",
+}
+
+
+def _answered_by() -> str | None:
+    """Which answer a comparison made by one of :data:`_ANSWERED_BY` itself (not by a function it calls, whose
+    results it may use) takes; None elsewhere."""
+    code = sys._getframe(2).f_code  # (0: here, 1: the comparison, 2: its caller; partialmethod adds no frame)
+    for (suffix, name), answer in _ANSWERED_BY.items():
+        if code.co_name == name and code.co_filename.replace(os.sep, "/").endswith(suffix):
+            return answer
+    return None
+
+
 class Call:
     """The stacked call a marked number was read in: after it ends the number is a plain one (kept in a cache,
     ``self.last = B``, einops' recipe cache), compared and used as its folded value, refused nowhere."""
@@ -153,6 +178,9 @@ class _Marked:
             return NotImplemented  # a tensor: its own comparison, where the tracker sees the number
         folded, own = op(self.folded(), theirs[0]), op(self.own, theirs[1])
         if own != folded and self.call.alive and (not isinstance(other, _Marked) or other.call.alive):
+            answer = None if isinstance(other, _Marked) or theirs[0] == self.folded() else _answered_by()
+            if answer is not None:
+                return own if answer == "own" else folded
             raise ValueError(
                 f"batchlayers: a stacked model's forward compares {self.folded()}, {self.where()}, with {other} "
                 f"({symbol}): each original model compares its own ({self.own}) and gets {own}, the folded batch "
