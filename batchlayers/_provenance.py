@@ -1564,6 +1564,33 @@ def _expand(ctx, name, args, kwargs, out, tagged) -> None:
     _tag_all(out, d)
 
 
+def _diagonal(ctx, name, args, kwargs, out, tagged) -> None:
+    """``x.diagonal(offset, dim1, dim2)`` (``torch.linalg.diagonal``'s dims: -2, -1): ``dim1`` and ``dim2`` go,
+    their diagonal becomes the last dimension."""
+    first = tagged[0]
+    if isinstance(first.tag, Lost) or first.tensor is not args[0]:
+        return _tag_all(out, _first_lost(tagged) or Lost(name))
+    n = len(first.shape)
+    default = (-2, -1) if name == "torch.linalg.diagonal" else (0, 1)
+    dims = {_norm(_arg(args, kwargs, 2 + k, f"dim{k + 1}", default[k]), n) for k in range(2)}
+    if first.tag in dims:
+        return _tag_all(out, Lost(f"{name} of the dimension that holds the models' samples"))
+    _tag_all(out, first.tag - sum(k < first.tag for k in dims))
+
+
+def _diag_embed(ctx, name, args, kwargs, out, tagged) -> None:
+    """``torch.diag_embed(x, offset, dim1, dim2)``: the last dimension of ``x`` becomes the diagonal of
+    dimensions ``dim1`` and ``dim2`` of the result (-2, -1), the others fill its remaining dimensions in order."""
+    first = tagged[0]
+    if isinstance(first.tag, Lost) or first.tensor is not args[0]:
+        return _tag_all(out, _first_lost(tagged) or Lost(name))
+    n = len(first.shape) + 1
+    dims = {_norm(_arg(args, kwargs, 2 + k, f"dim{k + 1}", -2 + k), n) for k in range(2)}
+    if first.tag == n - 2:
+        return _tag_all(out, Lost(f"{name} of the dimension that holds the models' samples"))
+    _tag_all(out, [k for k in range(n) if k not in dims][first.tag])
+
+
 def _repeat_interleave(ctx, name, args, kwargs, out, tagged) -> None:
     first = tagged[0]
     dim = _arg(args, kwargs, 2, "dim", None)
@@ -1919,6 +1946,8 @@ def _setitem(ctx, name, args, kwargs, out, tagged) -> None:
         if vtag is not None:
             set_tag(x, Lost("writing the models' samples into a tensor shared by all models"))
         return
+    if _fills_by_mask(x, index, value, d):
+        return set_tag(x, d)
     position = _index_position(x, index, d, _batch_sized(ctx), name)
     if isinstance(position, Lost):
         return set_tag(x, position if position.wide else Lost("writing into part of the models' samples (x[i] = ...)"))
@@ -1927,6 +1956,22 @@ def _setitem(ctx, name, args, kwargs, out, tagged) -> None:
         tag = _broadcast_tag(ctx, "Tensor.__setitem__", [_Probe(view, position), value], view.shape)
         if tag != position:
             set_tag(x, tag if isinstance(tag, Lost) else Lost("writing samples of other models (x[...] = y)"))
+
+
+def _fills_by_mask(x: Tensor, index: object, value: object, d: int) -> bool:
+    """``x[mask] = v`` with a boolean ``mask`` of ``x``'s shape holding the samples on ``x``'s dimension ``d``
+    (or the same all along it) and one value ``v`` for every element (a number, or a 0-dim tensor without
+    samples): ``x.masked_fill_(mask, v)``, elementwise (``torch.distributions.kl_divergence`` of two
+    Categoricals sets ``t[(q.probs == 0).expand_as(t)] = inf``)."""
+    mask = index[0] if isinstance(index, tuple) and len(index) == 1 else index
+    if not isinstance(mask, Tensor) or mask.dtype != torch.bool or mask.shape != x.shape:
+        return False
+    if isinstance(value, Tensor) and (value.dim() != 0 or get_tag(value) is not None):
+        return False
+    if not isinstance(value, (Tensor, int, float, bool)) or differs(value):
+        return False
+    tag = get_tag(mask)
+    return tag == d or (tag is None and not _differs_along(mask, d))
 
 
 def _inplace_elementwise(ctx, name, args, kwargs, out, tagged) -> None:
@@ -2303,7 +2348,8 @@ _ELEMENTWISE = """
 add sub subtract mul multiply div divide true_divide floor_divide remainder fmod pow float_power where
 maximum minimum fmax fmin masked_fill clamp clip clamp_min clamp_max lerp addcmul addcdiv hypot atan2 logaddexp
 eq ne lt le gt ge equal greater less greater_equal less_equal not_equal logical_and logical_or logical_xor
-bitwise_and bitwise_or bitwise_xor bitwise_not copysign xlogy heaviside isclose nan_to_num
+bitwise_and bitwise_or bitwise_xor bitwise_not copysign xlogy heaviside isclose nan_to_num xlog1py igamma igammac
+gammainc gammaincc zeta
 __add__ __radd__ __sub__ __rsub__ __mul__ __rmul__ __truediv__ __rtruediv__ __div__ __rdiv__ __floordiv__
 __rfloordiv__ __mod__ __rmod__ __pow__ __rpow__ __and__ __rand__ __or__ __ror__ __xor__ __rxor__
 __eq__ __ne__ __lt__ __le__ __gt__ __ge__
@@ -2313,6 +2359,7 @@ neg negative abs absolute exp exp2 expm1 log log2 log10 log1p sqrt rsqrt square 
 tan asin acos atan sinh cosh tanh asinh acosh atanh sigmoid logit erf erfc erfinv floor ceil round trunc frac
 isnan isinf isfinite isneginf isposinf logical_not relu relu6 gelu silu mish elu selu celu leaky_relu hardtanh
 hardswish hardsigmoid hardshrink softshrink tanhshrink softsign softplus logsigmoid threshold rrelu
+lgamma digamma polygamma mvlgamma gammaln psi multigammaln i0 i0e i1 i1e sinc erfcx ndtr ndtri log_ndtr entr expit
 dropout alpha_dropout feature_alpha_dropout contiguous clone detach to type type_as float double half bfloat16
 int long short bool byte char cpu cuda requires_grad_ detach_ zero_ normal_ uniform_ bernoulli bernoulli_
 zeros_like ones_like empty_like full_like rand_like randn_like randint_like pin_memory __neg__ __pos__ __abs__
@@ -2360,6 +2407,11 @@ _add(_trailing(lambda a, k: len(_arg(a, k, 1, "normalized_shape"))), "layer_norm
 _add(_trailing(lambda a, k: 2), "triu tril triu_ tril_")
 _add(_pad, "pad")
 _add(_trailing(lambda a, k: 0), "one_hot")
+# Draws of torch.distributions: each row's (multinomial: (N, C) probabilities; a Dirichlet: the last dimension)
+# or each element's from its own parameters
+_add(_trailing(lambda a, k: 1), "multinomial _sample_dirichlet", functional=False)
+_add(_like_self, "_standard_gamma poisson", functional=False)
+_add(_elementwise, "binomial normal", functional=False)  # (normal(mean, std) of tensors; of numbers: a creation)
 _add(
     _batch_first,
     """
@@ -2410,6 +2462,9 @@ _add(_permutation(_movedim_perm), "movedim moveaxis")
 _add(_permutation(_last_two_perm), "t t_")
 _add(_expand, "expand expand_as broadcast_to repeat tile")
 _add(_repeat_interleave, "repeat_interleave")
+_add(_diagonal, "diagonal", functional=False)
+_RULES[torch.linalg.diagonal] = _Rule(_diagonal, "torch.linalg.diagonal")
+_add(_diag_embed, "diag_embed", functional=False)
 _add(_split(2, 0), "split chunk tensor_split split_with_sizes unsafe_split")
 _add(_split(1, 0), "unbind")
 _add(_split(1, None), "select narrow")
