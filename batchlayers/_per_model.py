@@ -38,7 +38,7 @@ import string
 import sys
 from collections.abc import Callable, Sequence
 from types import FrameType, SimpleNamespace
-from typing import cast
+from typing import NoReturn, cast
 
 import torch
 import torch.nn.functional as F
@@ -281,21 +281,46 @@ def _elementwise(ctx, func, args, kwargs):
     try:
         r = func(*[explicit(a, m, ndim) if isinstance(a, Tensor) else a for a in args], **kwargs)
     except RuntimeError as error:
-        if "must match the size" not in str(error):
-            raise
-        kinds = {PerModel: "per model", None: "shared"}
-        shapes = ", ".join(f"{tuple(single_shape(t, m))} ({kinds.get(get_tag(t), 'samples')})" for t in tensors)
-        raise ValueError(
-            f"{_name(func)} inside a stacked forward: operands of one model's shapes {shapes} do not broadcast. A "
-            "value sized from a size read in forward has all models' samples in it (x.size(0) is N * B there); "
-            "build it from the inputs (e.g. torch.zeros_like), or stack with execution='model_by_model', which "
-            "runs each model's forward on its own batch"
-        ) from error
+        _refuse_unbroadcastable(func, tensors, m, error)
     if inplace:
         return args[0]
     if not isinstance(r, Tensor):
         return NotImplemented
     return _checked(r, d, tensors, m, func)
+
+
+def _broadcast_tensors(ctx, func, args, kwargs):
+    """``torch.broadcast_tensors`` (``torch.distributions``' ``broadcast_all``: ``Normal(mu(x), log_std.exp())``)
+    with per-model operands: every operand with the models first, broadcast together, each result a per-model
+    value or, where an operand holds the samples, folded back on their dimension."""
+    if kwargs or not args or not all(isinstance(a, Tensor) for a in args):
+        return NotImplemented
+    m = ctx.num_models
+    ndim = max(len(single_shape(t, m)) for t in args)
+    dims = {get_tag(t) + ndim - len(single_shape(t, m)) for t in args if isinstance(get_tag(t), int)}
+    if len(dims) > 1:
+        return NotImplemented  # the samples on two dimensions: per model, where the rule decides
+    d = dims.pop() if dims else None
+    try:
+        results = torch.broadcast_tensors(*[explicit(a, m, ndim) for a in args])
+    except RuntimeError as error:
+        _refuse_unbroadcastable(func, args, m, error)
+    return tuple(_checked(r.expand(m, *r.shape[1:]), d, args, m, func) for r in results)
+
+
+def _refuse_unbroadcastable(func: Callable, tensors: Sequence[Tensor], m: int, error: RuntimeError) -> NoReturn:
+    """Raise torch's broadcasting ``error`` of one model's operands as batchlayers' refusal, naming why sizes
+    that each original model broadcasts may not broadcast here."""
+    if "must match the size" not in str(error):
+        raise error
+    kinds = {PerModel: "per model", None: "shared"}
+    shapes = ", ".join(f"{tuple(single_shape(t, m))} ({kinds.get(get_tag(t), 'samples')})" for t in tensors)
+    raise ValueError(
+        f"{_name(func)} inside a stacked forward: operands of one model's shapes {shapes} do not broadcast. A "
+        "value sized from a size read in forward has all models' samples in it (x.size(0) is N * B there); "
+        "build it from the inputs (e.g. torch.zeros_like), or stack with execution='model_by_model', which "
+        "runs each model's forward on its own batch"
+    ) from error
 
 
 def _only_per_model(args, kwargs) -> bool:
@@ -966,6 +991,8 @@ _FAST[Tensor.__getitem__] = _on_stored(_index)
 _FAST[_getter("mT")] = _on_stored(lambda t, s: t.mT if len(s) >= 2 else NotImplemented)
 _FAST[_getter("T")] = _on_stored(lambda t, s: t.permute(0, *range(t.dim() - 1, 0, -1)))
 _FAST[F.linear] = _linear
+_FAST[torch.broadcast_tensors] = _broadcast_tensors
+_FAST[torch._is_all_true] = _on_stored(lambda t, s: t.reshape(t.shape[0], s.numel()).all(1))
 _FAST[torch.addmm] = _addmm
 _FAST[torch.einsum] = _einsum
 _FAST[F.layer_norm] = _affine_norm(F.layer_norm, ("weight", "bias"), None)

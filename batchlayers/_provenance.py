@@ -976,7 +976,7 @@ def _reduced_dims(name: str, args: Sequence, kwargs: dict, ndim: int) -> set[int
 # the code reads (``x.sum() / x.size(0)``), which are M times one model's: those stay reductions over every
 # model's samples, refused where they meet the samples, a per-model value or the output.
 _INTENSIVE = {"mean", "nanmean", "amax", "amin", "max", "min", "median", "nanmedian", "mode", "std", "var", "std_mean",
-              "var_mean", "aminmax", "all", "any"}  # fmt: skip
+              "var_mean", "aminmax", "all", "any", "_is_all_true"}  # fmt: skip
 
 
 def _reduces_samples(name, args, kwargs, tagged) -> bool:
@@ -2382,12 +2382,19 @@ for _n in _ELEMENTWISE.split():
         if _entry is not None and _entry.rule is _elementwise:
             _RULES[getattr(_owner, _n)] = _entry._replace(compute=_broadcast_pairs)
 _add(_like_self, _UNARY)
+# ``broadcast_tensors`` (``torch.distributions``' ``broadcast_all``): each result is its input expanded to the
+# common shape, holding the samples where a broadcasting op of the same operands would; an untagged operand is
+# checked to be the same all along that dimension, so its expanded result is right for every model too.
+_add(_elementwise, "broadcast_tensors", method=False, functional=False)
 _add(_inplace_elementwise, _INPLACE)
 _REDUCTIONS = """
 sum nansum mean nanmean prod amax amin max min argmax argmin std var norm logsumexp all any count_nonzero median
 nanmedian mode aminmax std_mean var_mean
 """
 _add(_reduction, _REDUCTIONS, over_samples=_reduces_samples)
+# torch.distributions' argument validation, ``if not torch._is_all_true(constraint.check(value))``: an all(),
+# each model's own over its samples (a per-model bool that must be True for every model to go on)
+_add(_reduction, "_is_all_true", method=False, functional=False, over_samples=_reduces_samples)
 for _n in ("norm", "vector_norm"):  # (input, ord, dim, keepdim): never intensive, so no over_samples
     _RULES[getattr(torch.linalg, _n)] = _Rule(_reduction, f"torch.linalg.{_n}")
 _add(_dim_rule(1, "dim", None), "softmax log_softmax softmin cumsum cumprod cummax cummin logcumsumexp")
