@@ -313,7 +313,7 @@ def _refuse_unbroadcastable(func: Callable, tensors: Sequence[Tensor], m: int, e
     that each original model broadcasts may not broadcast here."""
     if "must match the size" not in str(error):
         raise error
-    kinds = {PerModel: "per model", None: "shared"}
+    kinds: dict[object, str] = {PerModel: "per model", None: "shared"}
     shapes = ", ".join(f"{tuple(single_shape(t, m))} ({kinds.get(get_tag(t), 'samples')})" for t in tensors)
     raise ValueError(
         f"{_name(func)} inside a stacked forward: operands of one model's shapes {shapes} do not broadcast. A "
