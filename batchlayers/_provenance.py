@@ -2450,6 +2450,11 @@ _add(_elementwise, "polar complex")
 _add(_bucketize, "bucketize")
 _add(_as_tensor, "as_tensor")
 _RULES[torch.linalg.solve_triangular] = _Rule(_batched_matrices, "torch.linalg.solve_triangular")
+# Matrix to matrix (and cholesky_ex/inv_ex's info, one per matrix): MultivariateNormal's covariance and its
+# positive-definite check, cholesky_ex(value).info.eq(0)
+for _n in ("cholesky", "cholesky_ex", "inv", "inv_ex", "matrix_exp"):
+    _RULES[getattr(torch.linalg, _n)] = _Rule(_batched_matrices, f"torch.linalg.{_n}")
+_add(_batched_matrices, "cholesky cholesky_inverse matrix_exp", functional=False)
 for _names, _default in (
     ("fft ifft rfft irfft hfft ihfft", -1),
     ("fft2 ifft2 rfft2 irfft2 hfft2 ihfft2", (-2, -1)),

@@ -135,6 +135,12 @@ KINDS = {
     "beta_param": lambda m, obs, act: _stats(Beta(m.log_std.exp(), m.std(obs)), act.sigmoid(), "entropy", "mean"),
     "mvn_diag_param": lambda m, obs, act: _stats(_mvn(m.mu(obs), m.log_std.exp()), act, "entropy", "mean", "variance"),
     "mvn_diag_samples": lambda m, obs, act: _stats(_mvn(m.mu(obs), m.std(obs)), act, "entropy", "mean", "stddev"),
+    "mvn_cov_param": lambda m, obs, act: _stats(
+        MultivariateNormal(m.mu(obs), covariance_matrix=torch.diag(m.log_std.exp())), act, "entropy", "stddev"
+    ),
+    "mvn_cov_samples": lambda m, obs, act: _stats(
+        MultivariateNormal(m.mu(obs), covariance_matrix=torch.diag_embed(m.std(obs) ** 2)), act, "entropy", "mean"
+    ),
     "kl_normal": lambda m, obs, act: kl_divergence(Normal(m.mu(obs), m.log_std.exp()), Normal(m.mu2(obs), m.std(obs))),
     "kl_normal_param": lambda m, obs, act: kl_divergence(
         Normal(m.mu(obs), m.std(obs)), Normal(m.log_std, m.log_std.exp())
