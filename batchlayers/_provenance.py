@@ -1568,7 +1568,8 @@ def _diagonal(ctx, name, args, kwargs, out, tagged) -> None:
     """``x.diagonal(offset, dim1, dim2)`` (``torch.linalg.diagonal``'s dims: -2, -1): ``dim1`` and ``dim2`` go,
     their diagonal becomes the last dimension."""
     first = tagged[0]
-    if isinstance(first.tag, Lost) or first.tensor is not args[0]:
+    x = args[0] if args else kwargs.get("input", kwargs.get("A"))
+    if isinstance(first.tag, Lost) or first.tensor is not x:
         return _tag_all(out, _first_lost(tagged) or Lost(name))
     n = len(first.shape)
     default = (-2, -1) if name == "torch.linalg.diagonal" else (0, 1)
@@ -1582,7 +1583,8 @@ def _diag_embed(ctx, name, args, kwargs, out, tagged) -> None:
     """``torch.diag_embed(x, offset, dim1, dim2)``: the last dimension of ``x`` becomes the diagonal of
     dimensions ``dim1`` and ``dim2`` of the result (-2, -1), the others fill its remaining dimensions in order."""
     first = tagged[0]
-    if isinstance(first.tag, Lost) or first.tensor is not args[0]:
+    x = args[0] if args else kwargs.get("input", kwargs.get("A"))
+    if isinstance(first.tag, Lost) or first.tensor is not x:
         return _tag_all(out, _first_lost(tagged) or Lost(name))
     n = len(first.shape) + 1
     dims = {_norm(_arg(args, kwargs, 2 + k, f"dim{k + 1}", -2 + k), n) for k in range(2)}

@@ -344,3 +344,41 @@ def test_invalid_arguments_of_one_model_raise(where):
     with pytest.raises(ValueError):
         stack(models)(x)
     assert torch.overrides._get_current_function_mode_stack() == []
+
+
+class _Diagonals(nn.Module):
+    """``diagonal``/``diag_embed`` (MultivariateNormal's), by position and keyword, and over the samples."""
+
+    def __init__(self, pattern: str) -> None:
+        super().__init__()
+        self.pattern = pattern
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        m = h.view(-1, 2, 2)
+        return {
+            "linalg": lambda: torch.linalg.diagonal(A=m) + torch.linalg.diagonal(m, offset=1).sum(-1, keepdim=True),
+            "method": lambda: m.diagonal(dim1=-2, dim2=-1) * 2,
+            "embed": lambda: torch.diag_embed(input=h[:, :2]).flatten(1) + torch.diag_embed(h, dim1=0, dim2=2).sum(0),
+            "over_samples": lambda: h[:, :, None].expand(-1, 4, 4).diagonal(dim1=0, dim2=1).sum(0),
+            "embed_samples": lambda: torch.diag_embed(h.T).sum(0),
+        }[self.pattern]()
+
+
+@pytest.mark.parametrize(("num_models", "batch"), SIZES)
+@pytest.mark.parametrize(
+    ("pattern", "expected"),
+    [
+        ("linalg", "exact"),
+        ("method", "exact"),
+        ("embed", "exact"),
+        ("over_samples", "refused"),
+        ("embed_samples", "refused"),
+    ],  # fmt: skip
+)
+def test_diagonals(pattern, expected, num_models, batch):
+    result = assert_exact_or_refused(
+        lambda: _Diagonals(pattern), num_models, lambda shape: torch.randn(*shape, 4, dtype=torch.float64), batch
+    )
+    assert result == expected
