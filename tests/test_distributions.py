@@ -7,6 +7,8 @@ numbers for one draw of all models' samples as for each model's in turn (the siz
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,6 +19,7 @@ from torch.distributions import (
     Bernoulli,
     Beta,
     Categorical,
+    Distribution,
     Independent,
     MultivariateNormal,
     Normal,
@@ -28,6 +31,16 @@ from torch.distributions import (
 from batchlayers.convert import stack
 
 SIZES = [(2, 3), (3, 2), (2, 1)]  # M * B of one is B of another
+
+
+@pytest.fixture(autouse=True)
+def _validating() -> Iterator[None]:
+    """Argument validation on, as by default: importing torch.compile's machinery turns it off for the whole
+    process (``Distribution._validate_args``), so tests run after a compiled one would not check it."""
+    before = Distribution._validate_args
+    Distribution.set_default_validate_args(True)
+    yield
+    Distribution.set_default_validate_args(before)
 
 
 class SquashedNormal(TransformedDistribution):
