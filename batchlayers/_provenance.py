@@ -2127,11 +2127,13 @@ def _loss(ctx, name, args, kwargs, out, tagged) -> None:
         return _tag_all(out, lost)
     if _per_sample_target(args, kwargs, tagged):
         return _tag_all(out, Lost(f"{name} of the models' samples with targets that differ along the models"))
-    if loss_arguments(getattr(F, name.split(".")[-1]), args, kwargs)["reduction"] != "none":
+    bound = loss_arguments(getattr(F, name.split(".")[-1]), args, kwargs)
+    if bound["reduction"] != "none":
         return _tag_all(out, Lost(f"{name} with reduction='sum' over the models' samples"))
-    if name.endswith(("cross_entropy", "nll_loss")):
+    if name.endswith(_PER_ROW_LOSSES):
         return _batch_first(ctx, name, args, kwargs, out, tagged)
-    _elementwise(ctx, name, args[:2], {}, out, tagged)
+    # (every tensor operand: the inputs, the target, margin_ranking_loss's third, gaussian_nll_loss's var)
+    _elementwise(ctx, name, [v for v in bound.values() if isinstance(v, Tensor)], {}, out, tagged)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -2487,8 +2489,14 @@ _add(_index_dim, "scatter_ scatter_add_ scatter_reduce_ index_add_ index_copy_",
 _add(_cat, "cat concat concatenate stack")
 _LOSSES = """
 cross_entropy nll_loss mse_loss l1_loss smooth_l1_loss huber_loss binary_cross_entropy binary_cross_entropy_with_logits
-kl_div soft_margin_loss poisson_nll_loss gaussian_nll_loss
+kl_div soft_margin_loss poisson_nll_loss gaussian_nll_loss hinge_embedding_loss margin_ranking_loss
+multilabel_soft_margin_loss multi_margin_loss multilabel_margin_loss cosine_embedding_loss triplet_margin_loss
 """
+# losses of (N, C) or (N, D) inputs whose reduction='none' result is (N,): one value per sample
+_PER_ROW_LOSSES = (
+    "cross_entropy", "nll_loss", "multilabel_soft_margin_loss", "multi_margin_loss", "multilabel_margin_loss",
+    "cosine_embedding_loss", "triplet_margin_loss",
+)  # fmt: skip
 _add(_loss, _LOSSES, torch_=False, method=False, over_samples=_loss_over_samples)
 _LOSS_PARAMETERS = {getattr(F, n): tuple(inspect.signature(getattr(F, n)).parameters) for n in _LOSSES.split()}
 for _fn in (F.cross_entropy, F.nll_loss):

@@ -546,6 +546,46 @@ _reals = lambda lead: torch.randn(*lead, 5, 3, dtype=torch.float64)  # noqa: E73
 _probs = lambda lead: torch.rand(*lead, 5, 3, dtype=torch.float64)  # noqa: E731
 
 
+def _rows(t):  # (..., C) as (N, C), the rows of every leading dimension
+    return t.reshape(-1, t.shape[-1])
+
+
+def _labels(y):  # multi-label targets, one row per row of _rows
+    return (_rows(y) > 0).to(y.dtype)
+
+
+def _signs(y):  # one +1/-1 per row of _rows
+    return y[..., 0].reshape(-1).sign()
+
+
+def _hinge(h, y, **kw):
+    return F.hinge_embedding_loss(h, y.sign(), margin=0.5, **kw)
+
+
+def _ranking(h, y, **kw):
+    return F.margin_ranking_loss(h[..., 0], h[..., 1], y[..., 0].sign(), **kw)
+
+
+def _multilabel_soft(h, y, **kw):
+    return F.multilabel_soft_margin_loss(_rows(h), _labels(y), _W, **kw)
+
+
+def _multi_margin(h, y, **kw):
+    return F.multi_margin_loss(_rows(h), y.reshape(-1).clamp(min=0), weight=_W, **kw)
+
+
+def _multilabel_margin(h, y, **kw):
+    return F.multilabel_margin_loss(_rows(h), _rows(y.argsort(-1)), **kw)
+
+
+def _cosine(h, y, **kw):
+    return F.cosine_embedding_loss(_rows(h), _rows(y), _signs(y), **kw)
+
+
+def _triplet(h, y, **kw):
+    return F.triplet_margin_loss(_rows(h), _rows(y), _rows(y).flip(-1), swap=True, **kw)
+
+
 def _tokens_ce(h, y, **kwargs):  # tokens flattened to (N, C) as LMs do, -1 targets ignored
     return F.cross_entropy(h.view(-1, 3), y.view(-1), ignore_index=-1, **kwargs)
 
@@ -568,6 +608,13 @@ LOSSES = {
     "soft_margin_loss": (lambda h, y: F.soft_margin_loss(h, y.sign()), _reals),
     "poisson_nll_loss (per model)": (lambda h, y: F.poisson_nll_loss(h, y.abs()), _reals),
     "gaussian_nll_loss (per model)": (lambda h, y: F.gaussian_nll_loss(h, y, torch.ones_like(h)), _reals),
+    "hinge_embedding_loss": (_hinge, _reals),
+    "margin_ranking_loss": (_ranking, _reals),
+    "multilabel_soft_margin_loss": (_multilabel_soft, _reals),
+    "multi_margin_loss": (_multi_margin, _classes),
+    "multilabel_margin_loss": (_multilabel_margin, _reals),
+    "cosine_embedding_loss": (_cosine, _reals),
+    "triplet_margin_loss": (_triplet, _reals),
 }  # fmt: skip
 
 
@@ -597,6 +644,22 @@ def test_in_forward_losses_are_each_models_own(name: str, shared_target: bool) -
     expected.sum().backward()
     for key, p in batched.named_parameters():
         assert_close(p.grad, torch.stack([dict(r.named_parameters())[key].grad for r in references]), msg=key)
+
+
+PER_SAMPLE_LOSSES = [
+    "hinge_embedding_loss", "margin_ranking_loss", "multilabel_soft_margin_loss", "multi_margin_loss",
+    "multilabel_margin_loss", "cosine_embedding_loss", "triplet_margin_loss",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", PER_SAMPLE_LOSSES)
+def test_in_forward_losses_without_reduction_are_each_samples_own(name: str) -> None:
+    """``reduction='none'``: one loss per sample (per row), folded back to each model's ``(M, N, *)``."""
+    loss, make_target = LOSSES[name]
+    factory = lambda: _InForwardLoss(lambda h, y: loss(h, y, reduction="none"))  # noqa: E731
+    batched, references = stack([seeded(factory, i) for i in range(3)]), [seeded(factory, i) for i in range(3)]
+    x, y = torch.randn(3, 4, 5, 4, dtype=torch.float64), make_target((3, 4))
+    assert_close(batched(x, y), torch.stack([r(x[i], y[i]) for i, r in enumerate(references)]), msg=name)
 
 
 class _Sums(_Pattern):
