@@ -19,6 +19,11 @@ def seeded(factory: Callable[[], nn.Module], seed: int) -> nn.Module:
     return factory().double()
 
 
+def rows(lead: Sequence[int]) -> Tensor:
+    """Float64 inputs of 4 features for a lead shape: ``(B,)`` for one model, ``(M, B)`` for a stacked one."""
+    return torch.randn(*lead, 4, dtype=torch.float64)
+
+
 def snapshot(model: nn.Module) -> dict[str, Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()}
 

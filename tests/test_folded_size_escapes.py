@@ -12,7 +12,7 @@ import operator
 
 import pytest
 import torch
-from convert_harness import assert_exact_or_refused, seeded
+from convert_harness import assert_exact_or_refused, rows, seeded
 from harness import assert_close
 from torch import nn
 
@@ -116,10 +116,6 @@ NOT_FOLLOWED = {
 }
 
 
-def _rows(lead):
-    return torch.randn(*lead, 4, dtype=torch.float64)
-
-
 def _originals(pattern: str, num_models: int) -> list[nn.Module]:
     return [seeded(lambda: _Uses(pattern), i) for i in range(num_models)]
 
@@ -127,7 +123,7 @@ def _originals(pattern: str, num_models: int) -> list[nn.Module]:
 @pytest.mark.parametrize("num_models,batch", [(2, 3), (3, 2), (2, 1)], ids=lambda n: str(n))
 @pytest.mark.parametrize("pattern", list(PATTERNS))
 def test_each_use_of_the_batch_size_is_exact_or_refused(pattern: str, num_models: int, batch: int) -> None:
-    assert_exact_or_refused(lambda: _Uses(pattern), num_models, _rows, batch)
+    assert_exact_or_refused(lambda: _Uses(pattern), num_models, rows, batch)
 
 
 @pytest.mark.parametrize("pattern", [*PATTERNS, *NOT_FOLLOWED])

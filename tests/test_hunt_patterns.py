@@ -12,7 +12,7 @@ import einops
 import pytest
 import torch
 import torch.nn.functional as F
-from convert_harness import assert_exact_or_refused, seeded
+from convert_harness import assert_exact_or_refused, rows, seeded
 from harness import assert_close
 from torch import nn
 
@@ -106,14 +106,10 @@ PATTERNS = {
 }
 
 
-def _rows(lead):
-    return torch.randn(*lead, 4, dtype=torch.float64)
-
-
 @pytest.mark.parametrize("num_models,batch", [(2, 3), (3, 2)], ids=lambda n: str(n))
 @pytest.mark.parametrize("pattern", list(PATTERNS))
 def test_hunted_pattern_is_exact_or_refused(pattern: str, num_models: int, batch: int) -> None:
-    assert_exact_or_refused(lambda: _Hunted(pattern), num_models, _rows, batch)
+    assert_exact_or_refused(lambda: _Hunted(pattern), num_models, rows, batch)
 
 
 @pytest.mark.parametrize(
@@ -124,14 +120,14 @@ def test_hunted_pattern_is_exact_or_refused(pattern: str, num_models: int, batch
 )  # fmt: skip
 def test_per_model_functions_and_in_place_chains_are_exact(pattern: str) -> None:
     """Not only not silent: these compute each model's own."""
-    assert assert_exact_or_refused(lambda: _Hunted(pattern), 2, _rows, 3) == "exact"
+    assert assert_exact_or_refused(lambda: _Hunted(pattern), 2, rows, 3) == "exact"
 
 
 @pytest.mark.parametrize("pattern", list(PATTERNS))
 def test_hunted_pattern_is_exact_model_by_model(pattern: str) -> None:
     models = [seeded(lambda: _Hunted(pattern), i) for i in range(2)]
     stacked = stack([seeded(lambda: _Hunted(pattern), i) for i in range(2)], execution="model_by_model")
-    x = _rows((2, 3))
+    x = rows((2, 3))
     assert_close(stacked(x), torch.stack([m(x[i]) for i, m in enumerate(models)]), msg=pattern)
 
 
@@ -152,7 +148,7 @@ def test_numbers_returned_by_forward_are_each_models_own(num_models: int, batch:
     """Each original model returns its own B (and what it computes from it); the stacked model returns that
     number, as a plain one, never the folded M * B."""
     models = [seeded(_Counts, i) for i in range(num_models)]
-    x = _rows((num_models, batch))
+    x = rows((num_models, batch))
     out, numbers = stack(models)(x)
     own = models[0](x[0])[1]
     assert numbers == own and all(type(numbers[k]) is type(own[k]) for k in own), (numbers, own)
@@ -201,7 +197,7 @@ class _Closure(nn.Module):
 def test_a_trainable_tensor_shared_through_a_closure_is_not_untracked_code() -> None:
     """A tensor computed in forward from a trainable tensor outside the models (a closure's) has an autograd
     history and no tag, as untracked code's results have, but the tracker saw it made: exact, not refused."""
-    assert assert_exact_or_refused(_Closure, 3, _rows, 2) == "exact"
+    assert assert_exact_or_refused(_Closure, 3, rows, 2) == "exact"
 
 
 class _CachesInASharedBuffer(nn.Module):
@@ -234,11 +230,11 @@ def test_a_shared_buffer_that_forward_replaces(what: str) -> None:
     buffer's value per model: refused, the buffer put back; a constant is each model's own, and a per-model
     value of the buffer's shape is stored per model from then on: exact."""
     factory = lambda: _CachesInASharedBuffer(what)  # noqa: E731
-    outcome = assert_exact_or_refused(factory, 2, _rows, 3)
+    outcome = assert_exact_or_refused(factory, 2, rows, 3)
     assert outcome == ("exact" if what in ("a constant", "a per-model value") else "refused")
     if outcome == "refused":
         stacked = stack([seeded(factory, i) for i in range(2)])
         kept = stacked.cache
         with pytest.raises(ValueError, match="stores once because it was equal in every model"):
-            stacked(_rows((2, 3)))
+            stacked(rows((2, 3)))
         assert stacked.cache is kept

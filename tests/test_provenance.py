@@ -14,7 +14,7 @@ import models as zoo
 import pytest
 import torch
 import torch.nn.functional as F
-from convert_harness import assert_threads_get_their_own, compare_training, seeded
+from convert_harness import assert_threads_get_their_own, compare_training, rows, seeded
 from harness import assert_close
 from torch import nn
 
@@ -336,10 +336,6 @@ class _Pairs(nn.Module):
         raise AssertionError(self.pattern)
 
 
-def _rows(lead):
-    return torch.randn(*lead, 4, dtype=torch.float64)
-
-
 PAIRS = [
     "a @ b.T",
     "torch.mm(a, b.t()), transposed",
@@ -365,7 +361,7 @@ def test_scores_over_pairs_of_samples_are_each_models_own(pattern: str, batch: i
     """(M*B, k) @ (k, M*B) would pair every sample with every model's: each model gets its own (B, B)."""
     models = [seeded(lambda: _Pairs(pattern), i) for i in range(3)]
     references = [seeded(lambda: _Pairs(pattern), i) for i in range(3)]
-    compare_training(stack(models), references, _rows, batch=batch, shared=shared)
+    compare_training(stack(models), references, rows, batch=batch, shared=shared)
 
 
 class _TextsAndImages(nn.Module):
@@ -546,15 +542,15 @@ _reals = lambda lead: torch.randn(*lead, 5, 3, dtype=torch.float64)  # noqa: E73
 _probs = lambda lead: torch.rand(*lead, 5, 3, dtype=torch.float64)  # noqa: E731
 
 
-def _rows(t):  # (..., C) as (N, C), the rows of every leading dimension
+def _flat_rows(t):  # (..., C) as (N, C), the rows of every leading dimension
     return t.reshape(-1, t.shape[-1])
 
 
-def _labels(y):  # multi-label targets, one row per row of _rows
-    return (_rows(y) > 0).to(y.dtype)
+def _labels(y):  # multi-label targets, one row per row of _flat_rows
+    return (_flat_rows(y) > 0).to(y.dtype)
 
 
-def _signs(y):  # one +1/-1 per row of _rows
+def _signs(y):  # one +1/-1 per row of rows
     return y[..., 0].reshape(-1).sign()
 
 
@@ -567,23 +563,23 @@ def _ranking(h, y, **kw):
 
 
 def _multilabel_soft(h, y, **kw):
-    return F.multilabel_soft_margin_loss(_rows(h), _labels(y), _W, **kw)
+    return F.multilabel_soft_margin_loss(_flat_rows(h), _labels(y), _W, **kw)
 
 
 def _multi_margin(h, y, **kw):
-    return F.multi_margin_loss(_rows(h), y.reshape(-1).clamp(min=0), weight=_W, **kw)
+    return F.multi_margin_loss(_flat_rows(h), y.reshape(-1).clamp(min=0), weight=_W, **kw)
 
 
 def _multilabel_margin(h, y, **kw):
-    return F.multilabel_margin_loss(_rows(h), _rows(y.argsort(-1)), **kw)
+    return F.multilabel_margin_loss(_flat_rows(h), _flat_rows(y.argsort(-1)), **kw)
 
 
 def _cosine(h, y, **kw):
-    return F.cosine_embedding_loss(_rows(h), _rows(y), _signs(y), **kw)
+    return F.cosine_embedding_loss(_flat_rows(h), _flat_rows(y), _signs(y), **kw)
 
 
 def _triplet(h, y, **kw):
-    return F.triplet_margin_loss(_rows(h), _rows(y), _rows(y).flip(-1), swap=True, **kw)
+    return F.triplet_margin_loss(_flat_rows(h), _flat_rows(y), _flat_rows(y).flip(-1), swap=True, **kw)
 
 
 def _tokens_ce(h, y, **kwargs):  # tokens flattened to (N, C) as LMs do, -1 targets ignored
