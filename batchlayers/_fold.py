@@ -792,15 +792,21 @@ class MovesKeysOnly:
         self.where = where
 
     def __call__(self, state_dict: dict, *args: object) -> None:
-        given = {id(v): v._version for v in state_dict.values() if isinstance(v, Tensor)}
+        given = {id(v): _version(v) for v in state_dict.values() if isinstance(v, Tensor)}
         self.hook(state_dict, *args)
         for key, value in state_dict.items():
-            if isinstance(value, Tensor) and given.get(id(value)) != value._version:
+            if isinstance(value, Tensor) and given.get(id(value), -1) != _version(value):
                 raise ValueError(
                     f"load_state_dict: a load-state-dict hook of {self.where} computed '{key}' from the state dict's "
                     "tensors, which in a stacked model hold every model's values; it can only move and rename "
                     "entries there. Load each model's state dict into an original model and stack them"
                 )
+
+
+def _version(t: Tensor) -> int | None:
+    """``t``'s version counter, None for an inference tensor (a state dict loaded under inference mode), which
+    has none: such a tensor is compared by identity alone."""
+    return None if t.is_inference() else t._version
 
 
 def keep_load_hooks(root: nn.Module) -> None:
