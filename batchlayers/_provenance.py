@@ -773,8 +773,8 @@ def _marked_sizes(func: Callable, args: tuple, kwargs: dict, out: object, num_mo
     """The sizes ``x.size()``, ``x.shape``, ``x.size(d)``, ``x.numel()`` returned with the ones that count the
     models' samples as :class:`FoldedSize`."""
     x = args[0] if args else None
-    d = get_tag(x) if isinstance(x, Tensor) else None
-    if not isinstance(d, int) or isinstance(out, FoldedSize):
+    d = _samples_dim(x) if isinstance(x, Tensor) else None
+    if d is None or isinstance(out, FoldedSize):
         return out
     if isinstance(out, torch.Size):
         return torch.Size([FoldedSize(n, num_models) if i == d else n for i, n in enumerate(out)])
@@ -949,7 +949,8 @@ def _dim_rule(position: int, key: str, default: int | tuple[int, ...] | None) ->
             return _tag_all(out, Lost(f"{name} over every dimension"))
         dims = [dims] if isinstance(dims, int) else list(dims)
         if first.tag in {_norm(d, len(first.shape)) for d in dims}:
-            return _tag_all(out, Lost(f"{name} along the dimension that holds the models' samples"))
+            _tag_all(out, Lost(f"{name} along the dimension that holds the models' samples"))
+            return _keep_samples_dim(out, first)
         if any(i.tag != first.tag or len(i.shape) != len(first.shape) for i in tagged):
             return _tag_all(out, Lost(f"{name} of tensors with the models on different dimensions"))
         # an untagged tensor argument (torch.diff's prepend) beside the samples must be the same for every sample
@@ -961,6 +962,31 @@ def _dim_rule(position: int, key: str, default: int | tuple[int, ...] | None) ->
         _tag_all(out, first.tag)
 
     return rule
+
+
+# (dimension, shape) of a tensor made by an op along the samples' dimension that kept it (sort, cumsum, roll):
+# its rows are no model's, but that dimension still counts the samples, so its size is read as the folded size
+_SAMPLES_DIM = "_batchlayers_samples_dim"
+
+
+def _keep_samples_dim(out: object, first: _In) -> None:
+    """Note on each output of an op along the samples' dimension ``first.tag`` of ``first`` (``torch.sort(h,
+    dim=0)``: Lost, its rows no model's) that kept that dimension as it was, that it still counts the samples:
+    read, its size is each model's ``B`` folded (:func:`_samples_dim`), not a plain ``M * B``."""
+    d = cast(int, first.tag)
+    for o in _outputs(out):
+        if o.dim() == len(first.shape) and o.shape[d] == first.shape[d]:
+            setattr(o, _SAMPLES_DIM, (d, tuple(o.shape)))
+
+
+def _samples_dim(x: Tensor) -> int | None:
+    """The dimension of ``x`` that counts the models' samples: its tag, or the one :func:`_keep_samples_dim`
+    noted (while ``x`` keeps its shape)."""
+    tag = get_tag(x)
+    if isinstance(tag, int):
+        return tag
+    noted = getattr(x, _SAMPLES_DIM, None)
+    return noted[0] if noted is not None and noted[1] == tuple(x.shape) else None
 
 
 def _reduced_dims(name: str, args: Sequence, kwargs: dict, ndim: int) -> set[int]:

@@ -97,6 +97,11 @@ PATTERNS = {
     "a dict keyed by B": lambda m, x, h, B: h * {1: 0.5, 2: 1.0, 3: 2.0, 6: 3.0}[B],
     "h.unbind(1)[B]": lambda m, x, h, B: h.unbind(1)[B][:, None] * h,
     "h.chunk(8, 1)[B]": lambda m, x, h, B: h.chunk(FEATURES, 1)[B] * h,
+    # the size of a tensor whose rows are no model's (sorted, rolled, summed along the samples)
+    "h / sort(h, 0).values.shape[0]": lambda m, x, h, B: h / torch.sort(h, 0).values.shape[0],
+    "h * h.cumsum(0).numel()": lambda m, x, h, B: h * h.cumsum(0).numel(),
+    "h * h.roll(1, 0).size(0)": lambda m, x, h, B: h * h.roll(1, 0).size(0),
+    "arange(h.flip(0).shape[0])": lambda m, x, h, B: h * torch.arange(h.flip(0).shape[0], dtype=h.dtype)[:, None],
 }
 
 
@@ -132,6 +137,26 @@ def test_each_use_of_the_batch_size_is_exact_model_by_model(pattern: str) -> Non
     x = torch.randn(2, 3, 4, dtype=torch.float64)
     expected = torch.stack([m(x[i]) for i, m in enumerate(models)])
     assert_close(stack(models, execution="model_by_model")(x), expected, msg=pattern)
+
+
+class _SortedSize(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h, torch.sort(h, dim=0).values.shape[0], h.cumsum(0).numel()
+
+
+@pytest.mark.parametrize("num_models,batch", [(2, 3), (3, 2)], ids=lambda n: str(n))
+def test_a_returned_size_of_samples_sorted_along_their_dimension_is_each_models(num_models: int, batch: int) -> None:
+    """Sorting (or a cumulative sum) along the samples' dimension makes rows that are no model's, but that
+    dimension still counts the samples: its size comes back as each original model's ``B``, not ``M * B``."""
+    models = [seeded(_SortedSize, i) for i in range(num_models)]
+    x = rows((num_models, batch))
+    _, size, numel = stack(models)(x)
+    assert (size, numel) == models[0](x[0])[1:] == (batch, batch * 3)
 
 
 @pytest.mark.parametrize("num_models,batch", [(2, 3), (3, 2)], ids=lambda n: str(n))
