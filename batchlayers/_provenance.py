@@ -973,10 +973,12 @@ def _keep_samples_dim(out: object, first: _In) -> None:
     """Note on each output of an op along the samples' dimension ``first.tag`` of ``first`` (``torch.sort(h,
     dim=0)``: Lost, its rows no model's) that kept that dimension as it was, that it still counts the samples:
     read, its size is each model's ``B`` folded (:func:`_samples_dim`), not a plain ``M * B``."""
+    if torch.compiler.is_compiling():
+        return  # (compiled, sizes are not marked: see Tracker.__torch_function__)
     d = cast(int, first.tag)
     for o in _outputs(out):
         if o.dim() == len(first.shape) and o.shape[d] == first.shape[d]:
-            setattr(o, _SAMPLES_DIM, (d, tuple(o.shape)))
+            o._batchlayers_samples_dim = (d, tuple(o.shape))  # type: ignore[attr-defined]  # (syntax: see set_tag)
 
 
 def _samples_dim(x: Tensor) -> int | None:
