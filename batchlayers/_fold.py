@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import sys
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -397,6 +398,10 @@ class UnfoldOutputs:
             return None  # the pre-hook refused the input; nothing to unwind
         call = calls.pop()
         call.tracker.__exit__(None, None, None)
+        failed = sys.exc_info()[1]  # (torch calls this hook from its except clause when forward raised)
+        if failed is not None:
+            _explain(failed, call)
+            return None
         _keep_replaced_per_model(root, call)
         call.tracker.check_copied_views()
         if output is None:
@@ -446,6 +451,26 @@ class UnfoldOutputs:
         output = map_tensors(output, unfold, other=_each_models_number)
         _passed(root, call)
         return output
+
+
+def _explain(error: BaseException, call: _Call) -> None:
+    """Add to torch's own ``TypeError`` or ``IndexError`` raised in a stacked model's batched forward (not
+    batchlayers' refusals, which say why) what differs from the original model's forward there: torch's
+    argument parser rejects a per-model value where it takes a Python number (``torch.arange(n.max())``,
+    ``x[:, :lengths.max()]``), and folded sizes index out of one model's range."""
+    if type(error) not in (TypeError, IndexError) or call.num_models == 1 or not error.args:
+        return
+    if "batchlayers" in str(error.args[0]):
+        return  # batchlayers' own message, or explained already (an inner stacked model's)
+    error.args = (
+        f"{error.args[0]}\n(batchlayers: raised in a stacked model's batched forward, where the models' samples "
+        f"are folded into one batch of M * B = {call.tracker.folded_text()} rows and a per-model value (a "
+        "parameter, a buffer, or a value computed from one or reduced over each model's samples, such as "
+        "lengths.max()) is stored (M, *): torch cannot take it where it takes one Python number (torch.arange, "
+        "torch.full, a slice bound), and an index made for one model's B is out of range for the folded batch. "
+        "Stack with execution='model_by_model' for this code)",
+        *error.args[1:],
+    )
 
 
 # The signatures (see _signature) of the calls a stacked root has run eagerly, each followed by the tracker

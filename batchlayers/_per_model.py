@@ -38,7 +38,7 @@ import string
 import sys
 from collections.abc import Callable, Sequence
 from types import FrameType, SimpleNamespace
-from typing import NoReturn, cast
+from typing import Any, NoReturn, cast
 
 import torch
 import torch.nn.functional as F
@@ -818,14 +818,15 @@ def _per_model_loop(ctx, func, args, kwargs):
         return target
     first = outs[0]
     if not _has_tensor(first):
-        if any(o != first for o in outs[1:]):
+        if any(not _equal(o, first) for o in outs[1:]):
             answer = _conservative_answer(func, outs)
             if answer is not None:
                 return answer
+            other = next(o for o in outs if not _equal(o, first))
             raise ValueError(
                 f"{name} inside a stacked forward gives different results for different models ({outs[0]!r} for "
-                f"model 0, {next(o for o in outs if o != first)!r} for another); Python code that branches on "
-                "per-model values cannot run for all models at once"
+                f"model 0, {other!r} for another); Python code that branches on per-model values cannot run for "
+                "all models at once"
             )
         return first
     if samples:
@@ -845,6 +846,17 @@ def _per_model_loop(ctx, func, args, kwargs):
                 if same is not None:
                     set_tag(o, same.tag)
     return _join(first, outs, name)
+
+
+def _equal(a: object, b: object) -> bool:
+    """``a == b`` for what a call on one model's values returns: numbers, tuples, numpy arrays (``.numpy()``,
+    ``.tolist()`` of a per-model value), compared whole."""
+    try:
+        return bool(a == b)
+    except (ValueError, RuntimeError):  # (an array's == is elementwise)
+        same_shape = getattr(a, "shape", None) == getattr(b, "shape", None)
+        elementwise: Any = a == b
+        return type(a) is type(b) and same_shape and bool(elementwise.all())
 
 
 def _has_tensor(out: object) -> bool:

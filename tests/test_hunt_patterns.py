@@ -238,3 +238,65 @@ def test_a_shared_buffer_that_forward_replaces(what: str) -> None:
         with pytest.raises(ValueError, match="stores once because it was equal in every model"):
             stacked(rows((2, 3)))
         assert stacked.cache is kept
+
+
+class _TorchRejects(nn.Module):
+    """Code that each original model runs, where torch itself rejects what the batched forward gives it: a
+    per-model value (stored ``(M, *)``) where it takes one number, or an index made for one model's ``B``."""
+
+    def __init__(self, pattern: str) -> None:
+        super().__init__()
+        self.pattern = pattern
+        self.fc = nn.Linear(4, 4)
+        self.fill = nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, x):
+        h = self.fc(x)
+        lengths = (h > 0).sum(-1)
+        if self.pattern == "torch.arange(lengths.max())":
+            return h * torch.arange(lengths.max() + 1, dtype=h.dtype).sum()
+        if self.pattern == "torch.full(shape, a 0-d parameter)":
+            return h + torch.full((4,), self.fill.detach())
+        if self.pattern == "h[:, :lengths.max()]":
+            return h * h[:, : lengths.max() + 1].sum()
+        if self.pattern == "scores[arange(B), arange(B)]":  # the diagonal of (B, B) pair scores
+            scores, positions = h @ h.T, torch.arange(h.shape[0])
+            return h * scores[positions, positions][:, None]
+        raise AssertionError(self.pattern)
+
+
+TORCH_REJECTS = {
+    "torch.arange(lengths.max())": TypeError,
+    "torch.full(shape, a 0-d parameter)": TypeError,
+    "h[:, :lengths.max()]": TypeError,
+    "scores[arange(B), arange(B)]": IndexError,
+}
+
+
+@pytest.mark.parametrize("pattern", list(TORCH_REJECTS))
+def test_torch_errors_in_the_batched_forward_say_what_differs(pattern: str) -> None:
+    """torch's own error keeps its type and message and says why the batched forward differs from the
+    original's there, and what runs it: model by model, each is exact."""
+    models = [seeded(lambda: _TorchRejects(pattern), i) for i in range(2)]
+    x = rows((2, 3))
+    with pytest.raises(TORCH_REJECTS[pattern], match=r"(?s)batchlayers: raised in a stacked model's batched forward"):
+        stack(models)(x)
+    expected = torch.stack([m(x[i]) for i, m in enumerate(models)])
+    assert_close(stack(models, execution="model_by_model")(x), expected, msg=pattern)
+
+
+def test_numpy_of_a_per_model_value_is_refused() -> None:
+    """``.numpy()`` gives each model's array; they differ, so the batched forward refuses (it raised numpy's
+    'truth value of an array is ambiguous' comparing them)."""
+
+    class _Numpy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.fc(x) * float(self.fc.weight.detach().numpy().sum())
+
+    models = [seeded(_Numpy, i) for i in range(2)]
+    with pytest.raises(ValueError, match=r"Tensor.numpy inside a stacked forward gives different results"):
+        stack(models)(rows((2, 3)))
