@@ -1257,6 +1257,63 @@ def _within_each_model(position: int, key: str) -> Callable:
     return compute
 
 
+def _cat_within_each_model(ctx, func, args, kwargs, tagged) -> Tensor | None:
+    """``torch.cat`` along the dimension that holds the models' samples, of tensors that all hold them there
+    (two views of a batch encoded together, ``torch.cat([x1, x2])``; classifier-free guidance's ``cat([x,
+    x])``): each original model joins its own samples, so each model's blocks are joined, model-major as
+    ever. None (the plain call, refused by the rule) for any other form."""
+    tensors, dim = _arg(args, kwargs, 0, "tensors"), _arg(args, kwargs, 1, "dim", 0)
+    m = ctx.num_models
+    if m == 1 or kwargs.get("out") is not None or not isinstance(dim, int) or not tensors:
+        return None
+    tags = {get_tag(t) if isinstance(t, Tensor) else None for t in tensors}
+    d = tags.pop()
+    if tags or not isinstance(d, int) or len(tagged) != len(tensors):
+        return None
+    ndim = tensors[0].dim()
+    if any(t.dim() != ndim or t.shape[d] % m for t in tensors) or _norm(dim, ndim) != d:
+        return None
+    out = torch.cat([_per_model.split_models(t, d, m) for t in tensors], d + 1).flatten(d, d + 1)
+    set_tag(out, d)
+    return out
+
+
+# the sections argument of each split (position, name), the dimension's position and its default
+_SPLITS = {"split": (1, "split_size_or_sections"), "chunk": (1, "chunks"), "tensor_split": (1, "indices_or_sections")}
+
+
+def _split_within_each_model(ctx, func, args, kwargs, tagged) -> tuple[Tensor, ...] | None:
+    """``split``, ``chunk``, ``tensor_split`` along the dimension that holds the models' samples (a batch of two
+    views split back, ``z1, z2 = z.chunk(2)``): each original model splits its own samples, so each model's
+    block is split alike and the parts joined model-major. They are copies where the original's are views: an
+    in-place write to them or to the split tensor afterwards is refused (:class:`CopiedViews`). None (the
+    plain call) for any other form, sections given by a size read from the samples included."""
+    name = getattr(func, "__name__", "")
+    x = args[0] if args else kwargs.get("input", kwargs.get("tensor"))
+    d = get_tag(x) if isinstance(x, Tensor) else None
+    m = ctx.num_models
+    if m == 1 or name not in _SPLITS or not isinstance(d, int) or len(tagged) != 1 or tagged[0].tensor is not x:
+        return None
+    position, key = _SPLITS[name]
+    sections = _arg(args, kwargs, position, key if func is not Tensor.split else "split_size")
+    dim = _arg(args, kwargs, position + 1, "dim", 0)
+    numbers = sections if isinstance(sections, (list, tuple)) else [sections]
+    if not isinstance(dim, int) or _norm(dim, x.dim()) != d or x.shape[d] % m:
+        return None
+    if not all(isinstance(n, int) and not isinstance(n, bool) for n in numbers):  # (a tensor: the plain call)
+        return None
+    # each original model's numbers: a size read from the samples (``z.split(B)``) is its own B
+    own = [int(getattr(n, "own", n)) for n in numbers]
+    parts = getattr(torch, name)(_per_model.split_models(x, d, m), own if numbers is sections else own[0], d + 1)
+    outs = tuple(p.flatten(d, d + 1) for p in parts)
+    for o in outs:
+        set_tag(o, d)
+    ctx.copied_views.record(
+        (x, *outs), "a split along the samples' dimension, copies in the stacked model and views in the original"
+    )
+    return outs
+
+
 def _pairs(ctx, func, args, kwargs, tagged) -> Tensor | None:
     """``a @ b`` where ``a`` holds the models' samples on its rows and ``b`` on its columns: scores over pairs
     of samples (CLIP's ``text @ image.T``, a Gram matrix ``x @ x.T``, per-head ``q @ k`` across the batch).
@@ -2515,6 +2572,10 @@ _add(_split(1, None), "select narrow")
 _add(_index_dim, "index_select gather scatter scatter_add scatter_reduce index_add index_copy")
 _add(_index_dim, "scatter_ scatter_add_ scatter_reduce_ index_add_ index_copy_", torch_=False, functional=False)
 _add(_cat, "cat concat concatenate stack")
+for _fn in (torch.cat, torch.concat, torch.concatenate):
+    _RULES[_fn] = _RULES[_fn]._replace(compute=_cat_within_each_model)
+for _fn in (torch.split, Tensor.split, torch.chunk, Tensor.chunk, torch.tensor_split, Tensor.tensor_split):
+    _RULES[_fn] = _RULES[_fn]._replace(compute=_split_within_each_model)
 _LOSSES = """
 cross_entropy nll_loss mse_loss l1_loss smooth_l1_loss huber_loss binary_cross_entropy binary_cross_entropy_with_logits
 kl_div soft_margin_loss poisson_nll_loss gaussian_nll_loss hinge_embedding_loss margin_ranking_loss

@@ -300,3 +300,60 @@ def test_numpy_of_a_per_model_value_is_refused() -> None:
     models = [seeded(_Numpy, i) for i in range(2)]
     with pytest.raises(ValueError, match=r"Tensor.numpy inside a stacked forward gives different results"):
         stack(models)(rows((2, 3)))
+
+
+class _Views(nn.Module):
+    """Two views of a batch encoded together and split back, classifier-free guidance's doubled batch: each
+    original joins and splits its own samples."""
+
+    def __init__(self, pattern: str) -> None:
+        super().__init__()
+        self.pattern = pattern
+        self.enc = nn.Linear(4, 6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        B = x.shape[0]
+        if self.pattern == "two views: cat, chunk(2)":
+            z1, z2 = self.enc(torch.cat([x, x.flip(-1) * 0.5])).chunk(2)
+            return self.head(z1) * self.head(z2)
+        if self.pattern == "guidance: cat([x, x]), chunk(2, dim=0)":
+            uncond, cond = self.head(self.enc(torch.cat([x, x]))).chunk(2, dim=0)
+            return uncond + 3.0 * (cond - uncond)
+        if self.pattern == "split(B)":
+            a, b = self.enc(torch.concat([x, x * 2])).split(B)
+            return self.head(a - b)
+        if self.pattern == "torch.split by sizes, tensor_split":
+            z = self.enc(torch.cat((x, x * 2, x * 3)))
+            a, b, c = z.tensor_split(3)
+            d, e = torch.split(z, [B, 2 * B])
+            return self.head(a + b * c) + self.head(d) * self.head(e.chunk(2)[1])
+        if self.pattern == "a chunk written in place":  # a copy here, a view in the original: refused
+            a, b = self.enc(torch.cat([x, x])).detach().chunk(2)
+            with torch.no_grad():
+                a.mul_(2)
+            return self.head(b)
+        if self.pattern == "the doubled batch viewed (2, B, C)":  # (M * 2B) rows viewed (2, -1): mixes models
+            return self.head(self.enc(torch.cat([x, x * 2])).view(2, B, 6).sum(0))
+        raise AssertionError(self.pattern)
+
+
+VIEWS = {
+    "two views: cat, chunk(2)": "exact",
+    "guidance: cat([x, x]), chunk(2, dim=0)": "exact",
+    "split(B)": "exact",
+    "torch.split by sizes, tensor_split": "exact",
+    "a chunk written in place": RuntimeError,
+    "the doubled batch viewed (2, B, C)": "refused",
+}
+
+
+@pytest.mark.parametrize("num_models,batch", [(2, 3), (3, 2), (2, 1)], ids=lambda n: str(n))
+@pytest.mark.parametrize("pattern", list(VIEWS))
+def test_cat_and_split_along_the_samples_are_each_models(pattern: str, num_models: int, batch: int) -> None:
+    expected = VIEWS[pattern]
+    if isinstance(expected, str):
+        assert assert_exact_or_refused(lambda: _Views(pattern), num_models, rows, batch) == expected
+    else:
+        with pytest.raises(expected, match="written in place after a split along the samples' dimension"):
+            stack([seeded(lambda: _Views(pattern), i) for i in range(num_models)])(rows((num_models, batch)))
