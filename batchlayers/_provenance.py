@@ -1297,14 +1297,15 @@ def _split_within_each_model(ctx, func, args, kwargs, tagged) -> tuple[Tensor, .
     position, key = _SPLITS[name]
     sections = _arg(args, kwargs, position, key if func is not Tensor.split else "split_size")
     dim = _arg(args, kwargs, position + 1, "dim", 0)
-    numbers = sections if isinstance(sections, (list, tuple)) else [sections]
+    numbers: list[int] = list(sections) if isinstance(sections, (list, tuple)) else [sections]
     if not isinstance(dim, int) or _norm(dim, x.dim()) != d or x.shape[d] % m:
         return None
     if not all(isinstance(n, int) and not isinstance(n, bool) for n in numbers):  # (a tensor: the plain call)
         return None
     # each original model's numbers: a size read from the samples (``z.split(B)``) is its own B
     own = [int(getattr(n, "own", n)) for n in numbers]
-    parts = getattr(torch, name)(_per_model.split_models(x, d, m), own if numbers is sections else own[0], d + 1)
+    given = own if isinstance(sections, (list, tuple)) else own[0]
+    parts = getattr(torch, name)(_per_model.split_models(x, d, m), given, d + 1)
     outs = tuple(p.flatten(d, d + 1) for p in parts)
     for o in outs:
         set_tag(o, d)
