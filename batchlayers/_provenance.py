@@ -505,6 +505,8 @@ class Tracker(TorchFunctionMode):
             _tag_all(out, lost or Lost(f"{_name(func)} (batchlayers has no rule for it)"))
         elif computed is None:
             entry.rule(self, entry.name, args, kwargs, out, tagged)
+        if self.num_models > 1 and out is not (args[0] if args else None) and not torch.compiler.is_compiling():
+            _note_picked_rows(out, tagged)
         if _SIZES.get(func, False) and self.num_models > 1 and not torch.compiler.is_compiling():
             out = _marked_sizes(func, args, kwargs, out, self.num_models)
         written = kwargs.get(
@@ -786,12 +788,40 @@ def _marked_sizes(func: Callable, args: tuple, kwargs: dict, out: object, num_mo
     return FoldedSize(out, num_models) if dim is not None and _norm(dim, cast(Tensor, x).dim()) == d else out
 
 
+# Set on a view of a tensor holding the samples that picked some of their rows (``y[0]``, ``y.narrow(0, 0, 1)``,
+# ``y[:, :4].diagonal()``): Lost, its rows no model's; a write into it would reach some models' rows only.
+_PICKED = "_batchlayers_picked"
+
+
+def _note_picked_rows(out: object, tagged: list[_In]) -> None:
+    """Mark the Lost outputs of a call that share storage with a tensor holding the samples (or with such a
+    view): views that picked some of the samples' rows (see :data:`_PICKED`)."""
+    for o in _outputs(out):
+        if not isinstance(get_tag(o), Lost):
+            continue
+        address = _storage_address(o)
+        for i in tagged:
+            if i.tensor is not o and (isinstance(i.tag, int) or getattr(i.tensor, _PICKED, False)):
+                if address and _storage_address(i.tensor) == address:
+                    o._batchlayers_picked = True  # type: ignore[attr-defined]  # (syntax: see set_tag)
+                    break
+
+
 def _refuse_lost_write_into_a_view(func: Callable, written: Tensor, tagged: list[_In]) -> None:
     """An in-place write (``copy_``, ``x[...] = v``, ``out=``) into a view of a tensor that held the models'
     samples, of values whose rows cannot be assigned to models: the view's tag says so, but the tensor it
     views (``y`` after ``y[:, :2].copy_(...)``), or other views of it, would still claim per-model rows."""
     before = next((i.tag for i in tagged if i.tensor is written), None)
     after = get_tag(written)
+    if getattr(written, _PICKED, False):
+        # a view that picked some of the samples' rows (``y[0]``, ``y[:1]``, ``y.narrow(0, 0, 1)``): each original
+        # writes its own rows, the folded write reaches one model's
+        made = f", a view made by {before.reason}" if isinstance(before, Lost) else ""
+        raise ValueError(
+            f"batchlayers: {_name(func)} writes into part of a tensor that holds the models' samples{made}: each "
+            "original model writes its own rows, here the write would reach only some "
+            "models' rows. Compute it out of place (torch.where, a mask), or stack with execution='model_by_model'"
+        )
     if not isinstance(before, int) or after == before:
         return
     if after is None and not _differs_along(written, before):

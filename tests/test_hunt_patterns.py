@@ -357,3 +357,36 @@ def test_cat_and_split_along_the_samples_are_each_models(pattern: str, num_model
     else:
         with pytest.raises(expected, match="written in place after a split along the samples' dimension"):
             stack([seeded(lambda: _Views(pattern), i) for i in range(num_models)])(rows((num_models, batch)))
+
+
+ROW_WRITES = {
+    "y[0].zero_()": lambda y: y[0].zero_(),
+    "y[:1].zero_()": lambda y: y[:1].zero_(),
+    "y.narrow(0, 0, 1).zero_()": lambda y: y.narrow(0, 0, 1).zero_(),
+    "y.select(0, 0).fill_(1)": lambda y: y.select(0, 0).fill_(1.0),
+    "y[-1].add_(1)": lambda y: y[-1].add_(1.0),
+    "y.T[:, 0].zero_()": lambda y: y.T[:, 0].zero_(),
+    "y[:, :4].diagonal().zero_()": lambda y: y[:, :4].diagonal().zero_(),
+    "y[:2][0].sigmoid_()": lambda y: y[:2][0].sigmoid_(),
+}
+
+
+class _WritesRows(nn.Module):
+    def __init__(self, pattern: str) -> None:
+        super().__init__()
+        self.pattern = pattern
+        self.fc = nn.Linear(4, 5)
+
+    def forward(self, x):
+        y = self.fc(x)
+        ROW_WRITES[self.pattern](y.detach())  # (a view of y: no autograd check of the in-place write)
+        return y
+
+
+@pytest.mark.parametrize("mode", [torch.enable_grad, torch.no_grad, torch.inference_mode])
+@pytest.mark.parametrize("pattern", list(ROW_WRITES))
+def test_a_write_into_some_of_the_samples_rows_is_refused(pattern: str, mode: type) -> None:
+    """Each original writes into its own first (last, diagonal) rows; the folded write reaches some models'
+    rows only (it changed model 0's alone)."""
+    with mode(), pytest.raises(ValueError, match=r"writes into part of a tensor that holds the models' samples"):
+        stack([seeded(lambda: _WritesRows(pattern), i) for i in range(3)])(rows((3, 2)))
