@@ -151,15 +151,36 @@ def _storage_address(t: Tensor) -> int:
         return 0
 
 
+def _safe_signature(f: Callable) -> inspect.Signature | None:
+    try:
+        return inspect.signature(f)
+    except (TypeError, ValueError):  # (builtins without one)
+        return None
+
+
 def written_tensors(func: Callable, args: tuple, kwargs: dict) -> list[Tensor]:
     """The tensors that the call ``func(*args, **kwargs)`` writes in place: an in-place method's or function's
-    first argument, ``x[i] = v``'s ``x``, ``out=``'s tensors."""
+    first argument, ``x[i] = v``'s ``x``, the input of ``F.relu(x, inplace=True)`` (and every functional
+    with ``inplace``), ``out=``'s tensors."""
     found: object = kwargs.get("out")
     if found is None and args and (_IN_PLACE.get(func, False) or func is Tensor.__setitem__):
         found = args[0]
+    elif found is None and args and func in _INPLACE_PARAMETER:
+        position = _INPLACE_PARAMETER[func]
+        if kwargs.get("inplace", len(args) > position and args[position]) is True:
+            found = args[0]
     if isinstance(found, Tensor):
         return [found]
     return [t for t in found if isinstance(t, Tensor)] if isinstance(found, (tuple, list)) else []
+
+
+# torch.nn.functional's functions with an ``inplace`` argument (relu, leaky_relu, hardtanh, dropout, ...): its
+# position, for the writes they make into their input (see written_tensors)
+_INPLACE_PARAMETER = {
+    f: list(inspect.signature(f).parameters).index("inplace")
+    for f in (getattr(F, n) for n in dir(F) if not n.startswith("_"))
+    if callable(f) and "inplace" in getattr(_safe_signature(f), "parameters", {})
+}
 
 
 def view_of_a_copy(

@@ -1325,16 +1325,21 @@ class _LayoutAlias(nn.Module):
             z = y.permute(0, 2, 3, 1).reshape(y.size(0), -1)
         if self.pattern.endswith("then in place"):
             y.relu_()
+        elif self.pattern.endswith("then nn.ReLU(inplace=True)"):  # (F.relu(y, inplace=True): the tracker sees F.relu)
+            nn.ReLU(inplace=True)(y)
         return self.fc(z)
 
 
 LAYOUT_ALIASES = ["flatten", "contiguous", "permute, reshape"]
 
 
+@pytest.mark.parametrize("write", ["in place", "nn.ReLU(inplace=True)"])
 @pytest.mark.parametrize("mode", GRAD_MODES)
 @pytest.mark.parametrize("execution", ["batched", "model_by_model"])
 @pytest.mark.parametrize("pattern", LAYOUT_ALIASES)
-def test_writes_after_a_reshape_whose_aliasing_differs_are_refused(pattern: str, execution: str, mode: type) -> None:
+def test_writes_after_a_reshape_whose_aliasing_differs_are_refused(
+    pattern: str, execution: str, mode: type, write: str
+) -> None:
     """Without a write the reshape is exact; a write in place to its source afterwards is refused, since it
     would reach the reshaped tensor in one of the two layouts only (a silent difference otherwise)."""
     x = torch.randn(2, 3, 3, 5, 5, dtype=torch.float64)
@@ -1342,7 +1347,7 @@ def test_writes_after_a_reshape_whose_aliasing_differs_are_refused(pattern: str,
     with mode():
         out = stack(models, execution=execution)(x)
         assert_close(out, torch.stack([m(x[i]) for i, m in enumerate(models)]), msg=pattern)
-    written = [seeded(lambda: _LayoutAlias(f"{pattern}, then in place"), i) for i in range(2)]
+    written = [seeded(lambda: _LayoutAlias(f"{pattern}, then {write}"), i) for i in range(2)]
     with pytest.raises(RuntimeError, match=r"written in place after .*(copy|alias) in the stacked model"), mode():
         stack(written, execution=execution)(x)
     assert torch.overrides._get_current_function_mode_stack() == []
