@@ -158,6 +158,12 @@ def _safe_signature(f: Callable) -> inspect.Signature | None:
         return None
 
 
+def _viewed(t: Tensor) -> bool:
+    """Whether another tensor shares ``t``'s storage (a view of it, or one it views). ``untyped_storage()``
+    itself holds one reference while it is asked."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata) > 2
+
+
 def written_tensors(func: Callable, args: tuple, kwargs: dict) -> list[Tensor]:
     """The tensors that the call ``func(*args, **kwargs)`` writes in place: an in-place method's or function's
     first argument, ``x[i] = v``'s ``x``, the input of ``F.relu(x, inplace=True)`` (and every functional
@@ -589,11 +595,21 @@ class Tracker(TorchFunctionMode):
             if not tagged:
                 allowed.append(guard)
                 continue
-            if t is guard.tensor and all(i.tag is PerModel for i in tagged):
+            viewed = t is guard.tensor and _viewed(t)
+            if t is guard.tensor and all(i.tag is PerModel for i in tagged) and not viewed:
                 del self.shared_buffers[_storage_address(t)]
                 guard.store_per_model()
                 promoted = True
                 continue
+            if viewed:
+                raise ValueError(
+                    f"{guard.name}: forward writes {_name(func)} per-model values into the buffer '{guard.path}', "
+                    "which the stacked model stores once because it was equal in every model; it would store it per "
+                    "model from now on, but other tensors view it (a view taken in forward, such as "
+                    "self.buffer.detach(), or kept in an attribute), which would keep the old value. Register a "
+                    "batched counterpart for the module that owns it with batchlayers.register(...), or stack with "
+                    "execution='model_by_model'"
+                )
             samples = next((i for i in tagged if i.tag is not PerModel), None)
             raise ValueError(
                 f"{guard.name}: forward writes {_name(func)} into "

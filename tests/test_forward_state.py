@@ -111,6 +111,7 @@ class Counts(nn.Module):
         self.how = how
         self.fc = nn.Linear(4, 4)
         self.register_buffer("steps", torch.zeros(4))
+        self.kept: list[torch.Tensor] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc(x)
@@ -127,6 +128,11 @@ class Counts(nn.Module):
             "a sum over the samples": lambda: self.steps.add_(h.detach().sum(0)),
             "out= of the samples' mean": lambda: torch.mean(h.detach(), 0, out=self.steps),
             "a view of it, lerp_": lambda: self.steps[:2].lerp_(mean[:2], 0.3),
+            # (stored per model, the view would keep the old storage)
+            "a view kept, then a moving average": lambda: (
+                self.kept.append(self.steps.detach()),
+                self.steps.lerp_(mean, 0.3),
+            ),
         }
         writes[self.how]()
         return h * self.steps
@@ -142,7 +148,12 @@ EXACT = [
     "moving average, assigned",
     "a per-model value into an element",
 ]
-REFUSED = ["a sum over the samples", "out= of the samples' mean", "a view of it, lerp_"]
+REFUSED = [
+    "a sum over the samples",
+    "out= of the samples' mean",
+    "a view of it, lerp_",
+    "a view kept, then a moving average",
+]
 
 
 @pytest.mark.parametrize("mode", [torch.enable_grad, torch.inference_mode])
