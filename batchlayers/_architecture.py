@@ -64,7 +64,8 @@ def _without_models(v: object) -> object:
     if isinstance(v, Tensor) and getattr(v, "_batchlayers_models", None) is not None:
         return "a tensor with a value per model or the models' samples"
     if isinstance(v, (tuple, list)):
-        return type(v)(_without_models(x) for x in v)
+        items = [_without_models(x) for x in v]
+        return type(v)(*items) if hasattr(v, "_fields") else type(v)(items)  # (a namedtuple takes fields)
     if isinstance(v, dict):
         return {k: _without_models(x) for k, x in v.items()}
     return v

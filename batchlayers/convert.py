@@ -32,6 +32,7 @@ Limits, by design:
 from __future__ import annotations
 
 import copy
+import types
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -656,19 +657,29 @@ def _stacked_tensors(batched: nn.Module) -> dict[int, Tensor]:
 
 def _attribute_tensors(batched: nn.Module) -> Iterable[tuple[str, Tensor]]:
     """Tensors that ``batched``'s modules hold in plain attributes (not parameters or buffers), also inside
-    lists, tuples, deques and dicts (``self.history.append(h)``), with where each is held."""
+    lists, tuples, deques, sets and dicts (``self.history.append(h)``) and the attributes of other objects
+    (a ``SimpleNamespace``, a dataclass), with where each is held. Modules, classes and functions are not
+    entered (the modules are walked as modules)."""
     registered = {id(t) for t in tensor_table(batched).values()}
+    seen: set[int] = set()
 
     def walk(value: object, where: str, depth: int) -> Iterable[tuple[str, Tensor]]:
         if isinstance(value, Tensor):
             if id(value) not in registered:
                 yield where, value
-        elif depth < 4 and isinstance(value, (list, tuple, deque)):
+            return
+        if depth > 16 or id(value) in seen or isinstance(value, (str, bytes, int, float, complex, bool, type(None))):
+            return
+        seen.add(id(value))
+        if isinstance(value, (list, tuple, deque, set, frozenset)):
             for i, item in enumerate(value):
                 yield from walk(item, f"{where}[{i}]", depth + 1)
-        elif depth < 4 and isinstance(value, dict):
+        elif isinstance(value, dict):
             for k, item in value.items():
                 yield from walk(item, f"{where}[{k!r}]", depth + 1)
+        elif not isinstance(value, (nn.Module, type, types.FunctionType, types.MethodType, types.ModuleType)):
+            for k, item in getattr(value, "__dict__", {}).items():
+                yield from walk(item, f"{where}.{k}", depth + 1)
 
     for path, module in batched.named_modules():
         for name, value in vars(module).items():

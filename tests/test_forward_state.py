@@ -5,6 +5,9 @@ every model's samples together is no model's: refused, never handed to each mode
 
 from __future__ import annotations
 
+import types
+from typing import NamedTuple
+
 import pytest
 import torch
 from convert_harness import seeded
@@ -12,6 +15,11 @@ from harness import assert_close
 from torch import nn
 
 from batchlayers.convert import concat, select, stack, unstack
+
+
+class _Pair(NamedTuple):
+    first: torch.Tensor
+    second: torch.Tensor
 
 
 class Remembers(nn.Module):
@@ -25,6 +33,9 @@ class Remembers(nn.Module):
         self.prev: torch.Tensor | None = None
         self.history: list[torch.Tensor] = []
         self.cache: dict[str, torch.Tensor] = {}
+        self.ns = types.SimpleNamespace(h=None)
+        self.deep: list = []
+        self.pair: _Pair | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc(x)
@@ -42,6 +53,11 @@ class Remembers(nn.Module):
             self.history.append(h.detach())
         elif self.pattern == "total":  # one model's sum over its samples; stacked, a sum over all models'
             self.prev = h.detach().sum(0)
+        elif self.pattern == "namespace, deep list, namedtuple":  # (other objects' attributes, any depth)
+            if self.ns.h is not None:
+                h = h + self.ns.h + self.deep[0][0][0][0][0] * self.pair.second
+            self.ns.h, self.deep = h.detach(), [[[[[h.detach() * 2]]]]]
+            self.pair = _Pair(h.detach(), h.detach() - 1)
         elif self.pattern == "dict":
             if "h" in self.cache:
                 h = h * self.cache["scale"] + self.cache["h"]
@@ -49,7 +65,7 @@ class Remembers(nn.Module):
         return h
 
 
-PATTERNS = ["attribute", "transposed", "history", "dict"]
+PATTERNS = ["attribute", "transposed", "history", "dict", "namespace, deep list, namedtuple"]
 SIZES = [(3, 2), (2, 3), (2, 1)]  # (models, batch): M * B of one equals B of another
 
 
