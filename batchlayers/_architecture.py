@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -65,7 +66,8 @@ def _without_models(v: object) -> object:
         return "a tensor with a value per model or the models' samples"
     if isinstance(v, (tuple, list)):
         items = [_without_models(x) for x in v]
-        return type(v)(*items) if hasattr(v, "_fields") else type(v)(items)  # (a namedtuple takes fields)
+        kind: Any = type(v)
+        return kind(*items) if hasattr(v, "_fields") else kind(items)  # (a namedtuple takes fields)
     if isinstance(v, dict):
         return {k: _without_models(x) for k, x in v.items()}
     return v
