@@ -19,12 +19,13 @@ import dataclasses
 import functools
 import sys
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 from ._numbers import _Marked, close_call
 from ._provenance import (
@@ -33,6 +34,7 @@ from ._provenance import (
     PerModel,
     SharedBuffer,
     Tracker,
+    call_name,
     from_size_alone,
     from_size_message,
     get_tag,
@@ -818,7 +820,15 @@ class MovesKeysOnly:
 
     def __call__(self, state_dict: dict, *args: object) -> None:
         given = {id(v): _version(v) for v in state_dict.values() if isinstance(v, Tensor)}
-        self.hook(state_dict, *args)
+        with _Reads(given) as reads:
+            self.hook(state_dict, *args)
+        if reads.first is not None:
+            raise ValueError(
+                f"load_state_dict: a load-state-dict hook of {self.where} read the state dict's tensors "
+                f"({reads.first}: their shapes or values), which in a stacked model hold every model's, (M, *); "
+                "it can only move and rename entries there. Load each model's state dict into an original model "
+                "and stack them"
+            )
         for key, value in state_dict.items():
             if isinstance(value, Tensor) and given.get(id(value), -1) != _version(value):
                 raise ValueError(
@@ -826,6 +836,22 @@ class MovesKeysOnly:
                     "tensors, which in a stacked model hold every model's values; it can only move and rename "
                     "entries there. Load each model's state dict into an original model and stack them"
                 )
+
+
+class _Reads(TorchFunctionMode):
+    """Notes the first torch call (a property read included: ``.shape``, ``.dtype``) on one of the tensors
+    ``given`` (ids) while a load-state-dict hook runs."""
+
+    def __init__(self, given: Mapping[int, object]) -> None:
+        super().__init__()
+        self.given = given
+        self.first: str | None = None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.first is None and any(id(a) in self.given for a in (*args, *kwargs.values())):
+            self.first = call_name(func)
+        return func(*args, **kwargs)
 
 
 def _version(t: Tensor) -> int | None:

@@ -765,6 +765,11 @@ def _numbers_that_differ(args: Sequence, kwargs: dict) -> list[tuple[Any, object
 _MARKED = frozenset({FoldedSize, FoldedInt, FoldedValue})
 
 
+def call_name(func: Callable) -> str:
+    """How batchlayers' messages name a torch function, method or property (``Tensor.shape``)."""
+    return _name(func)
+
+
 def _name(func: Callable) -> str:
     name = getattr(func, "__name__", None) or repr(func)
     if name == "__get__":  # a property: its getter is a method of the descriptor

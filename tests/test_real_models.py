@@ -237,7 +237,32 @@ def test_load_state_dict_hook_that_computes_values_is_refused() -> None:
     state = batched.state_dict()
     batched.load_state_dict(state)  # (nothing to rename: the hook leaves the entries as they are)
     state["fc.weight_t"] = state.pop("fc.weight")
-    with pytest.raises(ValueError, match=r"hook of the model itself \(_TransposesOldWeights\) computed 'fc.weight'"):
+    with pytest.raises(ValueError, match=r"hook of the model itself \(_TransposesOldWeights\) read the state dict's"):
+        batched.load_state_dict(state)
+
+
+class _BranchesOnShape(torch.nn.Module):
+    """Its hook moves an old entry by its shape: on a stacked state dict it would see (M, *) shapes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(3, 4)
+        self._register_load_state_dict_pre_hook(self._by_shape)
+
+    def _by_shape(self, state_dict, prefix, *args) -> None:
+        old = state_dict.pop(prefix + "old", None)
+        if old is not None:
+            state_dict[prefix + ("fc.bias" if old.shape[0] == 4 else "fc.weight")] = old
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def test_load_state_dict_hook_that_reads_shapes_is_refused() -> None:
+    batched = stack([_BranchesOnShape() for _ in range(M)])
+    state = batched.state_dict()
+    state["old"] = state.pop("fc.bias")
+    with pytest.raises(ValueError, match=r"hook of the model itself \(_BranchesOnShape\) read .*\(Tensor.shape"):
         batched.load_state_dict(state)
 
 
