@@ -810,10 +810,14 @@ def _per_model_loop(ctx, func, args, kwargs):
             f"{name} inside a stacked forward combines a per-model value with the models' samples, and "
             "batchlayers has no rule saying where the samples go in its result"
         )
-    parts = [
-        (tuple(_part(v, i, m) for v in args), {key: _part(v, i, m) for key, v in kwargs.items()}) for i in range(m)
-    ]
-    outs = [func(*a, **k) for a, k in parts]
+    parts, outs = [], []
+    for i in range(m):  # (each model's views made after the previous model's write: see the note below)
+        a, k = tuple(_part(v, i, m) for v in args), {key: _part(v, i, m) for key, v in kwargs.items()}
+        parts.append((a, k))
+        outs.append(func(*a, **k))
+    # A view made before an in-place write with gradients into another view of the same tensor would be a view
+    # of a leaf that does not require grad, which autograd then rejects ("a leaf Variable that requires grad is
+    # being used in an in-place operation"): an exponential moving average of x.mean(0) with x requiring grad.
     if inplace:
         return target
     first = outs[0]

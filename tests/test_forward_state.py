@@ -140,6 +140,7 @@ class Counts(nn.Module):
             "moving average, lerp_": lambda: self.steps.lerp_(mean, 0.3),
             "moving average, mul_ then add_": lambda: self.steps.mul_(0.7).add_(mean, alpha=0.3),
             "moving average, assigned": lambda: setattr(self, "steps", 0.7 * self.steps + 0.3 * mean),
+            "moving average of x.mean(0), with its gradient": lambda: self.steps.lerp_(x.mean(0), 0.3),
             "a per-model value into an element": lambda: self.steps.__setitem__(1, h.mean()),
             "a sum over the samples": lambda: self.steps.add_(h.detach().sum(0)),
             "out= of the samples' mean": lambda: torch.mean(h.detach(), 0, out=self.steps),
@@ -162,6 +163,7 @@ EXACT = [
     "moving average, lerp_",  # (the buffer is stored per model from the first call on)
     "moving average, mul_ then add_",
     "moving average, assigned",
+    "moving average of x.mean(0), with its gradient",
     "a per-model value into an element",
 ]
 REFUSED = [
@@ -199,3 +201,19 @@ def test_a_shared_buffer_written_with_what_differs_per_model_is_refused_before_t
         with mode():
             stacked(_inputs(2, 3, 0))
     assert torch.equal(stacked.steps, torch.zeros(4, dtype=torch.float64))
+
+
+def test_a_moving_average_of_inputs_that_require_grad() -> None:
+    """Inputs that require grad (an input-gradient attack, a saliency map): the average then carries their
+    gradient, written into each model's slice of the buffer one after the other (autograd refused the second
+    model's write before: its slice was a view made before the first write)."""
+    how = "moving average of x.mean(0), with its gradient"
+    models = [seeded(lambda: Counts(how), seed) for seed in range(3)]
+    stacked = stack([seeded(lambda: Counts(how), seed) for seed in range(3)])
+    x = _inputs(3, 2, 0).requires_grad_()
+    out = stacked(x)
+    expected = torch.stack([m(x[i]) for i, m in enumerate(models)])
+    assert_close(out, expected, msg="output")
+    (grad,) = torch.autograd.grad(out.sum(), x)
+    (expected_grad,) = torch.autograd.grad(expected.sum(), x)
+    assert_close(grad, expected_grad, msg="input gradient")
