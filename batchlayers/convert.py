@@ -122,6 +122,13 @@ def _plan(
     shared: list[str] = []
     blockers: list[str] = []
     seen: set[int] = set()
+    # Buffers stored per model, by id: every module holding one sees it so (a buffer registered in two modules)
+    own_buffers = {id(b) for n, b in template.named_buffers(remove_duplicate=False) if n in differing}
+    for module in template.modules():
+        swapped = counterpart_of(type(module)) is not None and not any(getattr(module, h) for h in _HOOK_DICTS)
+        if not swapped and next(module.parameters(recurse=False), None) is not None:
+            own_buffers.update(id(b) for b in module.buffers(recurse=False))
+    shared_buffers: set[int] = set()
 
     def visit(path: str, module: nn.Module) -> None:
         if id(module) in seen:
@@ -142,10 +149,13 @@ def _plan(
             return
         params = dict(module.named_parameters(recurse=False))
         buffers = dict(module.named_buffers(recurse=False))
-        own = {**params, **(buffers if params else {n: b for n, b in buffers.items() if _join(path, n) in differing})}
+        own = {**params, **{n: b for n, b in buffers.items() if id(b) in own_buffers}}
         if own:
             per_model.append((module, own))
-        shared.extend(_join(path, n) for n in buffers if n not in own)
+        for n, b in buffers.items():
+            if n not in own and id(b) not in shared_buffers:  # (one name for a buffer held twice: the first)
+                shared_buffers.add(id(b))
+                shared.append(_join(path, n))
         for name, child in module.named_children():
             visit(_join(path, name), child)
 

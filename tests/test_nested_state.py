@@ -137,3 +137,37 @@ def test_nested_unstack_state_dict_gives_each_models_own(arch: str, wrapper: str
         for k, v in originals[i].named_buffers():
             assert torch.equal(model.get_buffer(k), v), f"model {i}: buffer {k} is not the model's own"
         assert_close(logits(model(x[i])), stacked_out[i], msg=f"model {i}'s output")
+
+
+class _Holder(nn.Module):
+    def __init__(self, buffer: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("m", buffer)
+
+
+class _TwoHolders(nn.Module):
+    """One buffer registered in two modules without parameters: equal in every model (kept once) or not."""
+
+    def __init__(self, differs: bool) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4, dtype=torch.float64)  # (float64 already: .double() would copy each holder's)
+        buffer = torch.randn(4, dtype=torch.float64) if differs else torch.arange(4.0, dtype=torch.float64)
+        self.a, self.b = _Holder(buffer), _Holder(buffer)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x + self.a.m) * self.b.m
+
+
+@pytest.mark.parametrize("differs", [False, True], ids=["equal", "differing"])
+def test_a_buffer_held_by_two_modules(differs: bool) -> None:
+    models = [seeded(lambda: _TwoHolders(differs), i) for i in range(NUM_MODELS)]
+    assert all(m.a.m is m.b.m for m in models)
+    batched = stack(models)
+    assert batched.a.m is batched.b.m
+    x = torch.randn(NUM_MODELS, 2, 4, dtype=torch.float64)
+    assert_close(batched(x), torch.stack([m(x[i]) for i, m in enumerate(models)]), msg="output")
+    state = batched.state_dict()
+    for key in ("a.m", "b.m"):
+        assert_close(state[key], torch.stack([m.state_dict()[key] for m in models]), msg=key)
+    for i, own in enumerate(unstack_state_dict(state)):
+        assert_close(own["b.m"], models[i].b.m, msg=f"unstacked model {i}")
