@@ -2289,6 +2289,9 @@ def _loss(ctx, name, args, kwargs, out, tagged) -> None:
     if bound["reduction"] != "none":
         return _tag_all(out, Lost(f"{name} with reduction='sum' over the models' samples"))
     if name.endswith(_PER_ROW_LOSSES):
+        first = args[0] if args else next(iter(bound.values()))
+        if isinstance(first, Tensor) and first.dim() < 2:  # an unbatched input: the samples are its one vector
+            return _tag_all(out, Lost(f"{name} of one unbatched vector holding the models' samples"))
         return _batch_first(ctx, name, args, kwargs, out, tagged)
     # (every tensor operand: the inputs, the target, margin_ranking_loss's third, gaussian_nll_loss's var)
     _elementwise(ctx, name, [v for v in bound.values() if isinstance(v, Tensor)], {}, out, tagged)

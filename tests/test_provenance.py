@@ -237,6 +237,9 @@ class _Mixes(_Pattern):
         if self.pattern == "pairs of samples along another dimension than the rows":
             h = self.fc(x)
             return self.fc((h[:, None, :] @ h.t()).squeeze(1)[:, :4])
+        if self.pattern == "triplet loss of unbatched vectors, reduction='none'":  # each model's B values: one vector
+            h = self.fc(x)
+            return F.triplet_margin_loss(h[:, 0], h[:, 1], h[:, 2], reduction="none")
         if self.pattern == "shared tensor clamped in place by all models' max":
             floor = torch.zeros(4, dtype=x.dtype).clamp_(min=x.max())
             return self.fc(x + floor)
@@ -277,6 +280,7 @@ REFUSED = {
     "pairs of samples along another dimension than the rows": r"fc.*matmul combines the models' samples along two",
     "einsum pairs summed over the samples": r"fc.*torch.einsum combines the models' samples along two different",
     "arange(B) targets written in place": r"F.cross_entropy.*targets that differ",
+    "triplet loss of unbatched vectors, reduction='none'": r"output.*F.triplet_margin_loss of one unbatched vector",
 }
 
 
