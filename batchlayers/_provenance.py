@@ -108,14 +108,16 @@ class CopiedViews:
 
     def __init__(self) -> None:
         self.versions: list[tuple[Tensor, int, str]] = []  # (tensor, version when recorded, what)
-        self.storages: dict[int, str] = {}  # inference tensors: storage address -> what
+        # inference tensors: storage address -> (what, the tensor, held so that its storage is not freed and its
+        # address given to another tensor while recorded)
+        self.storages: dict[int, tuple[str, Tensor]] = {}
 
     def record(self, tensors: Sequence[Tensor], what: str) -> None:
         for t in tensors:
             if t.is_inference():
                 address = _storage_address(t)
                 if address:
-                    self.storages[address] = what
+                    self.storages[address] = (what, t)
             else:
                 self.versions.append((t, t._version, what))
 
@@ -130,10 +132,10 @@ class CopiedViews:
         """Refuse ``func`` if it writes in place into a recorded inference tensor."""
         if self.storages:
             for t in written_tensors(func, args, kwargs):
-                what = self.storages.get(_storage_address(t))
-                if what is not None:
+                found = self.storages.get(_storage_address(t))
+                if found is not None:
                     self.storages.clear()
-                    _refuse_copied_write(what)
+                    _refuse_copied_write(found[0])
 
 
 def _refuse_copied_write(what: str) -> None:
