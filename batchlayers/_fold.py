@@ -34,6 +34,7 @@ from ._provenance import (
     PerModel,
     SharedBuffer,
     Tracker,
+    _viewed,
     call_name,
     from_size_alone,
     from_size_message,
@@ -787,25 +788,36 @@ class ExpandSharedBuffers:
 
 
 class SqueezeSharedBuffers:
-    """Load-state-dict pre-hook of the stacked root: the ``(M, *)`` entry of a shared buffer must hold the
-    same value for every model; it is loaded as that one value."""
+    """Load-state-dict pre-hook of the stacked root: the ``(M, *)`` entry of a shared buffer that holds the
+    same value for every model is loaded as that one value; one that differs between the models (saved after
+    forward stored the buffer per model, see ``FoldInputs.store_per_model``) makes it a per-model buffer, into
+    which each model's value loads."""
 
     def __init__(self, names: Iterable[str]) -> None:
         self.names = list(names)
 
     def __call__(self, root, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-        for name in self.names:
+        for name in list(self.names):  # (storing one per model takes its names out of this list)
+            if name not in self.names:
+                continue  # another name of a buffer stored per model above
             key = prefix + name
             value = state_dict.get(key)
             if not isinstance(value, Tensor) or value.dim() == 0 or value.shape[0] != root.num_models:
                 continue  # torch's own shape check reports it
-            if not all(torch.equal(value[0], value[i]) for i in range(1, value.shape[0])):
+            if all(torch.equal(value[0], value[i]) for i in range(1, value.shape[0])):
+                state_dict[key] = value[0]
+                continue
+            fold = next(h for h in root._forward_pre_hooks.values() if isinstance(h, FoldInputs))
+            buffer = _tensor(root, name)
+            canonical = next((n for n in fold.shared_buffers if _tensor(root, n) is buffer), None)
+            if canonical is None or _viewed(buffer):
                 error_msgs.append(
                     f"'{key}' is one buffer shared by all models in the stacked {type(root).__name__}, but the "
                     "state dict holds different values for different models"
+                    + (" (and other tensors view it, so it cannot be stored per model)" if canonical else "")
                 )
                 continue
-            state_dict[key] = value[0]
+            fold.store_per_model(root, canonical, None)
 
 
 class MovesKeysOnly:

@@ -217,3 +217,18 @@ def test_a_moving_average_of_inputs_that_require_grad() -> None:
     (grad,) = torch.autograd.grad(out.sum(), x)
     (expected_grad,) = torch.autograd.grad(expected.sum(), x)
     assert_close(grad, expected_grad, msg="input gradient")
+
+
+@pytest.mark.parametrize("execution", ["batched", "model_by_model"])
+def test_a_state_dict_of_a_buffer_stored_per_model_loads_into_a_fresh_stack(execution: str) -> None:
+    """Resuming: a freshly stacked model keeps the buffer once (equal at stack time); the saved state dict holds
+    each model's own values, so loading stores it per model, and the next calls are each original's."""
+    how = "moving average, lerp_"
+    models = [seeded(lambda: Counts(how), seed) for seed in range(3)]
+    trained = stack([seeded(lambda: Counts(how), seed) for seed in range(3)])
+    _run_both(trained, models, 2, 0)
+    fresh = stack([seeded(lambda: Counts(how), seed) for seed in range(3)], execution=execution)
+    fresh.load_state_dict(trained.state_dict())
+    assert_close(fresh.state_dict()["steps"], torch.stack([m.steps for m in models]), msg="loaded")
+    x = _inputs(3, 2, 1)
+    assert_close(fresh(x), torch.stack([m(x[i]) for i, m in enumerate(models)]), msg="next call")
