@@ -463,7 +463,7 @@ def _explain(error: BaseException, call: _Call) -> None:
     ``x[:, :lengths.max()]``), and folded sizes index out of one model's range."""
     if type(error) not in (TypeError, IndexError) or call.num_models == 1 or not error.args:
         return
-    if "batchlayers" in str(error.args[0]):
+    if "batchlayers" in str(error.args[0]) or "stacked " in str(error.args[0]):
         return  # batchlayers' own message, or explained already (an inner stacked model's)
     error.args = (
         f"{error.args[0]}\n(batchlayers: raised in a stacked model's batched forward, where the models' samples "

@@ -650,7 +650,8 @@ def shared_buffers(batched: nn.Module) -> list[str]:
     """Names of the buffers a stacked model keeps as one copy for all models (equal in every model when
     stacked, e.g. a causal mask); every other parameter and buffer has the model dimension first. Code that
     indexes a stacked model's tensors by model must leave these alone. ``state_dict()`` shows them as a
-    stride-0 ``(M, *)`` expand, like every other entry."""
+    stride-0 ``(M, *)`` expand, like every other entry. One that ``forward`` writes per-model values into,
+    or whose entry in a loaded state dict differs between the models, is stored per model from then on."""
     return _fold.root_shared_buffers(batched)
 
 
