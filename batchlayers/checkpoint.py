@@ -632,6 +632,8 @@ def stack_checkpoints(
             shared={k: t for k, t in result.shared.items() if k in tensors},
         )
         part.fill(index, tensors, f"'{file}'")
+        for name in [n for n in part.stacked if n in result.shared]:  # (a buffer this file made per model)
+            result.stacked[name] = result.shared.pop(name)
 
     for i, checkpoint in enumerate(checkpoints):
         parts: list[tuple[Any, list[str] | None]] = [(checkpoint.file, None)]

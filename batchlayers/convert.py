@@ -263,20 +263,25 @@ class _Stacked:
 
     @torch.no_grad()
     def fill(self, index: int, tensors: Mapping[str, Tensor], source: str) -> None:
-        """Write one model's tensors into slice ``index``; shared buffers must equal the first model's."""
+        """Write one model's tensors into slice ``index``. A shared buffer (equal in the models so far, in a
+        module without parameters of its own) that differs in this one is stored per model from here on, the
+        models before it holding the shared value (``replicate`` and ``stack_checkpoints`` fill the models one
+        at a time, so they cannot know in advance)."""
         for name, target in self.stacked.items():
             target[index].copy_(tensors[name])
-        for name, target in self.shared.items():
+        for name, target in list(self.shared.items()):
             value = tensors[name]
             if index == 0:
                 target.copy_(value)
             elif not torch.equal(target, value.to(target.device, target.dtype)):
-                raise ValueError(
-                    f"the buffer '{name}' differs between the first model and {source}. A buffer of a module "
-                    "without parameters of its own (a mask, a table) that is equal in the first models is kept as "
-                    "one copy shared by all; replicate() cannot know in advance that a later model differs. "
-                    "Build the models first and call batchlayers.stack(models), which stores such buffers per model"
+                fold = next(
+                    (h for h in self.module._forward_pre_hooks.values() if isinstance(h, _fold.FoldInputs)), None
                 )
+                if fold is None or name not in fold.shared_buffers:
+                    raise ValueError(f"the buffer '{name}' differs between the first model and {source}")
+                fold.store_per_model(self.module, name, None)  # (the same tensor object, now (M, *))
+                target[index].copy_(value)
+                self.stacked[name] = self.shared.pop(name)
 
 
 def _non_leaf_attributes(model: nn.Module) -> list[str]:

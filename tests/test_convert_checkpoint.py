@@ -118,3 +118,21 @@ def test_loading_checkpoints_holds_one_model_at_a_time(tmp_path) -> None:
     streamed, naive = peak_mb("stream"), peak_mb("naive")
     assert streamed < bound, f"stack_checkpoints peaked at +{streamed:.0f} MB, bound {bound:.0f} MB"
     assert naive > bound, f"the naive way peaked at +{naive:.0f} MB: the bound {bound:.0f} MB proves nothing"
+
+
+def test_a_buffer_that_differs_in_a_later_checkpoint_is_stored_per_model(tmp_path) -> None:
+    """Files are read one at a time: a causal mask equal in the first checkpoints is kept once until one
+    differs, then stored per model, each model holding its own (as stack of the models would)."""
+    models = [seeded(zoo.GPT, i) for i in range(3)]
+    with torch.no_grad():
+        models[2].transformer.h[1].attn.bias.fill_(1.0)  # lifted in the last model only
+    paths = []
+    for i, m in enumerate(models):
+        paths.append(tmp_path / f"m{i}.pt")
+        torch.save(m.state_dict(), paths[-1])
+    batched = stack_checkpoints(seeded(zoo.GPT, 9), paths)
+    assert batched.transformer.h[1].attn.bias.shape[0] == 3
+    _assert_same_state(batched, stack(models))
+    idx = torch.randint(0, 11, (3, 2, 8))
+    expected = torch.stack([m(idx[i]).logits for i, m in enumerate(models)])
+    assert torch.allclose(batched(idx).logits, expected, atol=1e-10)
