@@ -536,6 +536,8 @@ class Tracker(TorchFunctionMode):
             entry.rule(self, entry.name, args, kwargs, out, tagged)
         if self.num_models > 1 and out is not (args[0] if args else None) and not torch.compiler.is_compiling():
             _note_picked_rows(out, tagged)
+            if entry is not None and entry.rule in (_like_self, _elementwise):  # (dimensions kept where they were)
+                _pass_samples_dim(out, tagged)
         if _SIZES.get(func, False) and self.num_models > 1 and not torch.compiler.is_compiling():
             out = _marked_sizes(func, args, kwargs, out, self.num_models)
         written = kwargs.get(
@@ -1055,6 +1057,21 @@ def _keep_samples_dim(out: object, first: _In) -> None:
             o._batchlayers_samples_dim = (d, tuple(o.shape))  # type: ignore[attr-defined]  # (syntax: see set_tag)
 
 
+def _pass_samples_dim(out: object, tagged: list[_In]) -> None:
+    """What :func:`_keep_samples_dim` noted, passed on to the Lost outputs of an elementwise call (or one
+    computed like its input: ``.detach()``, ``.clone()``, ``+ 1``, ``.relu()``, a cast) that keep the shape of
+    the tensor it was noted on: their dimension still counts the samples. (Any other call, a slice or a
+    transpose, passes nothing on: a documented gap.)"""
+    noted = [i for i in tagged if isinstance(i.tag, Lost) and getattr(i.tensor, _SAMPLES_DIM, None) is not None]
+    if not noted:
+        return
+    for o in _outputs(out):
+        if isinstance(get_tag(o), Lost) and getattr(o, _SAMPLES_DIM, None) is None:
+            d, shape = getattr(noted[0].tensor, _SAMPLES_DIM)
+            if tuple(o.shape) == shape == tuple(noted[0].shape):
+                o._batchlayers_samples_dim = (d, shape)  # type: ignore[attr-defined]  # (syntax: see set_tag)
+
+
 def _samples_dim(x: Tensor) -> int | None:
     """The dimension of ``x`` that counts the models' samples: its tag, or the one :func:`_keep_samples_dim`
     noted (while ``x`` keeps its shape)."""
@@ -1336,7 +1353,7 @@ def _cat_within_each_model(ctx, func, args, kwargs, tagged) -> Tensor | None:
     (two views of a batch encoded together, ``torch.cat([x1, x2])``; classifier-free guidance's ``cat([x,
     x])``): each original model joins its own samples, so each model's blocks are joined, model-major as
     ever. None (the plain call, refused by the rule) for any other form."""
-    tensors, dim = _arg(args, kwargs, 0, "tensors"), _arg(args, kwargs, 1, "dim", 0)
+    tensors, dim = _arg(args, kwargs, 0, "tensors"), _arg(args, kwargs, 1, "dim", kwargs.get("axis", 0))
     m = ctx.num_models
     if m == 1 or kwargs.get("out") is not None or not isinstance(dim, int) or not tensors:
         return None

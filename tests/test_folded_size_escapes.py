@@ -102,6 +102,9 @@ PATTERNS = {
     "h * h.cumsum(0).numel()": lambda m, x, h, B: h * h.cumsum(0).numel(),
     "h * h.roll(1, 0).size(0)": lambda m, x, h, B: h * h.roll(1, 0).size(0),
     "arange(h.flip(0).shape[0])": lambda m, x, h, B: h * torch.arange(h.flip(0).shape[0], dtype=h.dtype)[:, None],
+    "h * (sort(h, 0).values.detach() + 1).relu().shape[0]": lambda m, x, h, B: (
+        h * (torch.sort(h, 0).values.detach() + 1).relu().shape[0]
+    ),
 }
 
 

@@ -328,6 +328,8 @@ class _Views(nn.Module):
             a, b, c = z.tensor_split(3)
             d, e = torch.split(z, [B, 2 * B])
             return self.head(a + b * c) + self.head(d) * self.head(e.chunk(2)[1])
+        if self.pattern == "torch.cat(axis=1) of features":  # (numpy's keyword: along the features, not the samples)
+            return self.head(torch.cat([self.enc(x)[:, :3], self.enc(x * 2)[:, 3:]], axis=1))
         if self.pattern == "a chunk written in place":  # a copy here, a view in the original: refused
             a, b = self.enc(torch.cat([x, x])).detach().chunk(2)
             with torch.no_grad():
@@ -343,6 +345,7 @@ VIEWS = {
     "guidance: cat([x, x]), chunk(2, dim=0)": "exact",
     "split(B)": "exact",
     "torch.split by sizes, tensor_split": "exact",
+    "torch.cat(axis=1) of features": "exact",
     "a chunk written in place": RuntimeError,
     "the doubled batch viewed (2, B, C)": "refused",
 }
