@@ -2127,6 +2127,8 @@ def _setitem(ctx, name, args, kwargs, out, tagged) -> None:
         return
     if _fills_by_mask(x, index, value, d):
         return set_tag(x, d)
+    if d == 0 and _per_sample_rows(x, index) and _each_samples_value(value, x.shape[0]):
+        return set_tag(x, d)  # x[torch.arange(B), labels] = 1 (a one-hot): sample i writes its own row i
     position = _index_position(x, index, d, _batch_sized(ctx), name)
     if isinstance(position, Lost):
         return set_tag(x, position if position.wide else Lost("writing into part of the models' samples (x[i] = ...)"))
@@ -2135,6 +2137,15 @@ def _setitem(ctx, name, args, kwargs, out, tagged) -> None:
         tag = _broadcast_tag(ctx, "Tensor.__setitem__", [_Probe(view, position), value], view.shape)
         if tag != position:
             set_tag(x, tag if isinstance(tag, Lost) else Lost("writing samples of other models (x[...] = y)"))
+
+
+def _each_samples_value(value: object, n: int) -> bool:
+    """A value written at :func:`_per_sample_rows` positions that gives each sample its own: one number (or a
+    0-dim tensor without samples) for all, or a tensor holding the ``n`` samples on its first dimension."""
+    if isinstance(value, Tensor):
+        tag = get_tag(value)
+        return (value.dim() == 0 and tag is None) or (tag == 0 and value.dim() == 1 and value.shape[0] == n)
+    return isinstance(value, (int, float, bool)) and not differs(value)
 
 
 def _fills_by_mask(x: Tensor, index: object, value: object, d: int) -> bool:

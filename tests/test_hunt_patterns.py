@@ -393,3 +393,43 @@ def test_a_write_into_some_of_the_samples_rows_is_refused(pattern: str, mode: ty
     rows only (it changed model 0's alone)."""
     with mode(), pytest.raises(ValueError, match=r"writes into part of a tensor that holds the models' samples"):
         stack([seeded(lambda: _WritesRows(pattern), i) for i in range(3)])(rows((3, 2)))
+
+
+class _WritesEachSamplesRow(nn.Module):
+    """Writes at ``[torch.arange(B), labels]``: sample i's own row i, as the read ``x[arange(B), idx]``."""
+
+    def __init__(self, pattern: str) -> None:
+        super().__init__()
+        self.pattern = pattern
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.fc(x)
+        B, labels = x.shape[0], h.argmax(-1)
+        if self.pattern == "a one-hot: onehot[arange(B), labels] = 1":
+            onehot = torch.zeros(B, 3, dtype=h.dtype)
+            onehot[torch.arange(B), labels] = 1
+            return h * onehot
+        g = h.clone()
+        if self.pattern == "g[arange(B), labels] = 0":
+            g[torch.arange(B), labels] = 0
+        elif self.pattern == "each sample's own values":
+            g[torch.arange(B), labels] = h[:, 0] * 2
+        elif self.pattern == "rows shifted by one (another sample's)":
+            g[torch.arange(B).roll(1), labels] = 0
+        return g
+
+
+EACH_SAMPLES_ROW = {
+    "a one-hot: onehot[arange(B), labels] = 1": "exact",
+    "g[arange(B), labels] = 0": "exact",
+    "each sample's own values": "exact",
+    "rows shifted by one (another sample's)": "refused",
+}
+
+
+@pytest.mark.parametrize("num_models,batch", [(2, 3), (3, 2), (2, 1)], ids=lambda n: str(n))
+@pytest.mark.parametrize("pattern", list(EACH_SAMPLES_ROW))
+def test_writes_at_each_samples_own_row(pattern: str, num_models: int, batch: int) -> None:
+    factory = lambda: _WritesEachSamplesRow(pattern)  # noqa: E731
+    assert assert_exact_or_refused(factory, num_models, rows, batch) == EACH_SAMPLES_ROW[pattern]
