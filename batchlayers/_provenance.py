@@ -540,16 +540,10 @@ class Tracker(TorchFunctionMode):
                 _pass_samples_dim(out, tagged)
         if _SIZES.get(func, False) and self.num_models > 1 and not torch.compiler.is_compiling():
             out = _marked_sizes(func, args, kwargs, out, self.num_models)
-        written = kwargs.get(
-            "out", args[0] if args and (_IN_PLACE.get(func, False) or func is torch.Tensor.__setitem__) else None
-        )
-        if (
-            isinstance(written, Tensor)
-            and self.num_models > 1
-            and not torch.compiler.is_compiling()  # (an eager check: it compares values)
-            and base_of(written) is not None
-        ):
-            _refuse_lost_write_into_a_view(func, written, tagged)
+        if self.num_models > 1 and not torch.compiler.is_compiling():  # (an eager check: it compares values)
+            for written in written_tensors(func, args, kwargs):
+                if base_of(written) is not None:
+                    _refuse_lost_write_into_a_view(func, written, tagged)
         if torch.compiler.is_compiling() and _IN_PLACE.get(func, False) and args and isinstance(args[0], Tensor):
             # torch.compile traces the result of an in-place op (``x += y``, ``x.relu_()``) as another tensor
             # than its input, one without the input's tag: give back the input, as eager torch does.

@@ -371,6 +371,7 @@ ROW_WRITES = {
     "y.T[:, 0].zero_()": lambda y: y.T[:, 0].zero_(),
     "y[:, :4].diagonal().zero_()": lambda y: y[:, :4].diagonal().zero_(),
     "y[:2][0].sigmoid_()": lambda y: y[:2][0].sigmoid_(),
+    "F.relu(y[0], inplace=True)": lambda y: F.relu(y[0], inplace=True),
 }
 
 
