@@ -34,8 +34,8 @@ from ._provenance import (
     PerModel,
     SharedBuffer,
     Tracker,
+    _name,
     _viewed,
-    call_name,
     from_size_alone,
     from_size_message,
     get_tag,
@@ -350,7 +350,7 @@ def _refuse_replaced_shared_buffer(root: nn.Module, path: str, before: Tensor, n
     if now is before or tag is None:
         return
     if tag is PerModel and now.shape == (cast(int, root.num_models), *before.shape):
-        next(h for h in root._forward_pre_hooks.values() if isinstance(h, FoldInputs)).store_per_model(root, path, None)
+        cast(FoldInputs, fold_inputs(root)).store_per_model(root, path, None)  # (a stacked root's call)
         return
     *parents, leaf = path.split(".")
     module = root.get_submodule(".".join(parents))
@@ -807,7 +807,7 @@ class SqueezeSharedBuffers:
             if all(torch.equal(value[0], value[i]) for i in range(1, value.shape[0])):
                 state_dict[key] = value[0]
                 continue
-            fold = next(h for h in root._forward_pre_hooks.values() if isinstance(h, FoldInputs))
+            fold = cast(FoldInputs, fold_inputs(root))  # (this hook is a stacked root's)
             buffer = _tensor(root, name)
             canonical = next((n for n in fold.shared_buffers if _tensor(root, n) is buffer), None)
             if canonical is None or _viewed(buffer):
@@ -862,7 +862,7 @@ class _Reads(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if self.first is None and any(id(a) in self.given for a in (*args, *kwargs.values())):
-            self.first = call_name(func)
+            self.first = _name(func)
         return func(*args, **kwargs)
 
 
@@ -937,10 +937,16 @@ def attach_root_hooks(
     tag_per_model(root)
 
 
+def fold_inputs(root: nn.Module) -> FoldInputs | None:
+    """The :class:`FoldInputs` pre-hook of a stacked root (which knows its shared and per-model tensors), or None
+    for any other module."""
+    return next((h for h in root._forward_pre_hooks.values() if isinstance(h, FoldInputs)), None)
+
+
 def tag_per_model(root: nn.Module) -> None:
-    for hook in root._forward_pre_hooks.values():
-        if isinstance(hook, FoldInputs):
-            hook.tag_per_model(root)
+    hook = fold_inputs(root)
+    if hook is not None:
+        hook.tag_per_model(root)
 
 
 def _every_name(root: nn.Module, buffer_names: list[str]) -> list[str]:
@@ -959,10 +965,8 @@ def is_swapped_leaf(module: nn.Module) -> bool:
 
 
 def root_shared_buffers(root: nn.Module) -> list[str]:
-    for hook in root._forward_pre_hooks.values():
-        if isinstance(hook, FoldInputs):
-            return list(hook.shared_buffers)
-    return []
+    hook = fold_inputs(root)
+    return [] if hook is None else list(hook.shared_buffers)
 
 
 def detach_hooks(module: nn.Module) -> None:

@@ -185,9 +185,9 @@ def written_tensors(func: Callable, args: tuple, kwargs: dict) -> list[Tensor]:
 # torch.nn.functional's functions with an ``inplace`` argument (relu, leaky_relu, hardtanh, dropout, ...): its
 # position, for the writes they make into their input (see written_tensors)
 _INPLACE_PARAMETER = {
-    f: list(inspect.signature(f).parameters).index("inplace")
+    f: list(parameters).index("inplace")
     for f in (getattr(F, n) for n in dir(F) if not n.startswith("_"))
-    if callable(f) and "inplace" in getattr(_safe_signature(f), "parameters", {})
+    if callable(f) and "inplace" in (parameters := getattr(_safe_signature(f), "parameters", {}))
 }
 
 
@@ -761,11 +761,6 @@ def _numbers_that_differ(args: Sequence, kwargs: dict) -> list[tuple[Any, object
 
 
 _MARKED = frozenset({FoldedSize, FoldedInt, FoldedValue})
-
-
-def call_name(func: Callable) -> str:
-    """How batchlayers' messages name a torch function, method or property (``Tensor.shape``)."""
-    return _name(func)
 
 
 def _name(func: Callable) -> str:

@@ -274,9 +274,7 @@ class _Stacked:
             if index == 0:
                 target.copy_(value)
             elif not torch.equal(target, value.to(target.device, target.dtype)):
-                fold = next(
-                    (h for h in self.module._forward_pre_hooks.values() if isinstance(h, _fold.FoldInputs)), None
-                )
+                fold = _fold.fold_inputs(self.module)
                 if fold is None or name not in fold.shared_buffers:
                     raise ValueError(f"the buffer '{name}' differs between the first model and {source}")
                 fold.store_per_model(self.module, name, None)  # (the same tensor object, now (M, *))
@@ -441,9 +439,7 @@ def set_execution(batched: nn.Module, execution: str) -> nn.Module:
     """
     if execution not in _EXECUTIONS:
         raise ValueError(f"set_execution: execution must be one of {_EXECUTIONS}, got {execution!r}")
-    if not isinstance(batched, nn.Module) or not any(
-        isinstance(h, _fold.FoldInputs) for h in batched._forward_pre_hooks.values()
-    ):
+    if not isinstance(batched, nn.Module) or _fold.fold_inputs(batched) is None:
         raise TypeError(
             f"set_execution: expected a model stacked by batchlayers.stack (or stack_checkpoints, replicate, "
             f"select, concat), got {type(batched).__name__}; a model built from batched layers by hand runs batched"
