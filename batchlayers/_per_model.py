@@ -63,6 +63,7 @@ from ._provenance import (
     from_size_alone,
     from_size_message,
     get_tag,
+    in_place_name,
     loss_arguments,
     set_tag,
 )
@@ -937,15 +938,10 @@ class _WritesInPlace:
     def __contains__(self, func: object) -> bool:
         found = self._known.get(func)
         if found is None:
-            name = getattr(func, "__name__", "")
-            found = name in _IN_PLACE_DUNDERS or (name.endswith("_") and not name.startswith("_"))
-            self._known[func] = found
+            found = self._known[func] = in_place_name(getattr(func, "__name__", ""))
         return found
 
 
-_IN_PLACE_DUNDERS = frozenset(
-    f"__i{op}__" for op in "add sub mul truediv div floordiv mod pow and or xor lshift rshift matmul".split()
-)  # (not __iter__, __int__, __index__, __invert__)
 _SET_DATA = Tensor.data.__set__  # type: ignore[attr-defined]  # (a method-wrapper: compared with ==)
 _INPLACE_FUNCS = _WritesInPlace(
     {fn for n in _INPLACE.split() for owner in (torch, Tensor) if callable(fn := getattr(owner, n, None))}

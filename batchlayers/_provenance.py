@@ -784,15 +784,25 @@ def _outputs(out: object) -> list[Tensor]:
     return []
 
 
+# The in-place operator methods (``x += y``); not ``__iter__``, ``__int__``, ``__index__``, ``__invert__``
+IN_PLACE_DUNDERS = frozenset(
+    f"__i{op}__" for op in "add sub mul truediv div pow and or xor floordiv mod matmul lshift rshift".split()
+)
+
+
+def in_place_name(name: str) -> bool:
+    """Whether a torch function or method of this name writes into its first argument: ``mul_``,
+    ``index_fill_``, ``__iadd__``."""
+    return name in IN_PLACE_DUNDERS or (name.endswith("_") and not name.startswith("_"))
+
+
 def _in_place_functions() -> dict:
     """The in-place methods and functions, which return their first argument: ``Tensor.add_``,
     ``Tensor.__iadd__``, ``torch.relu_``, ``F.elu_``."""
-    ops = "add sub mul truediv div pow and or xor floordiv mod matmul lshift rshift"
-    dunders = {f"__i{op}__" for op in ops.split()}
     found = set()
     for namespace in (Tensor, torch, F):
         for name in dir(namespace):
-            if name in dunders or (name.endswith("_") and not name.startswith("_")):
+            if in_place_name(name):
                 found.add(getattr(namespace, name))
     return dict.fromkeys((f for f in found if callable(f)), True)  # a dict: torch.compile traces .get, not `in`
 

@@ -41,7 +41,7 @@ from typing import cast
 import torch
 from torch import Tensor, nn
 
-from . import _fold
+from . import _fold, _per_model
 from ._architecture import (
     _MODULE_INTERNALS,
     _param_names,
@@ -699,12 +699,12 @@ def _attribute_tensors(batched: nn.Module) -> Iterable[tuple[str, Tensor]]:
                 yield from walk(value, f"{path}.{name}" if path else name, 0)
 
 
-def _samples_held(batched: nn.Module, what: str) -> dict[int, tuple[Tensor, int]]:
+def _samples_held(attributes: Iterable[tuple[str, Tensor]], what: str) -> dict[int, tuple[Tensor, int]]:
     """Tensors that a stacked model's forward stored in plain attributes from the models' samples (``self.prev
     = h.detach()``), by id, with the dimension holding all models' samples, model-major: each model's copy
     holds its own rows. A value computed from every model's samples together is no model's: refused."""
     found: dict[int, tuple[Tensor, int]] = {}
-    for where, t in _attribute_tensors(batched):
+    for where, t in attributes:  # (_attribute_tensors of a stacked model)
         tag = get_tag(t)
         if isinstance(tag, int):
             found[id(t)] = (t, tag)
@@ -724,7 +724,7 @@ def _rows(t: Tensor, dim: int, num_models: int, index: Tensor) -> Tensor:
             f"a tensor attribute holds {t.shape[dim]} samples in dimension {dim}, which {num_models} models "
             "cannot share equally; it was not made by this stacked model's forward"
         )
-    parts = t.detach().unflatten(dim, (num_models, -1))
+    parts = _per_model.split_models(t.detach(), dim, num_models)
     return parts.index_select(dim, index.to(t.device)).flatten(dim, dim + 1)
 
 
@@ -748,7 +748,7 @@ def unstack(batched: nn.Module) -> list[nn.Module]:
     if not isinstance(getattr(batched, "num_models", None), int):  # built from batched layers by hand
         return [_one_model(batched, "", i, {}) for i in range(num_models)]
     stacked = _stacked_tensors(batched)
-    samples = _samples_held(batched, "unstack")
+    samples = _samples_held(_attribute_tensors(batched), "unstack")
     models = []
     for i in range(num_models):
         memo: dict[int, object] = {k: _rebuilt(t, t.detach()[i].clone()) for k, t in stacked.items()}
@@ -806,7 +806,7 @@ def select(batched: nn.Module, indices: Sequence[int] | Tensor) -> nn.Module:
     for k, t in _stacked_tensors(batched).items():
         memo[k] = rebuilt = _rebuilt(t, t.detach().index_select(0, index.to(t.device)))
         set_tag(rebuilt, get_tag(t))  # (tensor attributes are tagged only here; parameters on every call)
-    for k, (t, dim) in _samples_held(batched, "select").items():
+    for k, (t, dim) in _samples_held(_attribute_tensors(batched), "select").items():
         memo[k] = rows = _rows(t, dim, num_models, index)
         set_tag(rows, dim)
     result = _copy_with(batched, memo)
@@ -843,8 +843,8 @@ def _joined_attributes(models: Sequence[nn.Module]) -> dict[int, Tensor]:
     """The per-model tensors that the stacked models hold as plain attributes (see stack) and the samples
     their forward stored there (see _samples_held), joined as one stacked model would hold them (model-major),
     by the id of the first model's tensor."""
-    held = [_samples_held(m, "concat") for m in models]
     where = [dict(_attribute_tensors(m)) for m in models]
+    held = [_samples_held(attributes.items(), "concat") for attributes in where]
     counts = [_require_stacked(m, "concat") for m in models]
     joined = {}
     for name, t in where[0].items():
@@ -860,7 +860,7 @@ def _joined_attributes(models: Sequence[nn.Module]) -> dict[int, Tensor]:
                     f"concat: the attribute '{name}' holds {'a per-model value' if tag is PerModel else 'samples'} in "
                     f"stacked model 0 but not in stacked model {i}; set it to None in every model before concat"
                 )
-            parts.append(other.detach() if tag is PerModel else other.detach().unflatten(dim, (count, -1)))
+            parts.append(other.detach() if tag is PerModel else _per_model.split_models(other.detach(), dim, count))
         if len({p.shape[dim + 1 :] for p in parts}) > 1:
             raise ValueError(
                 f"concat: the attribute '{name}' holds tensors of different shapes (or samples of different batch "
