@@ -162,8 +162,10 @@ def _safe_signature(f: Callable) -> inspect.Signature | None:
 
 def _viewed(t: Tensor) -> bool:
     """Whether another tensor shares ``t``'s storage (a view of it, or one it views). ``untyped_storage()``
-    itself holds one reference while it is asked."""
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata) > 2
+    itself holds one reference while it is asked. A torch without the (private) count: taken as viewed, so
+    that nothing relies on an answer it cannot give."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    return use_count is None or use_count(t.untyped_storage()._cdata) > 2
 
 
 def written_tensors(func: Callable, args: tuple, kwargs: dict) -> list[Tensor]:
