@@ -452,8 +452,9 @@ def test_fused_equals_foreach_and_torch_in_float64(config) -> None:
 
 
 def ulps_of_parameter(actual: torch.Tensor, expected: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
-    """The difference in ulps of the parameter's magnitude before or after the step, whichever is larger."""
-    scale = torch.maximum(before.abs(), expected.abs())
+    """The difference in ulps of the largest magnitude the step involves: the parameter's before or after the
+    step, or the update's (larger where an element is near 0: Adam moves every element by about lr)."""
+    scale = torch.maximum(torch.maximum(before.abs(), expected.abs()), (expected - before).abs())
     return (actual - expected).abs() / (torch.nextafter(scale, torch.tensor(float("inf"))) - scale)
 
 
@@ -542,6 +543,84 @@ def test_fused_with_float_values_is_torchs_fused_step(config) -> None:
             expected = torch.stack([pair.ref_params[m][i].detach() for m in range(pair.num_models)])
             ulps = ulps_of_parameter(p.detach(), expected, before)
             assert ulps.max() <= 8, f"step {step}, parameter {i}: {ulps.max()} ulps from each model's fused step"
+
+
+UNIT_RATE_CONFIGS = [
+    (Adam, torch.optim.Adam, {"lr": tensor(1e-2, 1e-3, 3e-2, 0.1, 3e-3)}),
+    (Adam, torch.optim.Adam, {"lr": tensor(1e-2, 1e-3, 3e-2, 0.1, 3e-3), "amsgrad": True, "eps": 1e-3}),
+    # torch negates the gradient, then adds the decay: the decay is added before the kernel, negated first
+    (Adam, torch.optim.Adam, {"lr": tensor(1e-2, 1e-3, 3e-2, 0.1, 3e-3), "weight_decay": 0.1, "maximize": True}),
+    (Adam, torch.optim.Adam, {"lr": 1e-2, "betas": (0.5, 0.9), "weight_decay": tensor(0.0, 0.1, 0.5, 1.0, 2.0)}),
+    (AdamW, torch.optim.AdamW, {"lr": tensor(1e-2, 1e-3, 3e-2, 0.1, 3e-3), "weight_decay": 0.1, "maximize": True}),
+    (AdamW, torch.optim.AdamW, {"lr": tensor(1e-2, 1e-3, 3e-2, 0.1, 3e-3), "weight_decay": tensor(0, 0.1, 0.5, 1, 2)}),
+    (AdamW, torch.optim.AdamW, {"lr": 1e-2, "weight_decay": tensor(0.0, 0.1, 0.5, 1.0, 2.0), "amsgrad": True}),
+    (SGD, torch.optim.SGD, {"lr": tensor(1e-2, 1e-3, 3e-2, 0.1, 3e-3), "momentum": 0.9}),
+    (SGD, torch.optim.SGD, {"lr": tensor(1e-2, 1e-3, 3e-2, 0.1, 3e-3), "momentum": 0.9, "dampening": 0.2}),
+    (
+        SGD,
+        torch.optim.SGD,
+        {
+            "lr": tensor(1e-2, 1e-3, 3e-2, 0.1, 3e-3),
+            "momentum": 0.9,
+            "nesterov": True,
+            "weight_decay": 0.1,
+            "maximize": True,
+        },
+    ),
+    (SGD, torch.optim.SGD, {"lr": 0.1, "momentum": 0.5, "weight_decay": tensor(0.0, 0.1, 0.5, 1.0, 2.0)}),
+]
+
+
+@pytest.mark.parametrize("unit_rate", [True, False], ids=["unit_rate", "compiled"])
+@pytest.mark.parametrize("config", UNIT_RATE_CONFIGS, ids=config_id)
+def test_fused_with_per_model_rates_steps_at_a_unit_rate(config, unit_rate, monkeypatch) -> None:
+    """In float32, a per-model learning rate or weight decay (the other values floats, every model at one
+    step) runs torch's fused kernel at a unit rate on scratch tensors, added to the parameters scaled by
+    each model's rate, on parameter lists up to ``UNIT_RATE_MAX_NUMEL`` elements (beyond: the compiled
+    kernel). From the same values, each model's step is within a few ulps of its own torch.optim step (of
+    the larger of the parameter and the update), also when one model's gradient is NaN, when a scheduler
+    changes the rates in place or new rates replace them, and once ``active`` leaves the models at
+    different steps (the compiled kernel takes over); nothing is compiled before that."""
+    if not unit_rate:
+        monkeypatch.setattr(_base, "UNIT_RATE_MAX_NUMEL", 0)
+    batched_cls, torch_cls, kwargs = config
+    torch.manual_seed(0)
+    shapes = [(13, 7), (13,), ()]
+    pair = Pair(batched_cls, torch_cls, kwargs, num_models=5, dtype=torch.float32, shapes=shapes, fused=True)
+    schedulers = [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5) for opt in [pair.opt, *pair.ref_opts]]
+    for step, mask in enumerate([None, None, None, None, [True, False, True, True, False], None]):
+        befores = [p.detach().clone() for p in pair.params]
+        grads = [torch.randn_like(p) for p in pair.params]
+        if step == 2:
+            grads[1][3, 5] = float("nan")  # that element of model 3 becomes NaN, as in torch, and only that one
+        if step == 3:
+            new_lrs = torch.tensor([2e-2, 5e-3, 1e-3, 4e-2, 1e-2], dtype=torch.float64)
+            pair.opt.param_groups[0]["lr"] = new_lrs
+            for opt, lr in zip(pair.ref_opts, new_lrs.tolist()):
+                opt.param_groups[0]["lr"] = lr
+        pair.step(grads, active=None if mask is None else torch.tensor(mask))
+        for scheduler in schedulers:
+            scheduler.step()
+        compiled = "_compiled_kernels" in pair.opt.__dict__
+        assert compiled == (not unit_rate or step >= 5), f"step {step}: the compiled kernel ran: {compiled}"
+        assert ("_unit_rate_scratch" in pair.opt.__dict__) == unit_rate, f"step {step}"
+        for i, (p, before) in enumerate(zip(pair.params, befores)):
+            expected = torch.stack([pair.ref_params[m][i].detach() for m in range(pair.num_models)])
+            nan = expected.isnan()
+            assert torch.equal(p.detach().isnan(), nan), f"step {step}, parameter {i}: NaN where torch has none"
+            ulps = ulps_of_parameter(p.detach()[~nan], expected[~nan], before[~nan])
+            assert ulps.max() <= 4, f"step {step}, parameter {i}: {ulps.max()} ulps from each model's step"
+        sync_references(pair)  # the next step from the same values: differences do not add up
+
+
+def sync_references(pair: Pair) -> None:
+    """Each model's torch parameters and optimizer state set to its slice of the batched ones."""
+    with torch.no_grad():
+        for m, (ref_params, ref_opt) in enumerate(zip(pair.ref_params, pair.ref_opts)):
+            for p, q in zip(pair.params, ref_params):
+                q.copy_(p[m])
+                for key, value in ref_opt.state[q].items():
+                    value.copy_(pair.opt.state[p][key][m])
 
 
 def test_fused_compiles_for_noncontiguous_parameters() -> None:

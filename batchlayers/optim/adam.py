@@ -14,9 +14,9 @@ from ._base import (
     divide,
     fma,
     foreach_add_scaled,
+    foreach_add_scaled_,
     foreach_addcdiv_scaled_,
     foreach_addcmul_scaled_,
-    increment_steps,
     is_zero,
     kernel_sqrt,
     kernel_value,
@@ -27,6 +27,7 @@ from ._base import (
     per_model_inputs,
     power,
     torch_fused_kernel,
+    unit_rate_kernel,
     unpack_kernel_inputs,
 )
 
@@ -126,7 +127,7 @@ class Adam(BatchedOptimizer):
         steps = [s["step"] for s in states]
         step = self._steps_after_increment(steps)
         neg_step_size, bias_correction2_sqrt = bias_corrections(lr, beta1, beta2, step, params[0].device)
-        increment_steps(steps)
+        self._increment_steps(steps)
         self._counted(steps, step)
         if group["maximize"]:
             grads = torch._foreach_neg(grads)
@@ -159,18 +160,49 @@ class Adam(BatchedOptimizer):
         exp_avg_sqs = [s["exp_avg_sq"] for s in states]
         max_exp_avg_sqs = [s["max_exp_avg_sq"] for s in states] if group["amsgrad"] else []
         decoupled = bool(group["decoupled_weight_decay"])
-        kernel = torch_fused_kernel(
-            "adamw" if decoupled else "adam",
-            [params, grads, exp_avgs, exp_avg_sqs, *([max_exp_avg_sqs] if max_exp_avg_sqs else [])],
-            lr,
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
-            step,
-        )
+        tensors = [params, grads, exp_avgs, exp_avg_sqs, *([max_exp_avg_sqs] if max_exp_avg_sqs else [])]
+        name = "adamw" if decoupled else "adam"
+        kernel = torch_fused_kernel(name, tensors, lr, beta1, beta2, eps, weight_decay, step)
+        unit_rate = None if kernel is not None else unit_rate_kernel("adam", tensors, beta1, beta2, eps, step)
+        if unit_rate is not None:  # a per-model lr or weight decay
+            maximize = bool(group["maximize"])
+            if not is_zero(weight_decay):
+                if decoupled:
+                    decay: float | list[Tensor]
+                    if isinstance(lr, Tensor) and not isinstance(weight_decay, Tensor):
+                        wd = weight_decay
+                        decay = self._per_model_scales(("decay", wd), lr, params, lambda v: 1 - v * wd)
+                    else:
+                        decay = broadcast_per_model(1 - lr * weight_decay, params)
+                    torch._foreach_mul_(params, decay)
+                else:  # torch negates the gradient before adding the decay
+                    grads = torch._foreach_neg(grads) if maximize else grads
+                    maximize = False
+                    grads = foreach_add_scaled(grads, params, broadcast_per_model(weight_decay, params))
+            targets = self._unit_rate_targets(params)
+            self._increment_steps(steps)
+            unit_rate(
+                targets,
+                grads,
+                exp_avgs,
+                exp_avg_sqs,
+                max_exp_avg_sqs,
+                [steps[0][0]] * len(params),
+                lr=1.0,
+                beta1=beta1,
+                beta2=beta2,
+                weight_decay=0.0,
+                eps=eps,
+                amsgrad=bool(group["amsgrad"]),
+                maximize=maximize,
+            )
+            foreach_add_scaled_(
+                params, targets, self._per_model_scales("lr", lr, params) if isinstance(lr, Tensor) else lr
+            )
+            self._counted(steps, step)
+            return
         if kernel is not None:
-            increment_steps(steps)
+            self._increment_steps(steps)
             # torch's kernel reads one step count per parameter: every model's, all being at one step.
             kernel(
                 params,

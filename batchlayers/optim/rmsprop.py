@@ -16,7 +16,6 @@ from ._base import (
     foreach_add_scaled_,
     foreach_addcdiv_scaled_,
     foreach_addcmul_scaled_,
-    increment_steps,
     is_zero,
     kernel_sqrt,
     kernel_value,
@@ -166,7 +165,7 @@ class RMSprop(BatchedOptimizer):
         square_avgs = [s["square_avg"] for s in states]
         if group["maximize"]:
             grads = torch._foreach_neg(grads)
-        increment_steps([s["step"] for s in states])
+        self._increment_steps([s["step"] for s in states])
         if not is_zero(weight_decay):
             grads = foreach_add_scaled(grads, params, broadcast_per_model(weight_decay, params))
 

@@ -14,7 +14,6 @@ from ._base import (
     fma,
     foreach_add_scaled,
     foreach_add_scaled_,
-    increment_steps,
     is_zero,
     kernel_value,
     new_step_counts,
@@ -23,6 +22,7 @@ from ._base import (
     restore_models,
     save_models,
     torch_fused_kernel,
+    unit_rate_kernel,
     unpack_kernel_inputs,
     zero_models,
 )
@@ -136,7 +136,7 @@ class SGD(BatchedOptimizer):
             momentum_now, keep_now = momentum_factors(momentum, dampening, step)
             torch._foreach_mul_(bufs, broadcast_per_model(momentum_now, params))
             foreach_add_scaled_(bufs, grads, broadcast_per_model(keep_now, params))
-            increment_steps(steps)
+            self._increment_steps(steps)
             self._counted(steps, step)
             if group["nesterov"]:
                 nesterov_grads = foreach_add_scaled(grads, bufs, broadcast_per_model(momentum, params))
@@ -175,8 +175,35 @@ class SGD(BatchedOptimizer):
                 is_first_step=step == 1,
             )
             if has_momentum:
-                increment_steps(steps)
+                self._increment_steps(steps)
                 self._counted(steps, step)
+            restore_models(saved, idle)
+            return
+        unit_rate = unit_rate_kernel("sgd", [params, grads, bufs], momentum, dampening, step) if has_momentum else None
+        if unit_rate is not None:  # a per-model lr or weight decay, every model with momentum
+            maximize = bool(group["maximize"])
+            if not is_zero(weight_decay):  # torch negates the gradient before adding the decay
+                grads = torch._foreach_neg(grads) if maximize else grads
+                maximize = False
+                grads = foreach_add_scaled(grads, params, broadcast_per_model(weight_decay, params))
+            targets = self._unit_rate_targets(params)
+            unit_rate(
+                targets,
+                grads,
+                bufs,
+                weight_decay=0.0,
+                momentum=momentum,
+                lr=1.0,
+                dampening=dampening,
+                nesterov=bool(group["nesterov"]),
+                maximize=maximize,
+                is_first_step=step == 1,
+            )
+            self._increment_steps(steps)
+            self._counted(steps, step)
+            foreach_add_scaled_(
+                params, targets, self._per_model_scales("lr", lr, params) if isinstance(lr, Tensor) else lr
+            )
             restore_models(saved, idle)
             return
         momentum_now, keep_now = momentum_factors(momentum, dampening, step) if has_momentum else (0.0, 0.0)
