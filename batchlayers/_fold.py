@@ -522,7 +522,8 @@ def check_batched_forward(root: nn.Module, args: tuple, kwargs: dict) -> None:
     checking, _local.checking = getattr(_local, "checking", False), True
     try:
         with torch.random.fork_rng(devices=devices):  # (gradients recorded as the call would: its paths)
-            root(*args, **kwargs)
+            # Past a compiled call of the module itself (``root.compile()``), which would come back here.
+            getattr(root, "_call_impl", root)(*args, **kwargs)
     finally:
         _local.checking = checking
         with torch.no_grad():

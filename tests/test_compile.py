@@ -142,21 +142,27 @@ class _ReadsTheBatchSize(nn.Module):
         return h / x.size(0) if self.as_a_number else h * 2
 
 
+@pytest.mark.parametrize("how", ["torch.compile(model)", "model.compile()"])
 @pytest.mark.parametrize("execution", ["batched", "model_by_model"])
 @pytest.mark.parametrize("fullgraph", [False, True])
 @pytest.mark.parametrize("as_a_number", [False, True])
 def test_a_compiled_stacked_forward_is_checked_eagerly_first(
-    as_a_number: bool, fullgraph: bool, execution: str
+    as_a_number: bool, fullgraph: bool, execution: str, how: str
 ) -> None:
     """Under torch.compile batchlayers cannot follow a read batch size: ``h / x.size(0)`` would divide by every
     model's samples. The first compiled call with inputs of a kind runs the batched forward once eagerly first
     (on copies, random state and buffers put back), which refuses such code as an eager
     call does; so for a model stacked to run model by model, whose compiled calls run batched. With
     ``fullgraph=True`` that run cannot happen inside the compiled call: it is refused until ``check_batched``
-    ran. Exact models train exactly, buffers included."""
+    ran. Exact models train exactly, buffers included. ``model.compile()`` (compiled in place: the eager run
+    calls the module past its compiled call) recursed until Python's limit before."""
     models = [seeded(lambda: _ReadsTheBatchSize(as_a_number), i) for i in range(M)]
     stacked = bl.stack(models, execution=execution)
-    compiled = torch.compile(stacked, backend="aot_eager", fullgraph=fullgraph)
+    if how == "model.compile()":
+        stacked.compile(backend="aot_eager", fullgraph=fullgraph)
+        compiled = stacked
+    else:
+        compiled = torch.compile(stacked, backend="aot_eager", fullgraph=fullgraph)
     xs = torch.randn(3, M, 5, 4, dtype=torch.float64)
     if fullgraph:
         with pytest.raises(torch._dynamo.exc.Unsupported, match="runs once without compiling first"):
