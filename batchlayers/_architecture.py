@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -213,4 +214,12 @@ def check_models(models: object, what: str) -> list[nn.Module]:
     for i, m in enumerate(models):
         if not isinstance(m, nn.Module):
             raise TypeError(f"{what}: item {i} is a {type(m).__name__}, not an nn.Module")
-    return models
+    return [uncompiled(m) for m in models]
+
+
+def uncompiled(module: nn.Module) -> nn.Module:
+    """The module a ``torch.compile`` wrapper holds, or ``module`` itself."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # (no wrapper exists before it is imported)
+    if eval_frame is not None and isinstance(module, eval_frame.OptimizedModule):
+        return module._orig_mod
+    return module

@@ -279,3 +279,22 @@ def test_own_code_using_per_model_tensors_runs_eagerly_under_compile() -> None:
     x = torch.randn(M, 2, 5, 4, dtype=torch.float64)
     out = torch.compile(bl.stack(models))(x)
     assert_close(out, torch.stack([m(x[i]) for i, m in enumerate(models)]), msg="compiled output")
+
+
+@pytest.mark.parametrize("what", ["stack", "concat", "concat one compiled"])
+def test_compiled_models_are_taken_as_the_models_they_wrap(what: str) -> None:
+    """``stack`` and ``concat`` of ``torch.compile`` wrappers work on the modules they wrap and return a plain
+    stacked model (compile that): before, the wrappers' own attributes made the models look configured
+    differently, or a wrapper and a plain model two architectures."""
+    models = [seeded(MLP, i) for i in range(4)]
+    x = torch.randn(4, 5, 6, dtype=torch.float64)
+    expected = torch.stack([m(x[i]) for i, m in enumerate(models)])
+    if what == "stack":
+        result = bl.stack([torch.compile(m, backend="eager") for m in models])
+    else:
+        parts = [bl.stack(models[:3]), bl.stack(models[3:])]
+        compiled = [torch.compile(p, backend="eager") for p in parts]
+        result = bl.concat(compiled if what == "concat" else [compiled[0], parts[1]])
+    assert type(result) is MLP
+    assert_close(result(x), expected, msg=f"{what} of compiled models")
+    assert_close(torch.compile(result, backend="aot_eager")(x), expected, msg=f"{what}, compiled again")
