@@ -136,11 +136,18 @@ def first_difference(reference: Mapping, other: Mapping) -> str | None:
     return None
 
 
-def check_same_architecture(models: Sequence[nn.Module], what: str = "stack", model_dim: bool = False) -> None:
+def check_same_architecture(
+    models: Sequence[nn.Module],
+    what: str = "stack",
+    model_dim: bool = False,
+    stored_once: Sequence[Iterable[str]] = (),
+) -> None:
     """Raise naming the first difference between ``models[i]`` and ``models[0]``.
 
-    ``model_dim``: the models are stacked ones; their tensors' first dimension may differ.
+    ``model_dim``: the models are stacked ones; their tensors' first dimension may differ, and
+    ``stored_once[i]`` names model ``i``'s buffers stored once for all its models (no model dimension).
     """
+    once = [set(names) for names in stored_once] or [set() for _ in models]
     reference = models[0]
     ref_table, ref_params = tensor_table(reference), _param_names(reference)
     ref_modules = dict(reference.named_modules(remove_duplicate=False))
@@ -166,7 +173,8 @@ def check_same_architecture(models: Sequence[nn.Module], what: str = "stack", mo
             t, r, is_param = table[key], ref_table[key], key in params
             shape, ref_shape = tuple(t.shape), tuple(r.shape)
             if model_dim:
-                shape, ref_shape = shape[1:], ref_shape[1:]
+                shape = shape if key in once[i] else shape[1:]
+                ref_shape = ref_shape if key in once[0] else ref_shape[1:]
             if shape != ref_shape or is_param != (key in ref_params):
                 raise ValueError(
                     f"{what}: '{key}' has shape {tuple(t.shape)} in model {i} but {tuple(r.shape)} in model 0"

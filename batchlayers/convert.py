@@ -819,22 +819,36 @@ def concat(models: Sequence[nn.Module]) -> nn.Module:
     """One stacked model holding the models of several stacked models (or models built from batched layers)
     of the same architecture, in order."""
     models = check_models(models, "concat")
-    total = sum(_require_stacked(m, "concat") for m in models)
-    check_same_architecture(models, "concat", model_dim=True)
-    shared = set(_fold.root_shared_buffers(models[0]))
+    counts = [_require_stacked(m, "concat") for m in models]
+    stored_once = [set(_fold.root_shared_buffers(m)) for m in models]
+    check_same_architecture(models, "concat", model_dim=True, stored_once=stored_once)
     tables = [tensor_table(m, remove_duplicate=True) for m in models]
-    for name in shared:
-        for i, table in enumerate(tables[1:], start=1):
-            if not torch.equal(table[name], tables[0][name]):
-                raise ValueError(f"concat: the shared buffer '{name}' differs between stacked model {i} and 0")
+    # A buffer stored once in every part with one value stays so; one stored per model in some part, or with
+    # another value in another part, is stored per model in the result.
+    shared = {
+        name
+        for name in set.intersection(*stored_once)
+        if all(torch.equal(table[name], tables[0][name]) for table in tables[1:])
+    }
     memo: dict[int, object] = {}
+    promoted: dict[str, Tensor] = {}
     for name, t in tables[0].items():
         if name not in shared:
-            data = torch.cat([table[name].detach() for table in tables])
-            memo[id(t)] = _rebuilt(t, data)
+            parts = [
+                table[name].detach().expand(count, *table[name].shape) if name in once else table[name].detach()
+                for table, once, count in zip(tables, stored_once, counts)
+            ]
+            if name in stored_once[0]:
+                promoted[name] = torch.cat(parts)
+            else:
+                memo[id(t)] = _rebuilt(t, torch.cat(parts))
     memo.update(_joined_attributes(models))
     result = _copy_with(models[0], memo)
-    set_num_models_(result, total)
+    set_num_models_(result, sum(counts))
+    for name, data in promoted.items():
+        cast(_fold.FoldInputs, _fold.fold_inputs(result)).store_per_model(result, name, None)
+        with torch.no_grad():
+            result.get_buffer(name).copy_(data)
     _fold.tag_per_model(result)
     return result
 

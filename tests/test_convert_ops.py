@@ -85,6 +85,44 @@ def test_concat_restores_the_whole() -> None:
         concat([batched, stack([zoo.GPT(zoo.GPTConfig(n_embd=4))])])
 
 
+class _MovingAverage(nn.Module):
+    """A buffer equal in every fresh model (stored once when stacked) that training writes per model."""
+
+    def __init__(self, start: float = 0.0) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+        self.register_buffer("avg", torch.full((3,), start, dtype=torch.float64))
+
+    def forward(self, x):
+        if self.training:
+            self.avg.lerp_(x.detach().mean(0), 0.1)
+        return self.fc(x - self.avg)
+
+
+@pytest.mark.parametrize("parts", ["trained, fresh", "fresh, trained", "fresh, fresh of another value"])
+def test_concat_of_a_buffer_stored_once_in_some_parts(parts: str) -> None:
+    """A buffer stored once (equal in every model) in one part and per model in another, or stored once in both
+    with different values, is stored per model in the result: each model keeps its value, exactly as the
+    originals. It was refused (a shape or a value that differed)."""
+    models = [seeded(lambda: _MovingAverage(0.0), i).double() for i in range(3)]
+    models += [seeded(lambda: _MovingAverage(1.0 if "another" in parts else 0.0), i).double() for i in range(3, 5)]
+    first, second = stack(models[:3]), stack(models[3:])
+    if "trained" in parts:
+        trained, originals = (first, models[:3]) if parts.startswith("trained") else (second, models[3:])
+        x = torch.randn(len(originals), 4, 3, dtype=torch.float64)
+        trained(x)
+        for m, xi in zip(originals, x):
+            m(xi)
+        assert trained.avg.dim() == 2, "the forward stored the buffer per model"
+    joined = concat([first, second])
+    x = torch.randn(5, 4, 3, dtype=torch.float64)
+    for step in range(2):
+        expected = torch.stack([m(xi) for m, xi in zip(models, x)])
+        assert_close(joined(x), expected, msg=f"{parts}: output at step {step}")
+        assert_close(joined.avg, torch.stack([m.avg for m in models]), msg=f"{parts}: buffer at step {step}")
+    assert_close(unstack(joined)[4].avg, models[4].avg, msg=f"{parts}: unstacked")
+
+
 def test_replicate_respects_the_users_initialisation() -> None:
     torch.manual_seed(0)
     batched = replicate(zoo.GPT, 3)
