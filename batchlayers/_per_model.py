@@ -73,11 +73,23 @@ from .functional import rnn as _batched_rnn
 __all__ = ["call"]
 
 
+def _same_view(*args: object) -> bool:
+    """``tensor.data = value`` with ``value`` the same view of the same memory as ``tensor``."""
+    if len(args) != 2 or not all(isinstance(a, Tensor) for a in args):
+        return False
+    a, b = cast(tuple[Tensor, Tensor], args)
+    same_memory = a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    layout = [(t.shape, t.stride(), t.storage_offset(), t.dtype, t.device) for t in (a, b)]
+    return same_memory and layout[0] == layout[1]
+
+
 def call(ctx, func: Callable, args: tuple, kwargs: dict) -> object:
     """Run ``func`` on arguments of which at least one is a per-model tensor (``ctx``: the tracker)."""
     if func in _PASS:
         return func(*args, **kwargs)
     if func == _SET_DATA:
+        if _same_view(*args):  # ``module.to(dtype)`` to the dtype it has (Switch Transformers' router): no change
+            return None
         raise ValueError(
             "batchlayers: a stacked forward assigns to .data of a per-model value (a parameter, buffer or a value "
             "computed from one): its (M, *) storage cannot take one model's tensor. Write into it in place "
@@ -999,6 +1011,16 @@ for _method in ("sum", "mean", "amax", "amin", "nansum", "logsumexp", "all", "an
 # .data of a parameter or buffer: the stored tensor's own, so that a write through it (weight clipping,
 # data-dependent initialisation) reaches every model's slice as it reaches the original's
 _FAST[_getter("data")] = _unary
+
+
+def _grad(ctx, func, args, kwargs):
+    """``p.grad``: the stored ``(M, *)`` gradient, each model's slice its own (``None`` before a backward); each
+    model's view of it would be a non-leaf's, whose ``.grad`` torch warns about and leaves ``None``."""
+    grad = func(*args, **kwargs)
+    return grad if grad is None else per_model(grad)
+
+
+_FAST[_getter("grad")] = _grad
 _FAST[Tensor.__getitem__] = _on_stored(_index)
 _FAST[_getter("mT")] = _on_stored(lambda t, s: t.mT if len(s) >= 2 else NotImplemented)
 _FAST[_getter("T")] = _on_stored(lambda t, s: t.permute(0, *range(t.dim() - 1, 0, -1)))
