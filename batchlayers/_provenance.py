@@ -412,13 +412,18 @@ class Tracker(TorchFunctionMode):
                 "batchlayers: this stacked model's own code uses per-model tensors, whose sizes torch.compile "
                 "would read as the stored (M, *) ones; it runs without compiling (torch.compile falls back)"
             )
-        shaped, numbers = False, None
+        shaped, numbers, deferred = False, None, None
         if self.num_models > 1 and not isinstance(func, torch._ops.OpOverload):  # (a compiled graph's ops)
             numbers = _numbers_that_differ(args, kwargs)
             if numbers and not (_EQUALS.get(func, False) and self._all_idiom(args) is not None):
-                self._refuse_numbers_that_differ(func, numbers)
-                shaped = func in _SHAPE_GIVING
+                if func in _OWN_POSITIONS:
+                    deferred = numbers  # each model's own position in its samples, or refused below
+                else:
+                    self._refuse_numbers_that_differ(func, numbers)
+                    shaped = func in _SHAPE_GIVING
         tagged = _tagged(args, kwargs)
+        if deferred is not None and (not tagged or any(i.tag is PerModel for i in tagged)):
+            self._refuse_numbers_that_differ(func, deferred)
         if self.copied_views.storages:
             self.copied_views.refuse_write(func, args, kwargs)
         written = None
@@ -443,7 +448,7 @@ class Tracker(TorchFunctionMode):
                 out._batchlayers_seen = True  # from a shared trainable tensor (see untracked)
         else:
             named = _torch_names(kwargs) if "axis" in kwargs or "keepdims" in kwargs else kwargs
-            out = self._tracked(func, args, named, tagged, kwargs)
+            out = self._tracked(func, args, named, tagged, kwargs, deferred)
             sized = _sized_dims(func, args, kwargs, out) if shaped else None
             if self.size_read and _from_size_among(args, kwargs):
                 _mark_from_size([o for o in _outputs(out) if get_tag(o) is None])  # (arange(B).type_as(h))
@@ -472,7 +477,9 @@ class Tracker(TorchFunctionMode):
                 guard.version = guard.tensor._version
         return out
 
-    def _tracked(self, func, args: tuple, kwargs: dict, tagged: list[_In], given: dict) -> object:
+    def _tracked(
+        self, func, args: tuple, kwargs: dict, tagged: list[_In], given: dict, deferred: list | None = None
+    ) -> object:
         """A call with tensors that carry the models' samples or per-model values; the rules read ``kwargs``
         by torch's names, ``func`` is called with the ``given`` ones."""
         out: Any
@@ -492,6 +499,8 @@ class Tracker(TorchFunctionMode):
         if entry is not None and entry.over_samples and entry.over_samples(entry.name, args, kwargs, tagged):
             return self._over_samples(entry.name, func, args, kwargs)
         computed = entry.compute(self, func, args, given, tagged) if entry is not None and entry.compute else None
+        if computed is None and deferred:
+            self._refuse_numbers_that_differ(func, deferred)
         if computed is not None:
             out = computed  # tagged by entry.compute
         elif func in _VIEWS:
@@ -1370,6 +1379,12 @@ def _cat_within_each_model(ctx, func, args, kwargs, tagged) -> Tensor | None:
     return out
 
 
+# Calls whose computation along the samples (see _slice_within_each_model, _split_within_each_model) takes a
+# number computed from their size (``z[:B - 1]``, ``z.split([B - 1, B + 1])``) as each model's own position.
+_OWN_POSITIONS = frozenset(
+    {torch.Tensor.__getitem__, torch.split, torch.Tensor.split, torch.tensor_split, torch.Tensor.tensor_split}
+)
+
 # the sections argument of each split (position, name), the dimension's position and its default
 _SPLITS = {"split": (1, "split_size_or_sections"), "chunk": (1, "chunks"), "tensor_split": (1, "indices_or_sections")}
 
@@ -1405,6 +1420,65 @@ def _split_within_each_model(ctx, func, args, kwargs, tagged) -> tuple[Tensor, .
         (x, *outs), "a split along the samples' dimension, copies in the stacked model and views in the original"
     )
     return outs
+
+
+def _slice_within_each_model(ctx, func, args, kwargs, tagged) -> Tensor | None:
+    """``z[:B]``, ``z[B:]``, ``h[-1:]``, ``h[::2]`` along the dimension that holds the models' samples (the halves
+    of classifier-free guidance's doubled batch, a batch's first rows): each original model slices its own
+    samples by its own numbers (a size read from the samples is each model's ``B``; a plain int is the same in
+    every model), so each model's block is sliced alike and the parts joined model-major. A copy where the
+    original's is a view: an in-place write to it or to the sliced tensor afterwards is refused
+    (:class:`CopiedViews`). None (the plain call, tagged by the rule) for any other index."""
+    x, index = args[0], args[1]
+    d, m = get_tag(x), ctx.num_models
+    if m == 1 or not isinstance(d, int) or len(tagged) != 1 or tagged[0].tensor is not x or x.shape[d] % m:
+        return None
+    items = index if isinstance(index, tuple) else (index,)
+    if not all(it is None or it is Ellipsis or isinstance(it, (int, slice)) for it in items):
+        return None  # (index tensors and lists: the rule)
+    if sum(it is Ellipsis for it in items) > 1:
+        return None
+    consumed = sum(it is not None and it is not Ellipsis for it in items)
+    per_model: list[object] = []  # the index of x split into (M, B) on d
+    in_dim = out_dim = 0
+    position = None  # where the models' dimension lands in the result
+    for it in items:
+        if it is Ellipsis:
+            skip = x.dim() - consumed
+            if in_dim <= d < in_dim + skip:
+                return None  # (d not sliced)
+            per_model += [slice(None)] * skip
+            in_dim, out_dim = in_dim + skip, out_dim + skip
+        elif it is None:
+            per_model.append(None)
+            out_dim += 1
+        elif in_dim == d:
+            if not isinstance(it, slice):
+                return None  # (one sample of the folded batch: the rule)
+            if any(type(n) in _MARKED and not n.call.alive for n in (it.start, it.stop, it.step)):
+                return None  # (a size read in an earlier call)
+            bounds = [n.own if type(n) in _MARKED else n for n in (it.start, it.stop, it.step)]
+            if it == slice(None) or not all(n is None or type(n) is int for n in bounds):
+                return None
+            per_model += [slice(None), slice(*bounds)]
+            position = out_dim
+            in_dim, out_dim = in_dim + 1, out_dim + 1
+        else:
+            if isinstance(it, slice) and any(type(n) in _MARKED for n in (it.start, it.stop, it.step)):
+                return None  # (another dimension by a size read from the samples: the rule refuses)
+            if type(it) is bool or type(it) in _MARKED:
+                return None
+            per_model.append(it)
+            in_dim += 1
+            out_dim += isinstance(it, slice)
+    if position is None:
+        return None
+    out = _per_model.split_models(x, d, m)[cast(tuple, tuple(per_model))].flatten(position, position + 1)
+    set_tag(out, position)
+    ctx.copied_views.record(
+        (x, out), "a slice along the samples' dimension, a copy in the stacked model and a view in the original"
+    )
+    return out
 
 
 def _pairs(ctx, func, args, kwargs, tagged) -> Tensor | None:
@@ -2153,16 +2227,33 @@ def _fills_by_mask(x: Tensor, index: object, value: object, d: int) -> bool:
     """``x[mask] = v`` with a boolean ``mask`` of ``x``'s shape holding the samples on ``x``'s dimension ``d``
     (or the same all along it) and one value ``v`` for every element (a number, or a 0-dim tensor without
     samples): ``x.masked_fill_(mask, v)``, elementwise (``torch.distributions.kl_divergence`` of two
-    Categoricals sets ``t[(q.probs == 0).expand_as(t)] = inf``)."""
-    mask = index[0] if isinstance(index, tuple) and len(index) == 1 else index
-    if not isinstance(mask, Tensor) or mask.dtype != torch.bool or mask.shape != x.shape:
+    Categoricals sets ``t[(q.probs == 0).expand_as(t)] = inf``). Also a mask of ``x``'s leading dimensions
+    (``h[row_mask] = v``, ``h[row_mask, 0] = v``: rows picked by each sample's own values, or the same for every
+    sample) with a value the same for every row (a number, or a tensor without samples, shared by the models):
+    each sample's own rows get it, as in each original model."""
+    items = index if isinstance(index, tuple) else (index,)
+    mask, rest = items[0], items[1:]
+    if not isinstance(mask, Tensor) or mask.dtype != torch.bool or mask.dim() == 0:
         return False
-    if isinstance(value, Tensor) and (value.dim() != 0 or get_tag(value) is not None):
+    if mask.shape != x.shape[: mask.dim()] or (rest and mask.dim() == x.dim()):
         return False
-    if not isinstance(value, (Tensor, int, float, bool)) or differs(value):
+    if not all(type(r) is int or (isinstance(r, slice) and not _marked_slice(r)) for r in rest):
+        return False  # (ints and plain slices on the dimensions after the mask's)
+    if isinstance(value, Tensor):
+        if get_tag(value) is not None or getattr(value, _FROM_SIZE, False):
+            return False
+        if mask.dim() == x.dim() and value.dim() != 0:
+            return False
+    elif not isinstance(value, (int, float, bool)) or differs(value):
         return False
     tag = get_tag(mask)
-    return tag == d or (tag is None and not _differs_along(mask, d))
+    if tag is None:
+        return d >= mask.dim() or not _differs_along(mask, d)
+    return tag == d
+
+
+def _marked_slice(s: slice) -> bool:
+    return any(type(n) in _MARKED for n in (s.start, s.stop, s.step))
 
 
 def _inplace_elementwise(ctx, name, args, kwargs, out, tagged) -> None:
@@ -2701,7 +2792,7 @@ _add(_new_creator, "new_zeros new_ones new_full new_empty new_tensor", torch_=Fa
 _add(_size, "size __len__ numel nelement", torch_=False, functional=False)
 _RULES[torch.numel] = _Rule(_size, "torch.numel")
 _RULES[_getter("shape")] = _Rule(_size, "Tensor.shape")
-_RULES[torch.Tensor.__getitem__] = _Rule(_getitem, "Tensor.__getitem__")
+_RULES[torch.Tensor.__getitem__] = _Rule(_getitem, "Tensor.__getitem__", compute=_slice_within_each_model)
 _RULES[torch.Tensor.__setitem__] = _Rule(_setitem, "Tensor.__setitem__")
 _RULES[_getter("mT")] = _Rule(_permutation(_last_two_perm), "Tensor.mT")
 _RULES[_getter("T")] = _Rule(_permutation(_reverse_perm), "Tensor.T")

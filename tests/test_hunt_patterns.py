@@ -348,6 +348,23 @@ class _Views(nn.Module):
             return self.head(b)
         if self.pattern == "the doubled batch viewed (2, B, C)":  # (M * 2B) rows viewed (2, -1): mixes models
             return self.head(self.enc(torch.cat([x, x * 2])).view(2, B, 6).sum(0))
+        if self.pattern == "guidance by slices: z[:B], z[B:]":
+            z = self.head(self.enc(torch.cat([x, x * 0.5])))
+            cond, uncond = z[:B], z[B:]
+            return uncond + 3.0 * (cond - uncond)
+        if self.pattern == "rows of each batch: h[:2], h[-1:], h[::2], h[1:B]":
+            h = self.enc(x)
+            return torch.cat([self.head(h[:2]), self.head(h[-1:]), h[::2, :3], h[1:B][..., 3:] * 2, h[..., :3]])
+        if self.pattern == "positions computed from B: z[:B - 1], z.split([B - 1, B + 1])":
+            z = self.enc(torch.cat([x, x * 0.5]))
+            head, rest = z.split([B - 1, B + 1])
+            return self.head(torch.cat([z[: B - 1] * head, rest[1:]]))
+        if self.pattern == "a slice written in place":  # a copy here, a view in the original: refused
+            h = self.enc(x).detach()
+            first = h[:1]
+            with torch.no_grad():
+                first.mul_(2)
+            return self.head(h)
         raise AssertionError(self.pattern)
 
 
@@ -359,6 +376,10 @@ VIEWS = {
     "torch.cat(axis=1) of features": "exact",
     "a chunk written in place": RuntimeError,
     "the doubled batch viewed (2, B, C)": "refused",
+    "guidance by slices: z[:B], z[B:]": "exact",
+    "rows of each batch: h[:2], h[-1:], h[::2], h[1:B]": "exact",
+    "positions computed from B: z[:B - 1], z.split([B - 1, B + 1])": "exact",
+    "a slice written in place": RuntimeError,
 }
 
 
@@ -369,8 +390,53 @@ def test_cat_and_split_along_the_samples_are_each_models(pattern: str, num_model
     if isinstance(expected, str):
         assert assert_exact_or_refused(lambda: _Views(pattern), num_models, rows, batch) == expected
     else:
-        with pytest.raises(expected, match="written in place after a split along the samples' dimension"):
+        with pytest.raises(expected, match="written in place after a (split|slice) along the samples' dimension"):
             stack([seeded(lambda: _Views(pattern), i) for i in range(num_models)])(rows((num_models, batch)))
+
+
+class _MasksRows(nn.Module):
+    """Writes into the rows that a mask computed from each sample's own values picks."""
+
+    def __init__(self, pattern: str) -> None:
+        super().__init__()
+        self.pattern = pattern
+        self.fc = nn.Linear(4, 3)
+        self.token = nn.Parameter(torch.randn(3))
+
+    def forward(self, x):
+        h = self.fc(x)
+        mask = h[:, 0] > 0
+        if self.pattern == "h[mask] = 0":
+            h[mask] = 0
+        elif self.pattern == "h[mask] = a tensor shared by the models":
+            h[mask] = torch.tensor([1.0, -2.0, 3.0], dtype=h.dtype)
+        elif self.pattern == "h[mask, 1:] = -1":
+            h[mask, 1:] = -1.0
+        elif self.pattern == "h[mask] = self.token (per model)":
+            h[mask] = self.token
+        elif self.pattern == "h[mask] = h[mask] * 2 (rows of every model)":
+            h[mask] = h[mask] * 2
+        elif self.pattern == "h[arange(B) % 2 == 0] = 0 (the folded arange's parity)":
+            h[torch.arange(x.shape[0]) % 2 == 0] = 0
+        return h * 2
+
+
+MASKED_ROWS = {
+    "h[mask] = 0": "exact",
+    "h[mask] = a tensor shared by the models": "exact",
+    "h[mask, 1:] = -1": "exact",
+    "h[mask] = self.token (per model)": "exact",
+    "h[mask] = h[mask] * 2 (rows of every model)": "refused",
+    "h[arange(B) % 2 == 0] = 0 (the folded arange's parity)": "refused",
+}
+
+
+@pytest.mark.parametrize("num_models,batch", [(2, 3), (3, 2), (2, 1)], ids=lambda n: str(n))
+@pytest.mark.parametrize("pattern", list(MASKED_ROWS))
+def test_writes_into_rows_picked_by_a_mask(pattern: str, num_models: int, batch: int) -> None:
+    """``h[row_mask] = v``: each sample's own rows get a value that is the same for every row (it was refused);
+    a value made from every model's picked rows, or a mask made from the folded batch's size, stays refused."""
+    assert assert_exact_or_refused(lambda: _MasksRows(pattern), num_models, rows, batch) == MASKED_ROWS[pattern]
 
 
 ROW_WRITES = {
@@ -403,7 +469,9 @@ class _WritesRows(nn.Module):
 def test_a_write_into_some_of_the_samples_rows_is_refused(pattern: str, mode: type) -> None:
     """Each original writes into its own first (last, diagonal) rows; the folded write reaches some models'
     rows only (it changed model 0's alone)."""
-    with mode(), pytest.raises(ValueError, match=r"writes into part of a tensor that holds the models' samples"):
+    # (a slice along the samples is each model's own, a copy: the write is refused as a write into that copy)
+    refused = r"writes into part of a tensor that holds the models' samples|written in place after a slice along"
+    with mode(), pytest.raises((ValueError, RuntimeError), match=refused):
         stack([seeded(lambda: _WritesRows(pattern), i) for i in range(3)])(rows((3, 2)))
 
 
