@@ -1382,11 +1382,24 @@ def _cat_within_each_model(ctx, func, args, kwargs, tagged) -> Tensor | None:
 # Calls whose computation along the samples (see _slice_within_each_model, _split_within_each_model) takes a
 # number computed from their size (``z[:B - 1]``, ``z.split([B - 1, B + 1])``) as each model's own position.
 _OWN_POSITIONS = frozenset(
-    {torch.Tensor.__getitem__, torch.split, torch.Tensor.split, torch.tensor_split, torch.Tensor.tensor_split}
+    {
+        torch.Tensor.__getitem__,
+        torch.split,
+        torch.Tensor.split,
+        torch.split_with_sizes,
+        torch.Tensor.split_with_sizes,
+        torch.tensor_split,
+        torch.Tensor.tensor_split,
+    }
 )
 
 # the sections argument of each split (position, name), the dimension's position and its default
-_SPLITS = {"split": (1, "split_size_or_sections"), "chunk": (1, "chunks"), "tensor_split": (1, "indices_or_sections")}
+_SPLITS = {
+    "split": (1, "split_size_or_sections"),
+    "split_with_sizes": (1, "split_sizes"),
+    "chunk": (1, "chunks"),
+    "tensor_split": (1, "indices_or_sections"),
+}
 
 
 def _split_within_each_model(ctx, func, args, kwargs, tagged) -> tuple[Tensor, ...] | None:
@@ -1403,6 +1416,8 @@ def _split_within_each_model(ctx, func, args, kwargs, tagged) -> tuple[Tensor, .
         return None
     position, key = _SPLITS[name]
     sections = _arg(args, kwargs, position, key if func is not Tensor.split else "split_size")
+    if sections is None and name == "tensor_split":  # (its overloads' keywords)
+        sections = kwargs.get("sections", kwargs.get("indices"))
     dim = _arg(args, kwargs, position + 1, "dim", 0)
     numbers: list[int] = list(sections) if isinstance(sections, (list, tuple)) else [sections]
     if not isinstance(dim, int) or _norm(dim, x.dim()) != d or x.shape[d] % m:
@@ -1873,7 +1888,7 @@ def _split(position: int, default: int | None) -> Callable:
     return rule
 
 
-_ONE_INDEX_FOR_ALL_ROWS = frozenset({"index_select", "index_add", "index_copy"})
+_ONE_INDEX_FOR_ALL_ROWS = frozenset({"index_select", "index_add", "index_copy", "index_fill"})
 
 
 def _index_dim(ctx, name, args, kwargs, out, tagged) -> None:
@@ -2767,13 +2782,84 @@ _add(_diag_embed, "diag_embed", functional=False)
 _add(_split(2, 0), "split chunk tensor_split split_with_sizes unsafe_split")
 _add(_split(1, 0), "unbind")
 _add(_split(1, None), "select narrow")
-_add(_index_dim, "index_select gather scatter scatter_add scatter_reduce index_add index_copy")
-_add(_index_dim, "scatter_ scatter_add_ scatter_reduce_ index_add_ index_copy_", torch_=False, functional=False)
+_add(_index_dim, "index_select gather scatter scatter_add scatter_reduce index_add index_copy index_fill")
+_add(
+    _index_dim,
+    "scatter_ scatter_add_ scatter_reduce_ index_add_ index_copy_ index_fill_",
+    torch_=False,
+    functional=False,
+)
 _add(_cat, "cat concat concatenate stack")
 for _fn in (torch.cat, torch.concat, torch.concatenate):
     _RULES[_fn] = _RULES[_fn]._replace(compute=_cat_within_each_model)
-for _fn in (torch.split, Tensor.split, torch.chunk, Tensor.chunk, torch.tensor_split, Tensor.tensor_split):
+for _fn in (
+    torch.split,
+    Tensor.split,
+    torch.split_with_sizes,
+    Tensor.split_with_sizes,
+    torch.chunk,
+    Tensor.chunk,
+    torch.tensor_split,
+    Tensor.tensor_split,
+):
     _RULES[_fn] = _RULES[_fn]._replace(compute=_split_within_each_model)
+# numpy's names for a split or a join along one dimension, as torch.tensor_split and torch.cat: the dimension
+# for a tensor of n dimensions, or None where torch first reshapes (vstack of 1-D tensors: refused)
+_NUMPY_SPLITS = {"vsplit": lambda n: 0, "hsplit": lambda n: 1 if n > 1 else 0, "dsplit": lambda n: 2}
+_NUMPY_JOINS = {
+    "vstack": lambda n: 0 if n > 1 else None,
+    "row_stack": lambda n: 0 if n > 1 else None,
+    "hstack": lambda n: 1 if n > 1 else 0,
+    "dstack": lambda n: 2 if n > 2 else None,
+}
+
+
+def _as_tensor_split(name: str) -> tuple[Callable, Callable]:
+    def translated(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        x = args[0] if args else kwargs.get("input")
+        sections = args[1] if len(args) > 1 else kwargs.get("indices_or_sections", kwargs.get("sections"))
+        sections = kwargs.get("indices", sections)
+        return (x, sections, _NUMPY_SPLITS[name](x.dim())), {}
+
+    def rule(ctx, rule_name, args, kwargs, out, tagged) -> None:
+        return _split(2, 0)(ctx, rule_name, *translated(args, kwargs), out, tagged)
+
+    def compute(ctx, func, args, kwargs, tagged) -> tuple[Tensor, ...] | None:
+        return _split_within_each_model(ctx, torch.tensor_split, *translated(args, kwargs), tagged)
+
+    return rule, compute
+
+
+def _as_cat(name: str) -> tuple[Callable, Callable]:
+    def translated(args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        tensors = list(_arg(args, kwargs, 0, "tensors"))
+        dims = {_NUMPY_JOINS[name](t.dim()) if isinstance(t, Tensor) else None for t in tensors}
+        if len(dims) != 1 or None in dims:
+            return None
+        return (tensors, dims.pop()), {}
+
+    def rule(ctx, rule_name, args, kwargs, out, tagged) -> None:
+        found = translated(args, kwargs)
+        if found is None:
+            lost = Lost(f"{rule_name} of tensors that it first reshapes (fewer dimensions than it joins along)")
+            return _tag_all(out, _first_lost(tagged) or lost)
+        return _cat(ctx, rule_name, *found, out, tagged)
+
+    def compute(ctx, func, args, kwargs, tagged) -> Tensor | None:
+        found = translated(args, kwargs)
+        return None if found is None else _cat_within_each_model(ctx, torch.cat, *found, tagged)
+
+    return rule, compute
+
+
+for _numpy_name in _NUMPY_SPLITS:
+    _numpy_rule, _numpy_compute = _as_tensor_split(_numpy_name)
+    for _owner, _prefix in ((torch, "torch"), (torch.Tensor, "Tensor")):
+        _RULES[getattr(_owner, _numpy_name)] = _Rule(_numpy_rule, f"{_prefix}.{_numpy_name}", compute=_numpy_compute)
+for _numpy_name in _NUMPY_JOINS:
+    _numpy_rule, _numpy_compute = _as_cat(_numpy_name)
+    _RULES[getattr(torch, _numpy_name)] = _Rule(_numpy_rule, f"torch.{_numpy_name}", compute=_numpy_compute)
+
 _LOSSES = """
 cross_entropy nll_loss mse_loss l1_loss smooth_l1_loss huber_loss binary_cross_entropy binary_cross_entropy_with_logits
 kl_div soft_margin_loss poisson_nll_loss gaussian_nll_loss hinge_embedding_loss margin_ranking_loss

@@ -359,6 +359,16 @@ class _Views(nn.Module):
             z = self.enc(torch.cat([x, x * 0.5]))
             head, rest = z.split([B - 1, B + 1])
             return self.head(torch.cat([z[: B - 1] * head, rest[1:]]))
+        if self.pattern == "numpy's names and keyword forms: vsplit, vstack, hstack, tensor_split(sections=)":
+            z = torch.vstack([self.enc(x), self.enc(x * 2)])
+            a, b = torch.vsplit(z, 2)
+            c, d = z.tensor_split(sections=2)
+            e, f = z.split_with_sizes([B, B])
+            return self.head(
+                torch.hstack([(a - d)[:, :2], (b * c)[:, :2], (e + f)[:, 4:]]).index_fill(1, torch.tensor([0]), 0.5)
+            )
+        if self.pattern == "torch.vstack of 1-D tensors (reshaped first: the samples move)":
+            return self.head(self.enc(x)) * torch.vstack([x[:, 0], x[:, 1]]).sum(0, keepdim=True).T
         if self.pattern == "a slice written in place":  # a copy here, a view in the original: refused
             h = self.enc(x).detach()
             first = h[:1]
@@ -379,6 +389,8 @@ VIEWS = {
     "guidance by slices: z[:B], z[B:]": "exact",
     "rows of each batch: h[:2], h[-1:], h[::2], h[1:B]": "exact",
     "positions computed from B: z[:B - 1], z.split([B - 1, B + 1])": "exact",
+    "numpy's names and keyword forms: vsplit, vstack, hstack, tensor_split(sections=)": "exact",
+    "torch.vstack of 1-D tensors (reshaped first: the samples move)": "refused",
     "a slice written in place": RuntimeError,
 }
 
