@@ -2816,7 +2816,7 @@ _NUMPY_JOINS = {
 
 def _as_tensor_split(name: str) -> tuple[Callable, Callable]:
     def translated(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        x = args[0] if args else kwargs.get("input")
+        x = cast(Tensor, args[0] if args else kwargs["input"])
         sections = args[1] if len(args) > 1 else kwargs.get("indices_or_sections", kwargs.get("sections"))
         sections = kwargs.get("indices", sections)
         return (x, sections, _NUMPY_SPLITS[name](x.dim())), {}
