@@ -446,10 +446,9 @@ class UnfoldOutputs:
                 )
             if num_models > 1 and tag is None and untracked(t):
                 raise ValueError(f"{name}: output{where} (shape {tuple(t.shape)}) is {UNTRACKED}")
-            if t.dim() == 0:
-                return t
-            _refuse_batch_sized(name, f"output{where}", t, call, anywhere=True)
-            return t.expand(num_models, *t.shape)  # the same value for every model
+            if t.dim() > 0:
+                _refuse_batch_sized(name, f"output{where}", t, call, anywhere=True)
+            return t.expand(num_models, *t.shape)  # the same value for every model (a 0-dim one too, as model by model)
 
         output = map_tensors(output, unfold, other=_each_models_number)
         _passed(root, call)

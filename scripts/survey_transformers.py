@@ -262,6 +262,8 @@ class _Plain(nn.Module):
         def unfold(t: torch.Tensor) -> torch.Tensor:
             if self.stacked and t.dim() == 1 and t.numel() == 0:  # an empty placeholder (a layer not filled yet)
                 return t.expand(M, 0)
+            if self.stacked and t.dim() == 0:  # a number the cache keeps for all its rows (bailing_hybrid's)
+                return t.expand(M)
             return t.unflatten(0, (M, batch)) if self.stacked and t.dim() and t.shape[0] == M * batch else t
 
         def plain(obj: object) -> object:

@@ -457,3 +457,28 @@ def test_in_place_write_through_a_copied_view_is_refused(write: str) -> None:
         stacked(x)
     with backends.conv.flags(strategy="loop"):  # contiguous outputs: the view is an alias, exact
         assert_close(stacked(x), torch.stack([r(xi) for r, xi in zip(references, x)]))
+
+
+class _ReturnsNumbers(nn.Module):
+    """Outputs beside the samples' one: a 0-dim constant and a 0-dim buffer equal in every model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+        self.register_buffer("scale", torch.tensor(0.5, dtype=torch.float64))
+
+    def forward(self, x):
+        return self.fc(x), torch.tensor(2.0, dtype=x.dtype), self.scale * 3
+
+
+@pytest.mark.parametrize("execution", ["batched", "model_by_model"])
+def test_a_0_dim_output_is_one_per_model(execution: str) -> None:
+    """``(M, *)`` out for every output, a 0-dim one the same in every model included (model by model it always
+    was; the batched forward returned it 0-dim)."""
+    models = [seeded(_ReturnsNumbers, i).double() for i in range(3)]
+    x = torch.randn(3, 4, 3, dtype=torch.float64)
+    outs = stack(models, execution=execution)(x)
+    for k, out in enumerate(outs):
+        expected = torch.stack([m(x[i])[k] for i, m in enumerate(models)])
+        assert out.shape == expected.shape, f"output {k}: {tuple(out.shape)} instead of {tuple(expected.shape)}"
+        assert_close(out, expected, msg=f"output {k}")
