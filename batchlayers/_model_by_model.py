@@ -23,7 +23,7 @@ import copy
 import dataclasses
 import functools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence, Sized
 from typing import Any, cast
 
 import torch
@@ -113,10 +113,11 @@ class ModelByModel:
         views = _CopiedViews() if converting else None
         _fold._local.model_by_model = getattr(_fold._local, "model_by_model", 0) + 1
         _fold._local.model_by_model_grad = torch.is_grad_enabled()
+        sliced = state.per_model()  # containers holding per-model tensors: each pass gets its slices
         try:
             for m in range(num_models):
-                if m:
-                    state.restore()  # every model's pass starts from the state the call started from
+                if m or sliced:
+                    state.restore(m if sliced else None)  # every model's pass starts from the call's state
                 for container, key, values in installs:
                     container[key] = values[m]
                 inputs = map_tensors((args, kwargs), _slice_of_model(m))
@@ -267,37 +268,88 @@ _INTERNALS = _MODULE_INTERNALS | {"forward"}
 _MISSING = object()
 
 
-def _copied(value: object, tensors: list[tuple[Tensor, int]], depth: int = 0) -> object:
+def _copied(value: object, tensors: list[tuple[Tensor, int]], depth: int = 0, model: int | None = None) -> object:
     """``value`` with its lists, tuples, dicts, sets and deques (subclasses too) copied all the way down;
-    tensors and other objects as they are, each tensor recorded in ``tensors`` with its version."""
+    tensors and other objects as they are, each tensor recorded in ``tensors`` with its version. With
+    ``model``, a per-model ``(M, *)`` tensor inside a container is replaced by that model's slice."""
     if isinstance(value, Tensor):
         tensors.append((value, value._version))
-        return value
+        return value[model] if model is not None and depth > 0 and get_tag(value) is PerModel else value
     if depth > 16 or isinstance(value, (str, bytes)):
         return value
     if isinstance(value, tuple):
-        items = [_copied(v, tensors, depth + 1) for v in value]
+        items = [_copied(v, tensors, depth + 1, model) for v in value]
         kind: Any = type(value)
         return kind(*items) if hasattr(value, "_fields") else kind(items)
     if isinstance(value, (list, dict, set, collections.deque)):
         made: Any = copy.copy(value)  # the same type (an OrderedDict, a defaultdict's factory)
         if isinstance(value, dict):
             for k, v in value.items():
-                made[k] = _copied(v, tensors, depth + 1)
+                made[k] = _copied(v, tensors, depth + 1, model)
         elif isinstance(value, list):
-            made[:] = [_copied(v, tensors, depth + 1) for v in value]
+            made[:] = [_copied(v, tensors, depth + 1, model) for v in value]
         elif isinstance(value, collections.deque):
             made.clear()
-            made.extend(_copied(v, tensors, depth + 1) for v in value)
+            made.extend(_copied(v, tensors, depth + 1, model) for v in value)
         return made
     return value
 
 
-def _refill(now: object, saved: object) -> bool:
-    """Put ``saved``'s items back into the container ``now`` (of the same type), keeping its identity."""
+def _holds_per_model(value: object, depth: int = 0) -> bool:
+    """Whether a container holds a per-model ``(M, *)`` tensor (at any depth)."""
+    if isinstance(value, Tensor):
+        return depth > 0 and get_tag(value) is PerModel
+    if depth > 16 or isinstance(value, (str, bytes)):
+        return False
+    if isinstance(value, dict):
+        return any(_holds_per_model(v, depth + 1) for v in value.values())
+    if isinstance(value, (list, tuple, set, collections.deque)):
+        return any(_holds_per_model(v, depth + 1) for v in value)
+    return False
+
+
+def _merged(values: list[object], depth: int = 0) -> object:
+    """One value for the passes' end ``values`` of a plain attribute: the value itself where all are the same;
+    tensors of one shape stacked per model ``(M, *)``; containers of one structure merged item by item.
+    ``_MISSING`` where they cannot be merged (anything else that differs)."""
+    last = values[-1]
+    if all(same(v, last) for v in values[:-1]):
+        return last
+    if all(isinstance(v, Tensor) for v in values):
+        tensors = cast(list[Tensor], values)
+        if len({(t.shape, t.dtype, t.device) for t in tensors}) != 1:
+            return _MISSING
+        stacked = torch.stack(tensors)
+        set_tag(stacked, PerModel)
+        return stacked
+    if depth > 16 or any(type(v) is not type(last) for v in values):
+        return _MISSING
+    if isinstance(last, (list, tuple)) and all(len(cast(Sized, v)) == len(last) for v in values):
+        items = [_merged([cast(Sequence, v)[j] for v in values], depth + 1) for j in range(len(last))]
+        if any(item is _MISSING for item in items):
+            return _MISSING
+        if isinstance(last, tuple):
+            kind: Any = type(last)
+            return kind(*items) if hasattr(last, "_fields") else kind(items)
+        made: Any = copy.copy(last)
+        made[:] = items
+        return made
+    if isinstance(last, dict) and all(list(cast(dict, v)) == list(last) for v in values):
+        made = copy.copy(last)
+        for k in last:
+            made[k] = _merged([cast(dict, v)[k] for v in values], depth + 1)
+            if made[k] is _MISSING:
+                return _MISSING
+        return made
+    return _MISSING
+
+
+def _refill(now: object, saved: object, model: int | None = None) -> bool:
+    """Put ``saved``'s items back into the container ``now`` (of the same type), keeping its identity (with
+    ``model``: per-model tensors inside as that model's slices)."""
     if type(now) is not type(saved) or not isinstance(now, (list, dict, set, collections.deque)):
         return False
-    fresh: Any = _copied(saved, [])
+    fresh: Any = _copied(saved, [], 0, model)
     if isinstance(now, list):
         now[:] = fresh
     elif isinstance(now, collections.deque):
@@ -334,14 +386,19 @@ class _PythonState:
             if k not in _INTERNALS and not k.startswith("_batchlayers") and (id(d), k) not in self.skip
         }
 
-    def restore(self) -> None:
+    def restore(self, model: int | None = None) -> None:
+        """The values the call started with (``model``: per-model tensors in containers as its slices)."""
         for _, module, saved in self.saved:
             d = module.__dict__
             for k in [k for k in self._values(module, None) if k not in saved]:
                 del d[k]
             for k, v in saved.items():
-                if not _refill(d.get(k, _MISSING), v):
-                    d[k] = _copied(v, [])
+                if not _refill(d.get(k, _MISSING), v, model):
+                    d[k] = _copied(v, [], 0, model)
+
+    def per_model(self) -> bool:
+        """Whether a container among the values holds per-model tensors, which each pass gets its slice of."""
+        return any(_holds_per_model(v) for _, _, saved in self.saved for v in saved.values())
 
     def record(self) -> list[dict[str, object]]:
         return [self._values(module, []) for _, module, _ in self.saved]
@@ -361,10 +418,10 @@ class _PythonState:
                 values = [v.get(k, _MISSING) for v in per_model]
                 if all(same(v, values[-1]) for v in values[:-1]):
                     continue  # the last pass's value, in place
-                if all(isinstance(v, Tensor) for v in values) and len({cast(Tensor, v).shape for v in values}) == 1:
-                    stacked = torch.stack(cast(list[Tensor], values))
-                    set_tag(stacked, PerModel)
-                    module.__dict__[k] = stacked
+                merged = _merged(values)
+                if merged is not _MISSING:  # tensors that differ stored per model, in containers too
+                    if not _refill(module.__dict__.get(k, _MISSING), merged):
+                        module.__dict__[k] = merged
                     continue
                 where = f"{path}.{k}" if path else k
                 raise ValueError(

@@ -321,6 +321,10 @@ class _Stateful(nn.Module):
         h = self.fc(x) * min(1.0, self.calls / 2)  # a warm-up that counts calls
         if self.what == "stash":
             self.features = h.detach()
+        if self.what == "stash in a list and a dict":  # (a history of features, the last ones by name)
+            self.seen_features = getattr(self, "seen_features", [])
+            self.seen_features.append(h.detach())
+            self.cache["last"] = h.detach() * 2
         if self.what == "a number of the data":
             self.largest = float(x.max())
         if self.what == "a cache of the weights":  # filled once, read afterwards (timm's attention bias caches)
@@ -332,22 +336,29 @@ class _Stateful(nn.Module):
         return h
 
 
-@pytest.mark.parametrize("what", ["counter", "stash"])
+@pytest.mark.parametrize("what", ["counter", "stash", "stash in a list and a dict", "a cache of the weights"])
 def test_python_state_changed_in_forward_is_each_models_own(what: str) -> None:
     """Each model's pass starts from the state the call started with, as each original's call does: the
-    counter counts calls, not passes; a list appended to grows by one; a stashed tensor is stored per model."""
+    counter counts calls, not passes; a list appended to grows by one; a stashed tensor is stored per model,
+    also in a list or a dict (each pass then reads its model's, and so does each unstacked model); a cache
+    filled once from each model's weights is each model's (timm's attention bias caches; refused before)."""
     batched, references = _stacked(lambda: _Stateful(what), 3)
     compare_training(batched, references, lambda lead: torch.randn(*lead, 3, dtype=torch.float64))
     assert batched.calls == references[0].calls == 3 and batched.seen == references[0].seen
     assert batched.log == references[0].log == {"sizes": [3, 3, 3]}
     if what == "stash":
         assert_close(batched.features, torch.stack([r.features for r in references]), msg="stash")
+    if what in ("stash in a list and a dict", "a cache of the weights"):
+        for i, (own, reference) in enumerate(zip(bl.unstack(batched), references)):
+            for name in ("seen_features", "cache"):
+                got, expected = getattr(own, name, None), getattr(reference, name, None)
+                assert type(got) is type(expected), f"model {i}'s {name}"
+                for key in range(len(expected)) if isinstance(expected, list) else expected or ():
+                    assert_close(got[key], expected[key], msg=f"model {i}'s {name}[{key!r}]")
 
 
 REFUSED_STATE = {
     "a number of the data": "forward left 'largest' with different values in different models",
-    # model 1's pass must not find model 0's cached bias (it did while the OrderedDict was not copied)
-    "a cache of the weights": "forward left 'cache' with different values in different models",
     "a tensor written in place": r"wrote in place into a tensor of shape \(\) held in a plain attribute",
 }
 
