@@ -301,16 +301,16 @@ def _outputs_and_gradients(model: nn.Module, inputs: dict, options: dict, flip: 
     return found
 
 
-def _sensitivity(model: nn.Module, inputs: dict, options: dict) -> float:
+def _sensitivity(model: nn.Module, inputs: dict, options: dict, nudge: float = 1e-15) -> float:
     """How much the original model's outputs and gradients move from rounding alone: every parameter and
-    floating input changed by one part in 1e15, or its batch reversed (``survey_real_models._sensitivity``,
-    for keyword inputs and for the gradients too)."""
+    floating input changed by one part in 1e15 (``nudge``), or its batch reversed
+    (``survey_real_models._sensitivity``, for keyword inputs and for the gradients too)."""
     reference = _outputs_and_gradients(model, inputs, options)
     twin = copy.deepcopy(model)
     with torch.no_grad():
         for p in twin.parameters():
-            p.mul_(1 + 1e-15)
-    nudged = {k: v * (1 + 1e-15) if v.is_floating_point() else v for k, v in inputs.items()}
+            p.mul_(1 + nudge)
+    nudged = {k: v * (1 + nudge) if v.is_floating_point() else v for k, v in inputs.items()}
     moved = 0.0
     for other in (_outputs_and_gradients(twin, nudged, options), _outputs_and_gradients(model, inputs, options, True)):
         for name, t in other.items():
@@ -463,6 +463,14 @@ def _check(models: list[nn.Module], stacked: nn.Module, inputs: dict, options: d
             "detail": f"{largest:.0e} at {at}, within float32 tolerances; the "
             f"original computes in float32 ({', '.join(sorted(low)[:3])}), where a nudge of 1e-15 is lost",
         }
+    if low:  # an element summed from large terms that cancel: float32's rounding of the terms, not of it
+        moved = _sensitivity(models[0], inputs, options, nudge=2.0**-24)
+        if moved >= 0.1 * largest:
+            return {
+                "verdict": "ill-conditioned",
+                "detail": f"{largest:.0e} at {at}; the original computes in float32 ({', '.join(sorted(low)[:3])}), "
+                f"and one float32 rounding of its parameters and inputs moves it {moved:.0e}",
+            }
     # The relative difference where the absolute one is largest.
     return {"verdict": "WRONG", "detail": f"{largest:.1e} at {at} (model {worst}); rounding moves {moved:.0e}"}
 
