@@ -107,7 +107,11 @@ class ModelByModel:
         ends: list[list[dict[str, object]]] = []
         # (key, buffer, its value): some writes leave a tensor's version as it was (.data, F.batch_norm's
         # running statistics), so the values are compared
-        snapshots = [(tensors[i][1], tensors[i][2][0], tensors[i][2][0].detach().clone()) for i in shared]
+        real = {i: originals[len(layers) + i][2] for i in shared}  # each shared buffer itself
+        cloned = {i for i in shared if tensors[i][2][0] is not real[i]}  # small ones: each pass writes its own
+        snapshots = [
+            (tensors[i][1], tensors[i][2][0], tensors[i][2][0].detach().clone()) for i in shared if i not in cloned
+        ]
         replaced: dict[int, list[object]] = {}
         outputs = []
         views = _CopiedViews() if converting else None
@@ -155,10 +159,27 @@ class ModelByModel:
                     "shared by all models (it was equal in every model), so every model's pass modified it. Register "
                     "a batched counterpart for the module that owns it with batchlayers.register(...)"
                 )
+        for i in sorted(cloned - set(replaced)):
+            self._settle_shared(cast(Tensor, real[i]), tensors[i][2])
         for i, assigned in replaced.items():
             container, key, _ = tensors[i]
             _store_replaced(root, container, key, assigned, i in shared)
         return _stack_outputs(root, outputs)
+
+    def _settle_shared(self, buffer: Tensor, passes: tuple[Tensor, ...]) -> None:
+        """A small buffer shared by all models, of which each pass wrote its own copy: kept one where every pass
+        left the same values (a step counter), stored per model from now on where they differ (a running
+        statistic), as the batched forward stores it."""
+        if all(_same_values(p, buffer) for p in passes):
+            return
+        if all(_same_values(p, passes[0]) for p in passes[1:]):
+            with torch.no_grad():
+                buffer.copy_(passes[0])
+            return
+        name = next(n for n in _fold.root_shared_buffers(self.root) if _fold._tensor(self.root, n) is buffer)
+        cast(_fold.FoldInputs, _fold.fold_inputs(self.root)).store_per_model(self.root, name, None)
+        with torch.no_grad():
+            buffer.copy_(torch.stack(passes))
 
     def _installs(
         self, num_models: int
@@ -169,13 +190,18 @@ class ModelByModel:
         ``tensors``), whether a convolution converts its input to channels-last, and the architecture's own
         modules (not the batched layers) with their paths."""
         root = self.root
-        shared = {id(_fold._tensor(root, n)) for n in _fold.root_shared_buffers(root)}
+        shared = {id(_fold._tensor(root, n)): n for n in _fold.root_shared_buffers(root)}
         shared_slots: set[int] = set()
         slices: dict[int, tuple[Tensor, ...]] = {}
 
-        def per_model(t: Tensor, where: str) -> tuple[Tensor, ...]:
+        def per_model(t: Tensor, where: str, own: bool = False) -> tuple[Tensor, ...]:
             if id(t) in shared:
-                return (t,) * num_models
+                if not own or t.numel() > CLONED_SHARED_MAX_NUMEL:
+                    return (t,) * num_models
+                found = slices.get(id(t))  # (a buffer that two modules hold: one clone per model for both)
+                if found is None:
+                    found = slices[id(t)] = tuple(t.clone() for _ in range(num_models))
+                return found
             found = slices.get(id(t))
             if found is None:
                 if t.dim() == 0 or t.shape[0] != num_models:
@@ -204,7 +230,7 @@ class ModelByModel:
                     if t is not None:
                         if id(t) in shared:
                             shared_slots.add(len(tensors))
-                        tensors.append((container, name, per_model(t, _join(path, name))))
+                        tensors.append((container, name, per_model(t, _join(path, name), own=True)))
             for name, value in vars(module).items():
                 if isinstance(value, Tensor) and get_tag(value) is PerModel:
                     tensors.append((module.__dict__, name, per_model(value, _join(path, name))))
@@ -263,6 +289,12 @@ class ModelByModel:
         self._plain[id(leaf)] = (config, plain, slots)
         return plain, slots
 
+
+# A buffer shared by all models (equal in every model when stacked) of at most this many elements is copied for
+# each model's pass, so that forward may write it (a step counter, a running statistic: see
+# ModelByModel._settle_shared); a larger one (a causal mask, a table) is the one tensor in every pass, and a
+# write into it is refused.
+CLONED_SHARED_MAX_NUMEL = 4096
 
 _INTERNALS = _MODULE_INTERNALS | {"forward"}
 _MISSING = object()

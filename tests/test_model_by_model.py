@@ -17,7 +17,8 @@ from torch import nn
 
 import batchlayers as bl
 from batchlayers import backends
-from batchlayers._model_by_model import ModelByModel
+from batchlayers._model_by_model import CLONED_SHARED_MAX_NUMEL, ModelByModel
+from batchlayers.convert import shared_buffers
 
 
 def _images(lead, size: int = 8):
@@ -373,16 +374,37 @@ def test_python_state_that_differs_between_models_is_refused(what: str) -> None:
 
 
 @pytest.mark.parametrize("how", ["+=", ".data", "F.batch_norm"])
-def test_a_shared_buffer_modified_in_place_is_refused(how: str) -> None:
-    """However forward writes it (some writes do not bump the tensor's version), a buffer shared by all
-    models that a pass changed is refused, with its value at the call's start back."""
-    batched, _ = _stacked(lambda: _Counts(how), 3)
-    before = {k: v.clone() for k, v in batched.named_buffers()}
-    name = "mean" if how == "F.batch_norm" else "steps"
-    with pytest.raises(RuntimeError, match=f"modified the buffer '{name}' in place, but it is one copy shared"):
+def test_a_small_shared_buffer_written_in_forward_is_each_models_own(how: str) -> None:
+    """However forward writes it (some writes do not bump the tensor's version), a small buffer shared by all
+    models is each pass's own copy: kept one where every pass left the same values (a step counter, which
+    counted once per call), stored per model where they differ (running statistics). Refused before."""
+    batched, references = _stacked(lambda: _Counts(how), 3)
+    compare_training(batched, references, lambda lead: torch.randn(*lead, 3, dtype=torch.float64))
+    for name, value in batched.named_buffers():
+        expected = torch.stack([dict(r.named_buffers())[name] for r in references])
+        assert_close(value if value.dim() == expected.dim() else value.expand_as(expected), expected, msg=name)
+    assert "steps" in shared_buffers(batched), "a counter equal in every model stays one buffer"
+    assert ("mean" in shared_buffers(batched)) == (how != "F.batch_norm"), "stored per model once they differ"
+
+
+class _WritesALargeTable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+        self.register_buffer("table", torch.zeros(CLONED_SHARED_MAX_NUMEL + 1))
+
+    def forward(self, x):
+        self.table[0] += 1
+        return self.fc(x) * self.table[0]
+
+
+def test_a_large_shared_buffer_modified_in_place_is_refused() -> None:
+    """A shared buffer too large to copy for every pass (a mask, a table) is the one tensor in every pass: a
+    write into it is refused, with its value at the call's start back."""
+    batched, _ = _stacked(_WritesALargeTable, 3)
+    with pytest.raises(RuntimeError, match="modified the buffer 'table' in place, but it is one copy shared"):
         batched(torch.randn(3, 2, 3, dtype=torch.float64))
-    for key, value in batched.named_buffers():
-        assert torch.equal(value, before[key]), key
+    assert not batched.table.any()
 
 
 def test_copies_pickles_select_and_unstack() -> None:
