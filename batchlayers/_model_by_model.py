@@ -107,11 +107,9 @@ class ModelByModel:
         ends: list[list[dict[str, object]]] = []
         # (key, buffer, its value): some writes leave a tensor's version as it was (.data, F.batch_norm's
         # running statistics), so the values are compared
-        real = {i: originals[len(layers) + i][2] for i in shared}  # each shared buffer itself
+        real = {i: cast(Tensor, originals[len(layers) + i][2]) for i in shared}  # each shared buffer itself
         cloned = {i for i in shared if tensors[i][2][0] is not real[i]}  # small ones: each pass writes its own
-        snapshots = [
-            (tensors[i][1], tensors[i][2][0], tensors[i][2][0].detach().clone()) for i in shared if i not in cloned
-        ]
+        snapshots = [(tensors[i][1], real[i], real[i].detach().clone()) for i in shared]
         replaced: dict[int, list[object]] = {}
         outputs = []
         views = _CopiedViews() if converting else None
@@ -159,8 +157,9 @@ class ModelByModel:
                     "shared by all models (it was equal in every model), so every model's pass modified it. Register "
                     "a batched counterpart for the module that owns it with batchlayers.register(...)"
                 )
-        for i in sorted(cloned - set(replaced)):
-            self._settle_shared(cast(Tensor, real[i]), tensors[i][2])
+        settled = {id(real[i]): (real[i], tensors[i][2]) for i in sorted(cloned - set(replaced))}  # (held twice)
+        for buffer, passes in settled.values():
+            self._settle_shared(buffer, passes)
         for i, assigned in replaced.items():
             container, key, _ = tensors[i]
             _store_replaced(root, container, key, assigned, i in shared)
@@ -190,7 +189,7 @@ class ModelByModel:
         ``tensors``), whether a convolution converts its input to channels-last, and the architecture's own
         modules (not the batched layers) with their paths."""
         root = self.root
-        shared = {id(_fold._tensor(root, n)): n for n in _fold.root_shared_buffers(root)}
+        shared = {id(_fold._tensor(root, n)) for n in _fold.root_shared_buffers(root)}
         shared_slots: set[int] = set()
         slices: dict[int, tuple[Tensor, ...]] = {}
 

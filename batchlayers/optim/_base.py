@@ -734,7 +734,7 @@ class BatchedOptimizer(Optimizer):
             torch._foreach_zero_(targets)
             return targets
         targets = [torch.zeros(p.shape, dtype=p.dtype, device=p.device) for p in params]
-        cache[key] = targets
+        remember(cache, key, targets, size=8)  # (one entry per group and dtype, as a rule)
         return targets
 
     def _per_model_scales(
