@@ -529,3 +529,29 @@ def test_torch_compile_runs_the_batched_forward() -> None:
     bl.check_batched(batched, x)  # fullgraph=True: its batched forward checked first
     batched.compile(backend="aot_eager", fullgraph=True)
     assert_close(batched(x), torch.stack([r(x[i]) for i, r in enumerate(references)]), msg="compiled")
+
+
+class _SharesAMovingAverage(nn.Module):
+    """One buffer registered in two modules, written through one and read through the other."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+        average = torch.zeros(3, dtype=torch.float64)  # (.double() would convert it once per module: untied)
+        self.writer, self.reader = nn.Module(), nn.Module()
+        self.writer.register_buffer("average", average)
+        self.reader.register_buffer("average", average)
+
+    def forward(self, x):
+        h = self.fc(x)
+        self.writer.average.lerp_(h.detach().mean(0), 0.5)
+        return h - self.reader.average
+
+
+def test_a_small_shared_buffer_held_by_two_modules() -> None:
+    """Each pass's copy is one tensor for both modules, and the buffer is stored per model once (the second
+    module's entry looked for the name that the first had moved per model)."""
+    batched, references = _stacked(_SharesAMovingAverage, 2)
+    compare_training(batched, references, lambda lead: torch.randn(*lead, 3, dtype=torch.float64))
+    assert batched.writer.average is batched.reader.average
+    assert_close(batched.writer.average, torch.stack([r.writer.average for r in references]), msg="average")
