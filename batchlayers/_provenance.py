@@ -1217,6 +1217,41 @@ def _batch_first(ctx, name, args, kwargs, out, tagged) -> None:
     _tag_all(out, 0)
 
 
+class MeanWithChannelsLastGradient(torch.autograd.Function):
+    """``x.mean((-2, -1), keepdim=True)``, which is what ``F.adaptive_avg_pool2d(x, 1)`` computes, with the
+    gradient in ``x``'s channels-last layout: torch's is contiguous, and the backward of the activation before
+    the pooling, which saved a channels-last result, then mixes two layouts (threshold_backward on (128, 16, 32,
+    32): 5.75 ms against 176 us). The same numbers (``grad / (H * W)`` on every pixel), differentiable again."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        ctx.shape = x.shape
+        return x.mean((-2, -1), keepdim=True)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        height, width = ctx.shape[-2:]
+        return (grad / (height * width)).expand(ctx.shape).contiguous(memory_format=torch.channels_last)
+
+
+def _global_pool_channels_last(ctx, func, args, kwargs, tagged) -> Tensor | None:
+    """``F.adaptive_avg_pool2d(x, 1)`` of a channels-last ``x`` that holds the samples and requires grad (a
+    converted CNN's global pooling on the CPU, where the batched convolutions keep channels-last): through
+    :class:`MeanWithChannelsLastGradient`. The benchmark's small CNN, training step at M=16: 113.8 -> 109.6 ms;
+    its ResNet at M=4: 75.2 -> 74.0 ms (medians of three alternating rounds, 2 CPU cores). None (the plain call)
+    otherwise."""
+    x, size = args[0] if args else kwargs.get("input"), _arg(args, kwargs, 1, "output_size")
+    if size not in (1, (1, 1), [1, 1]) or not isinstance(x, Tensor) or x.dim() != 4 or len(tagged) != 1:
+        return None
+    if get_tag(x) != 0 or not x.requires_grad or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return None
+    if x.is_contiguous() or not x.is_contiguous(memory_format=torch.channels_last):
+        return None
+    out = MeanWithChannelsLastGradient.apply(x)
+    set_tag(out, 0)
+    return out
+
+
 def _recurrent(ctx, name, args, kwargs, out, tagged) -> None:
     """``torch.lstm/gru/rnn_tanh/rnn_relu(input, hx, params, ..., batch_first)``: the output has the samples
     on the batch dimension (0 if ``batch_first`` else 1), the states ``(layers, N, H)`` on dimension 1."""
@@ -2734,6 +2769,7 @@ dropout2d dropout3d
 """,
     method=False,
 )
+_RULES[F.adaptive_avg_pool2d] = _RULES[F.adaptive_avg_pool2d]._replace(compute=_global_pool_channels_last)
 _add(_batch_norm, "batch_norm", method=False, torch_=False)
 _add(_recurrent, "lstm gru rnn_tanh rnn_relu", method=False, functional=False)
 _add(_batch_first, "lstm_cell gru_cell rnn_tanh_cell rnn_relu_cell _native_multi_head_attention", method=False)
