@@ -1514,7 +1514,7 @@ def _slice_within_each_model(ctx, func, args, kwargs, tagged) -> Tensor | None:
             position = out_dim
             in_dim, out_dim = in_dim + 1, out_dim + 1
         else:
-            if isinstance(it, slice) and any(type(n) in _MARKED for n in (it.start, it.stop, it.step)):
+            if isinstance(it, slice) and _marked_slice(it):
                 return None  # (another dimension by a size read from the samples: the rule refuses)
             if type(it) is bool or type(it) in _MARKED:
                 return None

@@ -737,6 +737,23 @@ class BatchedOptimizer(Optimizer):
         remember(cache, key, targets, size=8)  # (one entry per group and dtype, as a rule)
         return targets
 
+    @staticmethod
+    def _decayed_gradients(
+        grads: list[Tensor], params: list[Tensor], weight_decay: Hyperparameter, maximize: bool
+    ) -> tuple[list[Tensor] | tuple[Tensor, ...], bool]:
+        """For a fused kernel run without weight decay (:func:`unit_rate_kernel`): the gradients with torch's L2
+        decay added, negated first where the objective is maximized (torch negates before adding the decay), and
+        whether the kernel still has to negate them."""
+        if is_zero(weight_decay):
+            return grads, maximize
+        signed = list(torch._foreach_neg(grads)) if maximize else grads
+        return foreach_add_scaled(signed, params, broadcast_per_model(weight_decay, params)), False
+
+    def _add_unit_rate_steps(self, params: list[Tensor], targets: list[Tensor], lr: Hyperparameter) -> None:
+        """The parameters plus the steps :func:`unit_rate_kernel` took at a unit rate, each model's scaled by its
+        learning rate."""
+        foreach_add_scaled_(params, targets, self._per_model_scales("lr", lr, params) if isinstance(lr, Tensor) else lr)
+
     def _per_model_scales(
         self, name: Any, value: Tensor, like: list[Tensor], derive: Callable[[Tensor], Tensor] | None = None
     ) -> list[Tensor]:

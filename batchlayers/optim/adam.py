@@ -14,7 +14,6 @@ from ._base import (
     divide,
     fma,
     foreach_add_scaled,
-    foreach_add_scaled_,
     foreach_addcdiv_scaled_,
     foreach_addcmul_scaled_,
     is_zero,
@@ -166,19 +165,16 @@ class Adam(BatchedOptimizer):
         unit_rate = None if kernel is not None else unit_rate_kernel("adam", tensors, beta1, beta2, eps, step)
         if unit_rate is not None:  # a per-model lr or weight decay
             maximize = bool(group["maximize"])
-            if not is_zero(weight_decay):
-                if decoupled:
-                    decay: float | list[Tensor]
-                    if isinstance(lr, Tensor) and not isinstance(weight_decay, Tensor):
-                        wd = weight_decay
-                        decay = self._per_model_scales(("decay", wd), lr, params, lambda v: 1 - v * wd)
-                    else:
-                        decay = broadcast_per_model(1 - lr * weight_decay, params)
-                    torch._foreach_mul_(params, decay)
-                else:  # torch negates the gradient before adding the decay
-                    grads = torch._foreach_neg(grads) if maximize else grads
-                    maximize = False
-                    grads = foreach_add_scaled(grads, params, broadcast_per_model(weight_decay, params))
+            if not decoupled:
+                grads, maximize = self._decayed_gradients(grads, params, weight_decay, maximize)
+            elif not is_zero(weight_decay):
+                decay: float | list[Tensor]
+                if isinstance(lr, Tensor) and not isinstance(weight_decay, Tensor):
+                    wd = weight_decay
+                    decay = self._per_model_scales(("decay", wd), lr, params, lambda v: 1 - v * wd)
+                else:
+                    decay = broadcast_per_model(1 - lr * weight_decay, params)
+                torch._foreach_mul_(params, decay)
             targets = self._unit_rate_targets(params)
             self._increment_steps(steps)
             unit_rate(
@@ -196,9 +192,7 @@ class Adam(BatchedOptimizer):
                 amsgrad=bool(group["amsgrad"]),
                 maximize=maximize,
             )
-            foreach_add_scaled_(
-                params, targets, self._per_model_scales("lr", lr, params) if isinstance(lr, Tensor) else lr
-            )
+            self._add_unit_rate_steps(params, targets, lr)
             self._counted(steps, step)
             return
         if kernel is not None:

@@ -181,11 +181,7 @@ class SGD(BatchedOptimizer):
             return
         unit_rate = unit_rate_kernel("sgd", [params, grads, bufs], momentum, dampening, step) if has_momentum else None
         if unit_rate is not None:  # a per-model lr or weight decay, every model with momentum
-            maximize = bool(group["maximize"])
-            if not is_zero(weight_decay):  # torch negates the gradient before adding the decay
-                grads = torch._foreach_neg(grads) if maximize else grads
-                maximize = False
-                grads = foreach_add_scaled(grads, params, broadcast_per_model(weight_decay, params))
+            grads, maximize = self._decayed_gradients(grads, params, weight_decay, bool(group["maximize"]))
             targets = self._unit_rate_targets(params)
             unit_rate(
                 targets,
@@ -201,9 +197,7 @@ class SGD(BatchedOptimizer):
             )
             self._increment_steps(steps)
             self._counted(steps, step)
-            foreach_add_scaled_(
-                params, targets, self._per_model_scales("lr", lr, params) if isinstance(lr, Tensor) else lr
-            )
+            self._add_unit_rate_steps(params, targets, lr)
             restore_models(saved, idle)
             return
         momentum_now, keep_now = momentum_factors(momentum, dampening, step) if has_momentum else (0.0, 0.0)
