@@ -326,19 +326,6 @@ def _copied(value: object, tensors: list[tuple[Tensor, int]], depth: int = 0, mo
     return value
 
 
-def _holds_per_model(value: object, depth: int = 0) -> bool:
-    """Whether a container holds a per-model ``(M, *)`` tensor (at any depth)."""
-    if isinstance(value, Tensor):
-        return depth > 0 and get_tag(value) is PerModel
-    if depth > 16 or isinstance(value, (str, bytes)):
-        return False
-    if isinstance(value, dict):
-        return any(_holds_per_model(v, depth + 1) for v in value.values())
-    if isinstance(value, (list, tuple, set, collections.deque)):
-        return any(_holds_per_model(v, depth + 1) for v in value)
-    return False
-
-
 def _merged(values: list[object], depth: int = 0) -> object:
     """One value for the passes' end ``values`` of a plain attribute: the value itself where all are the same;
     tensors of one shape stacked per model ``(M, *)``; containers of one structure merged item by item.
@@ -428,8 +415,9 @@ class _PythonState:
                     d[k] = _copied(v, [], 0, model)
 
     def per_model(self) -> bool:
-        """Whether a container among the values holds per-model tensors, which each pass gets its slice of."""
-        return any(_holds_per_model(v) for _, _, saved in self.saved for v in saved.values())
+        """Whether a container among the values holds per-model tensors, which each pass gets its slice of (the
+        tensors copying the values recorded: per-model ones held directly are installed by the caller)."""
+        return any(get_tag(t) is PerModel for t, _ in self.tensors)
 
     def record(self) -> list[dict[str, object]]:
         return [self._values(module, []) for _, module, _ in self.saved]
