@@ -433,10 +433,9 @@ class UnfoldOutputs:
             if isinstance(tag, Lost) and t.dim() == 0:
                 raise ValueError(
                     f"{name}: output{where} (a 0-dim value) was computed from every model's samples by {tag.reason}, "
-                    "so it is not any one model's. A mean over the samples (x.mean(), a loss with reduction='mean') "
-                    "is each model's own; a sum, count, norm or index is not (code pairs it with sizes such as "
-                    "x.size(0), which hold all models' samples). Return a mean, or compute per-model losses from "
-                    "the (M, B, *) outputs with batchlayers.losses"
+                    "so it is not any one model's. A reduction of values over the samples (x.mean(), x.sum(), a loss "
+                    "with reduction='mean' or 'sum') is each model's own; an index into them is not. Return such a "
+                    "value, or compute per-model losses from the (M, B, *) outputs with batchlayers.losses"
                 )
             if isinstance(tag, Lost):
                 raise ValueError(

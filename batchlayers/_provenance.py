@@ -27,12 +27,13 @@ length equal to ``M * B``), so batchlayers follows where every tensor came from:
   makes its outputs :class:`Lost`. So a tag is never a guess: either the rule proves the layout or the
   tensor is marked as unknown.
 
-- **Reductions over the samples.** A reduction whose value does not grow with the number of elements (a
-  mean, std/var, min/max values, median, all/any; a loss with ``reduction='mean'``) is computed per model on
-  the samples viewed ``(M, *one model's shape)`` and gives a per-model value (``batchlayers._per_model``):
-  each model's own loss, ignore_index and class weights included. A sum, count, norm or index over the
-  samples stays :class:`Lost`: code pairs it with sizes read from the folded batch (``x.sum() /
-  x.size(0)``), which are ``M`` times one model's, so no per-model value would be right.
+- **Reductions over the samples.** A reduction of values (a mean, sum, product, norm, std/var, min/max
+  values, median, logsumexp, a count, all/any; a loss with ``reduction='mean'`` or ``'sum'``) is computed
+  per model on the samples viewed ``(M, *one model's shape)`` and gives a per-model value
+  (``batchlayers._per_model``): each model's own loss, ignore_index and class weights included. Indices over
+  the samples (``argmax``, ``max(dim).indices``) stay :class:`Lost`: they count positions in the folded
+  batch. A size read from the samples given with per-model values alone to an elementwise op
+  (``x.sum(0) / x.size(0)``, ``mask.sum() == mask.numel()``) is each model's own there (see ``Tracker``).
 
 - **At the boundaries.** A batched layer takes a tagged input by its tag (model dimension first; row-wise
   layers such as Linear also take it on another dimension), broadcasts an untagged one, and refuses a
@@ -67,7 +68,7 @@ import os
 import string
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import FrameType
 from typing import Any, NamedTuple, cast
 
@@ -326,14 +327,11 @@ def _getter(name: str) -> Callable:
 class Lost:
     """A tensor made from the models' samples whose layout is not known; ``data_sized``: its size, too,
     depends on the values of every model's samples (``x[mask]``, ``nonzero``); ``wide``: a dimension that does
-    not hold the samples was given their folded size (``torch.ones(B, B)``); ``all_of``: it is the count
-    of True values of this boolean tensor holding the samples (``mask.sum()``), which compared with the
-    mask's size is ``mask.all()`` (see :meth:`Tracker._all_idiom`)."""
+    not hold the samples was given their folded size (``torch.ones(B, B)``)."""
 
     reason: str
     data_sized: bool = False
     wide: bool = False  # a dimension sized by the folded size does not hold the samples (see _sized_dims)
-    all_of: Tensor | None = field(default=None, compare=False)
 
 
 class PerModel:
@@ -415,7 +413,9 @@ class Tracker(TorchFunctionMode):
         shaped, numbers, deferred = False, None, None
         if self.num_models > 1 and not isinstance(func, torch._ops.OpOverload):  # (a compiled graph's ops)
             numbers = _numbers_that_differ(args, kwargs)
-            if numbers and not (_EQUALS.get(func, False) and self._all_idiom(args) is not None):
+            if numbers and func in _VALUE_OPERANDS and _per_model_values_alone(args, kwargs):
+                args, kwargs, numbers = _each_models_numbers(args), _each_models_numbers(kwargs), None
+            if numbers:
                 if func in _OWN_POSITIONS:
                     deferred = numbers  # each model's own position in its samples, or refused below
                 else:
@@ -491,10 +491,6 @@ class Tracker(TorchFunctionMode):
             self.copied_views.check()
         if _ESCAPES.get(func, False) and self.num_models > 1:  # (one model: every value is its own)
             _refuse_escape(func, tagged)
-        if _EQUALS.get(func, False):
-            found = self._all_idiom(args)
-            if found is not None:
-                return found
         entry = _RULES.get(func)
         if entry is not None and entry.over_samples and entry.over_samples(entry.name, args, kwargs, tagged):
             return self._over_samples(entry.name, func, args, kwargs)
@@ -628,8 +624,8 @@ class Tracker(TorchFunctionMode):
                 + ", but the stacked model stores that buffer once because it was equal in every model; one tensor "
                 "cannot hold what differs per model. "
                 + (
-                    "A buffer written whole with per-model values (x.mean(0), not a sum over the samples) is "
-                    "stored per model; "
+                    "A buffer written whole with per-model values (x.mean(0) or x.sum(0), a reduction over the "
+                    "samples) is stored per model; "
                     if samples is not None or t is not guard.tensor
                     else ""
                 )
@@ -656,8 +652,10 @@ class Tracker(TorchFunctionMode):
 
     def _refuse_numbers_that_differ(self, func: Callable, numbers: list[tuple[Any, object, bool]]) -> None:
         """A number that differs per model (a :class:`FoldedSize` ``B``, or ``B - 1``, ``1 / B``: see
-        ``batchlayers._numbers``) given to torch anywhere but as the size of the models' samples (``y / B``,
-        ``count += x.shape[0]`` in a running mean, ``torch.full(shape, B)``): each original model would use its own."""
+        ``batchlayers._numbers``) given to torch anywhere but as the size of the models' samples (``y / B`` with
+        ``y`` holding the samples, ``count += x.shape[0]`` into a buffer stored once, ``torch.full(shape, B)``):
+        each original model would use its own. (Given with per-model values alone to an elementwise op, it is
+        replaced by that own number before this: see :func:`_per_model_values_alone`.)"""
         values = _SIZE_TAKING.get(func)
         for number, where, top_level in numbers:
             if values is not None and isinstance(number, FoldedSize) and not (top_level and where in values):
@@ -667,29 +665,13 @@ class Tracker(TorchFunctionMode):
                 f"batchlayers: {_name(func)} uses the number {number}, {number.made} the size of a tensor that "
                 f"holds the models' samples (M * B = {self.folded_text()} there), as a value (or as the size of "
                 f"something else than the samples): each original model {own}. Compute it from the samples "
-                "(x.mean(0) rather than x.sum(0) / x.size(0)), or stack with execution='model_by_model'"
+                "(x.mean(0), or x.sum(0) / x.size(0): a reduction over the samples is each model's own, and so "
+                "is a size given with it), or stack with execution='model_by_model'"
             )
 
     def folded_text(self) -> str:
         """``M * B`` of the call, as ``2 * 3`` (``2 * 3 or 2 * 5`` for inputs with different numbers of samples)."""
         return " or ".join(f"{self.num_models} * {n // self.num_models}" for n in self.folded_sizes)
-
-    def _all_idiom(self, args: tuple) -> object:
-        """``mask.sum() == mask.numel()`` (transformers' ``fast_all``): over the models' samples, each model's
-        own ``mask.all()`` (a per-model value), as each original model computes it; None for any other
-        comparison (a literal that equals the mask's size is not its size: ``mask.sum() == T`` stays a count)."""
-        if len(args) != 2:
-            return None
-        for count, size in (args, args[::-1]):
-            tag = get_tag(count) if isinstance(count, Tensor) else None
-            if (
-                isinstance(tag, Lost)
-                and tag.all_of is not None
-                and isinstance(size, FoldedSize)
-                and size.folded() == tag.all_of.numel()
-            ):
-                return self._over_samples("Tensor.all", torch.Tensor.all, (tag.all_of,), {})
-        return None
 
     def refuse_checkpointing(self, what: str) -> None:
         """Raise when ``torch.utils.checkpoint`` runs this part of the forward: it is recomputed in backward,
@@ -772,6 +754,25 @@ def _numbers_that_differ(args: Sequence, kwargs: dict) -> list[tuple[Any, object
 
 
 _MARKED = frozenset({FoldedSize, FoldedInt, FoldedValue})
+
+
+def _per_model_values_alone(args: Sequence, kwargs: dict) -> bool:
+    """Whether the tensors among the arguments are all per-model values (none holds the samples), and the
+    numbers that differ per model are arguments themselves (not in a list): each model's call then computes
+    with its own number (``x.sum(0) / x.size(0)``, ``count + x.shape[0]`` with a per-model ``count``)."""
+    tagged = _tagged(args, kwargs)
+    return (
+        bool(tagged)
+        and all(i.tag is PerModel for i in tagged)
+        and all(top for _, _, top in _numbers_that_differ(args, kwargs))
+    )
+
+
+def _each_models_numbers(obj: Any) -> Any:
+    """``obj`` (arguments or keyword arguments) with each number that differs per model replaced by each
+    model's own (the same in every model: ``B`` of ``M * B``)."""
+    own = lambda a: a.own if type(a) in _MARKED and differs(a) else a  # noqa: E731
+    return {k: own(v) for k, v in obj.items()} if isinstance(obj, dict) else tuple(own(a) for a in obj)
 
 
 def _name(func: Callable) -> str:
@@ -1100,20 +1101,22 @@ def _reduced_dims(name: str, args: Sequence, kwargs: dict, ndim: int) -> set[int
     return {_norm(d, ndim) for d in ([dims] if isinstance(dims, int) else dims)}
 
 
-# Reductions whose value does not grow with the number of elements reduced: over the samples, each model's own
-# (a per-model value). A sum, a count, a norm or an index over the folded batch is paired with the folded sizes
-# the code reads (``x.sum() / x.size(0)``), which are M times one model's: those stay reductions over every
-# model's samples, refused where they meet the samples, a per-model value or the output.
-_INTENSIVE = {"mean", "nanmean", "amax", "amin", "max", "min", "median", "nanmedian", "mode", "std", "var", "std_mean",
-              "var_mean", "aminmax", "all", "any", "_is_all_true"}  # fmt: skip
+# Reductions of values: over the samples, each model's own (a per-model value). The sizes code pairs a sum
+# with (``x.sum(0) / x.size(0)``) are M times one model's; given with per-model values alone to an elementwise
+# op they are each model's own (Tracker.__torch_function__), anywhere else refused. Indices over the folded
+# batch (argmax, argmin) are positions among every model's samples: those stay reductions over all of them,
+# refused where they meet the samples, a per-model value or the output.
+_OF_VALUES = {"mean", "nanmean", "sum", "nansum", "prod", "logsumexp", "count_nonzero", "norm", "vector_norm",
+              "amax", "amin", "max", "min", "median", "nanmedian", "mode", "std", "var", "std_mean", "var_mean",
+              "aminmax", "all", "any", "_is_all_true"}  # fmt: skip
 
 
 def _reduces_samples(name, args, kwargs, tagged) -> bool:
-    """Over-samples check of reductions: an intensive one over the samples' dimension (among others)."""
+    """Over-samples check of reductions: one of values over the samples' dimension (among others)."""
     first = tagged[0]
     if (len(args) > 1 and isinstance(args[1], Tensor)) or not isinstance(first.tag, int) or len(tagged) > 1:
         return False
-    if name.split(".")[-1] not in _INTENSIVE:
+    if name.split(".")[-1] not in _OF_VALUES:
         return False
     return first.tensor is args[0] and first.tag in _reduced_dims(name, args, kwargs, len(first.shape))
 
@@ -1127,10 +1130,8 @@ def _reduction(ctx, name, args, kwargs, out, tagged) -> None:
     ndim = len(first.shape)
     reduced = _reduced_dims(name, args, kwargs, ndim)
     d = first.tag
-    if d in reduced:  # (a tagged tensor among other arguments, e.g. torch.sum(x, dim=d, out=buf))
-        x = first.tensor
-        counts = name.endswith(".sum") and x.dtype == torch.bool and reduced == set(range(ndim)) and len(args) == 1
-        return _tag_all(out, Lost(f"{name} over the models' samples", all_of=x if counts and not kwargs else None))
+    if d in reduced:  # indices, or a tagged tensor among other arguments (torch.sum(x, dim=d, out=buf))
+        return _tag_all(out, Lost(f"{name} over the models' samples"))
     outs = _outputs(out)
     keepdim = bool(outs) and outs[0].dim() == ndim
     _tag_all(out, d if keepdim else d - sum(r < d for r in reduced))
@@ -2364,12 +2365,11 @@ def loss_arguments(fn: Callable, args: Sequence, kwargs: dict) -> dict:
 
 
 def _loss_over_samples(name, args, kwargs, tagged) -> bool:
-    """Over-samples check of losses: a mean (``'mean'``, ``'batchmean'``), each model's own. A ``'sum'`` is a
-    sum over the samples (see ``_INTENSIVE``)."""
+    """Over-samples check of losses: a mean (``'mean'``, ``'batchmean'``) or a ``'sum'``, each model's own."""
     fn = getattr(F, name.split(".")[-1])
     if _first_lost(tagged) is not None or _per_sample_target(args, kwargs, tagged):
         return False
-    return loss_arguments(fn, args, kwargs)["reduction"] in ("mean", "batchmean")
+    return loss_arguments(fn, args, kwargs)["reduction"] in ("mean", "batchmean", "sum")
 
 
 def _per_sample_target(args: Sequence, kwargs: dict, tagged: list[_In]) -> bool:
@@ -2451,7 +2451,7 @@ def _positions_as_targets(ctx, func, args, kwargs, tagged) -> object:
 
 
 def _loss(ctx, name, args, kwargs, out, tagged) -> None:
-    """``reduction='none'`` or ``'sum'`` (a mean is per model, see :meth:`Tracker._over_samples`)."""
+    """``reduction='none'`` (a mean or a sum is per model, see :meth:`Tracker._over_samples`)."""
     lost = _first_lost(tagged)
     if lost is not None:
         return _tag_all(out, lost)
@@ -2459,7 +2459,7 @@ def _loss(ctx, name, args, kwargs, out, tagged) -> None:
         return _tag_all(out, Lost(f"{name} of the models' samples with targets that differ along the models"))
     bound = loss_arguments(getattr(F, name.split(".")[-1]), args, kwargs)
     if bound["reduction"] != "none":
-        return _tag_all(out, Lost(f"{name} with reduction='sum' over the models' samples"))
+        return _tag_all(out, Lost(f"{name} with reduction={bound['reduction']!r} over the models' samples"))
     if name.endswith(_PER_ROW_LOSSES):
         first = args[0] if args else next(iter(bound.values()))
         if isinstance(first, Tensor) and first.dim() < 2:  # an unbatched input: the samples are its one vector
@@ -2732,8 +2732,8 @@ _add(_reduction, _REDUCTIONS, over_samples=_reduces_samples)
 # torch.distributions' argument validation, ``if not torch._is_all_true(constraint.check(value))``: an all(),
 # each model's own over its samples (a per-model bool that must be True for every model to go on)
 _add(_reduction, "_is_all_true", method=False, functional=False, over_samples=_reduces_samples)
-for _n in ("norm", "vector_norm"):  # (input, ord, dim, keepdim): never intensive, so no over_samples
-    _RULES[getattr(torch.linalg, _n)] = _Rule(_reduction, f"torch.linalg.{_n}")
+for _n in ("norm", "vector_norm"):  # (input, ord, dim, keepdim)
+    _RULES[getattr(torch.linalg, _n)] = _Rule(_reduction, f"torch.linalg.{_n}", _reduces_samples)
 _add(_dim_rule(1, "dim", None), "softmax log_softmax softmin cumsum cumprod cummax cummin logcumsumexp")
 for _fn in (torch.softmax, torch.log_softmax, Tensor.softmax, Tensor.log_softmax, F.softmax, F.log_softmax, F.softmin):
     _RULES[_fn] = _RULES[_fn]._replace(compute=_within_each_model(1, "dim"))
@@ -2981,7 +2981,9 @@ for _owners, _names, _values in (
     for _owner in _owners:
         for _n in _names.split():
             _SIZE_TAKING[getattr(_owner, _n)] = frozenset(_values)
-_EQUALS = dict.fromkeys((torch.Tensor.__eq__, torch.Tensor.eq, torch.eq), True)
+# Elementwise ops, where a number is a value: given with per-model values alone, a size read from the samples
+# is each model's own (see _per_model_values_alone)
+_VALUE_OPERANDS = frozenset(f for f, r in _RULES.items() if r.rule in (_elementwise, _inplace_elementwise))
 
 _IN_PLACE = _in_place_functions()
 

@@ -14,12 +14,13 @@ layers that must know the model boundaries (linear, conv, norms) view it back to
 
 Limits, by design:
 
-- A mean over the samples inside ``forward`` (``x.mean(0)``, ``x.std()``, ``x.amax()``, a loss with
-  ``reduction='mean'`` including ``ignore_index`` and class weights) is each model's own: the output is
-  ``(M,)``, entry ``i`` model ``i``'s loss, and ``loss.sum().backward()`` gives every model exactly its own
-  gradient. A sum, count, norm or index over the samples is refused where it reaches a layer or an output:
-  code pairs it with sizes such as ``x.size(0)``, which inside are ``M * B``, so no per-model value would be
-  right. Sizes used as values (``x / x.size(0)``) are ``M`` times one model's for the same reason.
+- A reduction of values over the samples inside ``forward`` (``x.mean(0)``, ``x.sum()``, ``x.std()``,
+  ``x.amax()``, ``x.norm()``, a loss with ``reduction='mean'`` or ``'sum'`` including ``ignore_index`` and
+  class weights) is each model's own: the output is ``(M,)``, entry ``i`` model ``i``'s loss, and
+  ``loss.sum().backward()`` gives every model exactly its own gradient. An index over the samples
+  (``argmax``) is refused where it reaches a layer or an output. Sizes read from the samples (``x.size(0)``)
+  are ``M * B`` inside: given with per-model values alone to an elementwise op (``x.sum(0) / x.size(0)``) they
+  are each model's own ``B``; used as values anywhere else (``x / x.size(0)``) they are refused.
 - Which tensors carry the models' samples is followed through every torch call of ``forward``, not guessed
   from sizes (``batchlayers._provenance``). Code that would mix the models' samples (``torch.roll`` over the
   batch, a functional batch norm in training mode, an op without a rule) is refused where its result reaches

@@ -127,6 +127,21 @@ def test_exact_where_sizes_coincide(case: str) -> None:
     compare_training(stack(models), [seeded(factory, i) for i in range(2)], make_input, batch=batch, **kwargs)
 
 
+def _matches_originals(stacked: nn.Module, models: list[nn.Module], *inputs: torch.Tensor, msg: str = "") -> None:
+    """``stacked(*inputs)`` equals the original models' outputs on their slices, and so do the parameters'
+    gradients of ``.sum().backward()`` (None where the originals' are None)."""
+    out = stacked(*inputs)
+    expected = torch.stack([m(*(t[i] for t in inputs)) for i, m in enumerate(models)])
+    assert_close(out, expected, msg=msg)
+    out.sum().backward()
+    expected.sum().backward()
+    for key, p in stacked.named_parameters():
+        grads = [dict(m.named_parameters())[key].grad for m in models]
+        assert (p.grad is None) == (grads[0] is None), key
+        if p.grad is not None:
+            assert_close(p.grad, torch.stack(grads), msg=key)
+
+
 def _refused(model: nn.Module, x: torch.Tensor, match: str, error: type[Exception] = ValueError) -> None:
     with pytest.raises(error, match=match):
         model(x)
@@ -663,7 +678,7 @@ def test_in_forward_losses_without_reduction_are_each_samples_own(name: str) -> 
 
 
 class _Sums(_Pattern):
-    """Sums, counts, norms and indices over the folded batch: paired with folded sizes, not per model."""
+    """Sums, counts, norms and indices over the folded batch."""
 
     def forward(self, x, y):
         h = self.fc(x)
@@ -674,14 +689,26 @@ class _Sums(_Pattern):
         if self.pattern == "masked sum / mask.sum()":
             mask = y > 0
             return ((h - y).pow(2) * mask).sum() / mask.sum()
+        if self.pattern == "per-feature sum(0) / (B - 1)":
+            return h * (h.sum(0) / (x.shape[0] - 1))
         if self.pattern == "loss with reduction='sum'":
             return F.l1_loss(h, y, reduction="sum")
         if self.pattern == "legacy size_average=False":
             return F.l1_loss(h, y, size_average=False)
+        if self.pattern == "cross entropy summed, over a count":
+            target = (y > 0).long().sum(1).clamp(max=2)
+            return F.cross_entropy(h, target, reduction="sum") / target.count_nonzero()
         if self.pattern == "x / x.norm()":
             return self.fc(x / x.norm())
         if self.pattern == "x / linalg.vector_norm(x)":
             return self.fc(x / torch.linalg.vector_norm(x))
+        if self.pattern == "logsumexp and prod over the batch":
+            return h - torch.logsumexp(h, 0) + torch.sigmoid(h).prod(0)
+        if self.pattern == "count == numel (transformers' fast_all)":
+            positive = x[:, 0] > -10
+            return h * 2 if positive.sum() == positive.numel() else h
+        if self.pattern == "count == a literal equal to M * B":
+            return h * 2 if (x[:, 0] > -10).sum() == 6 else h
         if self.pattern == "indices of the batch max":
             return h[h[:, 0].argmax()]
         if self.pattern == "indices from max(dim)":
@@ -689,24 +716,44 @@ class _Sums(_Pattern):
         raise AssertionError(self.pattern)
 
 
+PER_MODEL_SUMS = [
+    "sum / x.size(0)",
+    "sum / x.numel()",
+    "masked sum / mask.sum()",
+    "per-feature sum(0) / (B - 1)",
+    "loss with reduction='sum'",
+    "legacy size_average=False",
+    "cross entropy summed, over a count",
+    "x / x.norm()",
+    "x / linalg.vector_norm(x)",
+    "logsumexp and prod over the batch",
+    "count == numel (transformers' fast_all)",
+    "count == a literal equal to M * B",
+]
+
+
+@pytest.mark.filterwarnings("ignore:size_average")
+@pytest.mark.parametrize("batch", [2, 3])
+@pytest.mark.parametrize("pattern", PER_MODEL_SUMS)
+def test_sums_over_the_samples_are_each_models_own(pattern: str, batch: int) -> None:
+    """A sum, count or norm over the folded batch is each model's own (a per-model value), and a size read from
+    the samples that code pairs it with is each model's own size: exact against the originals, outputs and
+    gradients. (B = 2 makes M * B = 6, the literal, for 3 models.)"""
+    models = [seeded(lambda: _Sums(pattern, 3), i) for i in range(3)]
+    x, y = torch.randn(3, batch, 4, dtype=torch.float64), torch.randn(3, batch, 3, dtype=torch.float64)
+    _matches_originals(stack(models), models, x, y, msg=pattern)
+
+
 SUMS = {
-    "sum / x.size(0)": r"Tensor.div uses the number 6, read from the size of a tensor that holds the models' samples",
-    "sum / x.numel()": r"Tensor.div uses the number 18, read from the size of a tensor that holds the models'",
-    "masked sum / mask.sum()": r"0-dim value.*Tensor.sum over the models' samples",
-    "loss with reduction='sum'": r"0-dim value.*F.l1_loss with reduction='sum'",
-    "legacy size_average=False": r"0-dim value.*F.l1_loss with reduction='sum'",
-    "x / x.norm()": r"fc.*Tensor.norm over the models' samples",
-    "x / linalg.vector_norm(x)": r"fc.*torch.linalg.vector_norm over the models' samples",
     "indices of the batch max": r"output .*Tensor.argmax over the models' samples",
     "indices from max(dim)": r"output .*the indices of Tensor.max over the models' samples",
 }
 
 
-@pytest.mark.filterwarnings("ignore:size_average")
 @pytest.mark.parametrize("pattern", list(SUMS))
-def test_sums_over_the_samples_are_refused(pattern: str) -> None:
-    """A sum over the folded batch is every model's, and the sizes code divides it by are M times one
-    model's: refused, never a per-model value off by M."""
+def test_indices_over_the_samples_are_refused(pattern: str) -> None:
+    """An index over the folded batch is a position among every model's samples: refused, never read as one
+    model's."""
     batched = stack([_Sums(pattern, 3), _Sums(pattern, 3)])
     with pytest.raises(ValueError, match=SUMS[pattern]):
         batched(torch.randn(2, 3, 4), torch.randn(2, 3, 3))
@@ -719,14 +766,6 @@ class _Escapes(_Pattern):
 
     def forward(self, x):
         h = self.fc(x)
-        if self.pattern == "item of a sum":
-            return h[:, : int(h.sum(0).argmax().item()) + 1].sum(1, keepdim=True) * h
-        if self.pattern == "if on a sum":
-            return h * 2 if h.sum() > 0 else h
-        if self.pattern == "int of a count":
-            return h / (int((h > 0).sum()) + 1)
-        if self.pattern == "float of a sum":
-            return h / (float(h.detach().abs().sum()) + 1)
         if self.pattern == "count of a mask":
             return h / (h[h > 0].numel() + 1)
         if self.pattern == "nonzero rows":
@@ -820,8 +859,6 @@ AS_A_PLAIN_NUMBER = (
 )
 A_SIZE = ("a size", "read from the size of a tensor that holds the models' samples")
 FOLDED_SIZES = {
-    "running mean (RL observation normaliser)": AS_A_VALUE,
-    "samples seen": AS_A_VALUE,
     "sum / batch size": AS_A_VALUE,
     "scaled by 1 / B": AS_A_VALUE,
     "divided by the square root of B": AS_A_VALUE,
@@ -843,6 +880,21 @@ FOLDED_SIZES = {
     "a branch on B - 1": r"compares 5, computed from the size .* with 2 \(>\): each original model compares its "
     r"own \(1\) and gets False",
 }
+
+
+@pytest.mark.parametrize("pattern", ["running mean (RL observation normaliser)", "samples seen"])
+def test_the_batch_size_with_per_model_buffers_is_each_models_own(pattern: str) -> None:
+    """``x.size(0)`` given with per-model values alone (buffers stored per model, a mean over the samples) is
+    each model's own B: an RL observation normaliser's running mean and count are exact, step after step."""
+    models = [seeded(lambda: _FoldedSizes(pattern), i) for i in range(3)]
+    stacked = stack(models)
+    for step in range(3):
+        x = torch.randn(3, 2 + step, 4, dtype=torch.float64)
+        out = stacked(x)
+        expected = torch.stack([m(x[i]) for i, m in enumerate(models)])
+        assert_close(out, expected, msg=f"{pattern}, step {step}")
+        for key, value in stacked.named_buffers():
+            assert_close(value, torch.stack([dict(m.named_buffers())[key] for m in models]), msg=key)
 
 
 @pytest.mark.parametrize("pattern", list(FOLDED_SIZES))
@@ -880,10 +932,6 @@ def test_len_of_a_dimension_that_merely_equals_the_folded_size_is_exact() -> Non
 
 
 ESCAPES = {
-    "item of a sum": r"Tensor.item.*computed from the models' samples.*Tensor.sum over the models' samples",
-    "if on a sum": r"Tensor.__bool__.*computed from the models' samples",
-    "int of a count": r"Tensor.__int__.*computed from the models' samples",
-    "float of a sum": r"Tensor.__float__.*computed from the models' samples",
     "count of a mask": r"Tensor.numel.*computed from the models' samples",
     "nonzero rows": r"Tensor.shape.*computed from the models' samples",
     "tolist": r"Tensor.tolist.*holds the models' samples",
@@ -904,14 +952,47 @@ def test_samples_read_into_python_are_refused(pattern: str, batch: int) -> None:
     models = [seeded(lambda: _Escapes(pattern), i) for i in range(3)]
     x = torch.randn(3, batch, 4, dtype=torch.float64)
     _refused(stack(models), x, ESCAPES[pattern])
-    stacked = stack(models, execution="model_by_model")
-    out = stacked(x)
-    expected = torch.stack([m(x[i]) for i, m in enumerate(models)])
-    assert_close(out, expected, msg=pattern)
-    out.sum().backward()
-    expected.sum().backward()
-    for key, p in stacked.named_parameters():
-        assert_close(p.grad, torch.stack([dict(m.named_parameters())[key].grad for m in models]), msg=key)
+    _matches_originals(stack(models, execution="model_by_model"), models, x, msg=pattern)
+
+
+class _ReadsASum(_Pattern):
+    """A sum or count over the samples read into Python (a per-model value); ``read`` keeps what was read."""
+
+    def forward(self, x):
+        h = self.fc(x)
+        if self.pattern == "item of a sum":
+            self.read = int(h.sum(0).argmax().item())
+            return h[:, : self.read + 1].sum(1, keepdim=True) * h
+        if self.pattern == "if on a sum":
+            self.read = bool(h.sum() > 0)
+            return h * 2 if self.read else h
+        if self.pattern == "int of a count":
+            self.read = int((h > 0).sum())
+            return h / (self.read + 1)
+        if self.pattern == "float of a sum":
+            self.read = float(h.detach().abs().sum())
+            return h / (self.read + 1)
+        raise AssertionError(self.pattern)
+
+
+@pytest.mark.parametrize("models_differ", [False, True], ids=["same models", "different models"])
+@pytest.mark.parametrize("pattern", ["item of a sum", "if on a sum", "int of a count", "float of a sum"])
+def test_per_model_sums_read_into_python(pattern: str, models_differ: bool) -> None:
+    """A sum over the samples is each model's own: read into Python, it is that number where every original
+    model reads the same (exact, gradients included), and refused, naming the call, where they differ."""
+    models = [seeded(lambda: _ReadsASum(pattern), i if models_differ else 0) for i in range(3)]
+    x = torch.randn(3, 3, 4, dtype=torch.float64)
+    if not models_differ:
+        x = x[:1].expand_as(x)
+    stacked = stack(models)
+    with torch.no_grad():
+        reads = {(m(x[i]), m.read)[1] for i, m in enumerate(models)}
+    if pattern == "float of a sum" and models_differ:
+        assert len(reads) > 1  # (so the refusal below is tested)
+    if len(reads) > 1:
+        _refused(stacked, x, r"inside a stacked forward gives different results for different models")
+    else:
+        _matches_originals(stacked, models, x, msg=pattern)
 
 
 def test_a_number_that_merely_equals_the_folded_size_is_exact() -> None:
@@ -922,10 +1003,9 @@ def test_a_number_that_merely_equals_the_folded_size_is_exact() -> None:
     assert_close(stack(models)(x), compare, msg="literal")
 
 
-@pytest.mark.parametrize("pattern", [*ESCAPES, *list(FOLDED_SIZES)[2:]])
+@pytest.mark.parametrize("pattern", [*ESCAPES, *FOLDED_SIZES])
 def test_reading_into_python_is_exact_for_one_model(pattern: str) -> None:
-    """With M=1 the folded batch is the one model's: whatever Python reads from it is its own. (The buffer
-    patterns of FOLDED_SIZES are left out: with one model every buffer is equal in all models, so shared.)"""
+    """With M=1 the folded batch is the one model's: whatever Python reads from it is its own."""
     factory = (lambda: _FoldedSizes(pattern)) if pattern in FOLDED_SIZES else (lambda: _Escapes(pattern))
     model = seeded(factory, 0).double()
     x = torch.randn(1, 3, 4, dtype=torch.float64)
@@ -1428,9 +1508,10 @@ def test_all_as_a_count_follows_each_model() -> None:
     assert_close(stack(models)(x), torch.stack([m(x[i]) for i, m in enumerate(models)]))
     x[1, 0, 0] = -1.0  # model 1 alone takes the other branch
     _refused(stack(models), x, r"Tensor.__bool__ .*gives different results for different models")
-    # a literal that equals the folded mask's size (M * B = 6) is a count, not each model's size: refused
+    # a literal that equals the folded mask's size (M * B = 6) is compared with each model's own count
     literal = [seeded(lambda: _CountedAll(against=6), i) for i in range(3)]
-    _refused(stack(literal), torch.rand(3, 2, 4, dtype=torch.float64), r"Tensor.__bool__ reads a value computed")
+    x = torch.rand(3, 2, 4, dtype=torch.float64)
+    assert_close(stack(literal)(x), torch.stack([m(x[i]) for i, m in enumerate(literal)]))
 
 
 class BatchSized(nn.Module):
@@ -1855,11 +1936,12 @@ def test_per_model_value_repeated_to_the_batch_is_exact(how: str, batch: int) ->
 
 
 @pytest.mark.parametrize("how", ["repeat, summed", "new_ones, summed"])
-def test_sums_of_batch_sized_per_model_values_are_refused(how: str) -> None:
-    """Summed over the folded batch size, each model would get M times its own value: refused (these gave wrong
-    numbers without an error before repeat and new_ones of per-model values had rules)."""
-    batched = stack([seeded(lambda: _PerModelFromBatchSize(how), i) for i in range(2)])
-    _refused(batched, torch.randn(2, 3, 6, 4, dtype=torch.float64), r"fc.*Tensor.sum over the models' samples")
+def test_sums_of_batch_sized_per_model_values_are_each_models_own(how: str) -> None:
+    """Summed over the batch, a per-model value repeated to the folded batch size gives each model its own B
+    times the value, not M times that (these gave wrong numbers without an error before repeat and new_ones of
+    per-model values had rules, and were refused while sums over the samples were)."""
+    models = [seeded(lambda: _PerModelFromBatchSize(how), i) for i in range(2)]
+    _matches_originals(stack(models), models, torch.randn(2, 3, 6, 4, dtype=torch.float64), msg=how)
 
 
 def test_new_tensor_of_per_sample_values_is_refused() -> None:
