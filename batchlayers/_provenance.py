@@ -432,6 +432,8 @@ class Tracker(TorchFunctionMode):
             if written is None:  # a buffer just stored per model: the write is one into a per-model value
                 tagged = _tagged(args, kwargs)
         if not tagged:
+            if self.size_read and _ESCAPES.get(func, False) and self.num_models > 1:
+                _refuse_escape_from_size(func, args, kwargs)
             out = func(*args, **kwargs)
             sized = _sized_dims(func, args, kwargs, out) if shaped else None
             if self.size_read and (numbers or _from_size_among(args, kwargs)):
@@ -904,9 +906,18 @@ def _refuse_escape(func: Callable, tagged: list[_In]) -> None:
     raise ValueError(
         f"batchlayers: {name} reads {what} into Python in a stacked model's forward: every model would get "
         "one value, computed from all models' samples, where each original model reads its own. Keep it a "
-        "tensor (torch.where instead of if, a mean over the samples instead of a sum or count), or stack with "
-        "execution='model_by_model', which runs each model's forward on its own samples"
+        "tensor (torch.where instead of if; a mean, sum or count over the samples is each model's own), or "
+        "stack with execution='model_by_model', which runs each model's forward on its own samples"
     )
+
+
+def _refuse_escape_from_size(func: Callable, args: Sequence, kwargs: dict) -> None:
+    """A value computed from a size read from the samples alone (``int(torch.arange(B).sum())``,
+    ``torch.arange(B)[-1].item()``) read into Python: the folded size's value, where each original model reads
+    its own ``B``'s."""
+    alone = from_size_alone(args, kwargs)
+    if alone is not None:
+        raise ValueError(from_size_message(f"batchlayers: {_name(func)} reads into Python a tensor that", alone))
 
 
 def _norm(dim: int, ndim: int) -> int:

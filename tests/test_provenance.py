@@ -766,6 +766,14 @@ class _Escapes(_Pattern):
 
     def forward(self, x):
         h = self.fc(x)
+        if self.pattern == "int of a sum of arange(B)":
+            return h * int(torch.arange(x.size(0)).sum())
+        if self.pattern == "item of arange(B)'s last":
+            return h * torch.arange(x.size(0))[-1].item()
+        if self.pattern == "if on a mean of arange(B)":
+            return h * 2 if torch.arange(x.size(0), dtype=h.dtype).mean() > 0.7 else h
+        if self.pattern == "tolist of arange(B)":
+            return h * len(torch.arange(x.size(0)).tolist())
         if self.pattern == "count of a mask":
             return h / (h[h > 0].numel() + 1)
         if self.pattern == "nonzero rows":
@@ -931,7 +939,13 @@ def test_len_of_a_dimension_that_merely_equals_the_folded_size_is_exact() -> Non
     assert_close(stack(models)(x), torch.stack([m(x[i]) for i, m in enumerate(models)]), msg="time-major len")
 
 
+FROM_SIZE = r"reads into Python a tensor that \(shape .*\) was computed from a size read from the models' samples"
 ESCAPES = {
+    # values of tensors built from the read batch size alone: M * B's, where each original reads its own B's
+    "int of a sum of arange(B)": r"Tensor.__int__ " + FROM_SIZE,
+    "item of arange(B)'s last": r"Tensor.item " + FROM_SIZE,
+    "if on a mean of arange(B)": r"Tensor.__bool__ " + FROM_SIZE,
+    "tolist of arange(B)": r"Tensor.tolist " + FROM_SIZE,
     "count of a mask": r"Tensor.numel.*computed from the models' samples",
     "nonzero rows": r"Tensor.shape.*computed from the models' samples",
     "tolist": r"Tensor.tolist.*holds the models' samples",
