@@ -72,6 +72,7 @@ class _Call:
     # (module, name, tensor) of every per-model parameter and buffer at the start of the call (see UnfoldOutputs)
     per_model_slots: list[tuple[nn.Module, str, Tensor | None]] = field(default_factory=list)
     signature: tuple = ()  # see _signature
+    fold_inputs: Any = None  # the root's FoldInputs hook
 
 
 def _calls() -> list[_Call]:
@@ -185,6 +186,10 @@ class FoldInputs:
         # ... grouped by module (path atoms, tensor names): tagging walks to each module once per call
         self.per_model_by_module = _by_module(self.per_model)
         self.own_code = list(own_code)  # those of them that the architecture's own code uses (not a batched layer)
+        # a call gave an elementwise op each model's own number for a size read from the samples (see
+        # batchlayers._provenance._each_models_values): torch.compile does not show the tracker the size reads,
+        # so calls run without compiling from then on
+        self.sizes_as_values = False
 
     def __call__(self, root: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if runs_model_by_model(root):
@@ -213,7 +218,7 @@ class FoldInputs:
         _unwind_stale_calls(root)
         tracker = Tracker(num_models, [num_models * b for b in batches])
         name = f"stacked {type(root).__name__}"
-        tracker.eager_only = bool(getattr(self, "own_code", ()))
+        tracker.eager_only = bool(getattr(self, "own_code", ())) or getattr(self, "sizes_as_values", False)
         call = _Call(
             owner=id(root),
             num_models=num_models,
@@ -222,6 +227,7 @@ class FoldInputs:
             shared_buffers=[],
             per_model_slots=slots,
             signature=signature,
+            fold_inputs=self,
         )
         call.shared_buffers = [
             tracker.guard_shared_buffer(n, b, name, functools.partial(self.store_per_model, root, n, call=call))
@@ -270,6 +276,12 @@ class FoldInputs:
             raise RuntimeError(
                 f"stacked {type(root).__name__}: its own code uses per-model tensors such as '{self.own_code[0]}'; "
                 "it runs without compiling"
+            )
+        if compiling and getattr(self, "sizes_as_values", False):
+            raise RuntimeError(
+                f"stacked {type(root).__name__}: its own code computes with a batch size read from the samples "
+                "(h / x.size(0)), which is each model's own B only where batchlayers sees the size read; it runs "
+                "without compiling"
             )
         slots = []
         num_models = cast(int, root.num_models)
@@ -401,6 +413,8 @@ class UnfoldOutputs:
             return None  # the pre-hook refused the input; nothing to unwind
         call = calls.pop()
         call.tracker.__exit__(None, None, None)
+        if call.tracker.own_numbers and call.fold_inputs is not None:
+            call.fold_inputs.sizes_as_values = True
         failed = sys.exc_info()[1]  # (torch calls this hook from its except clause when forward raised)
         if failed is not None:
             _explain(failed, call)

@@ -16,8 +16,8 @@ Python's own operators, comparisons and ``round``/``abs``/``math.floor`` on thes
 comparison whose answer differs from each original model's is refused (also with a plain number that equals
 the folded one: ``B == h.shape[1]`` with ``h.shape[1] == M * B``), and ``int()``/``float()``, ``str()`` and
 ``format()`` (which Python makes plain whatever they return) are refused where they would lose a number that
-differs. The tracker (``batchlayers._provenance``) refuses a number that differs anywhere torch would use it
-as a value.
+differs. The tracker (``batchlayers._provenance``) gives an elementwise op each model's own number in its
+place, and refuses a number that differs anywhere else torch would use it as a value.
 
 What Python computes without asking the number cannot be followed: a ``float`` on the left of an operator
 (``1.0 / B``, ``0.5 * B``: float's own operator reads the int directly), ``math.log(B)`` (which reads an int's
@@ -48,7 +48,7 @@ def plain_number_message(how: str, of: str, value: object, where: str, own: obje
         f"batchlayers: {how} of {of} gives {value}, {where}, as a plain Python number that batchlayers cannot "
         f"follow, where each original model has its own ({own}). "
         "Read the size with x.size(0) or x.shape[0] and compute with it, which batchlayers follows (as a shape "
-        "it works, as a value it is refused), or stack with execution='model_by_model'"
+        "it works, in arithmetic with tensors it is each model's own), or stack with execution='model_by_model'"
     )
 
 

@@ -32,8 +32,8 @@ length equal to ``M * B``), so batchlayers follows where every tensor came from:
   per model on the samples viewed ``(M, *one model's shape)`` and gives a per-model value
   (``batchlayers._per_model``): each model's own loss, ignore_index and class weights included. Indices over
   the samples (``argmax``, ``max(dim).indices``) stay :class:`Lost`: they count positions in the folded
-  batch. A size read from the samples given with per-model values alone to an elementwise op
-  (``x.sum(0) / x.size(0)``, ``mask.sum() == mask.numel()``) is each model's own there (see ``Tracker``).
+  batch. A size read from the samples given to an elementwise op (``x.sum(0) / x.size(0)``,
+  ``mask.sum() == mask.numel()``) is each model's own there (see :func:`_each_models_values`).
 
 - **At the boundaries.** A batched layer takes a tagged input by its tag (model dimension first; row-wise
   layers such as Linear also take it on another dimension), broadcasts an untagged one, and refuses a
@@ -42,8 +42,9 @@ length equal to ``M * B``), so batchlayers follows where every tensor came from:
 - **Sizes.** ``B = x.size(0)`` is ``M * B``, returned as a :class:`FoldedSize` (an int that knows it counts
   the samples: a reshape by it, or by ``B * T``, is known, a literal is not). What Python computes from it
   carries each original model's value too (``batchlayers._numbers``): torch is given a number that differs
-  per model only where it takes it as the size of the samples (reshapes, creation, indexing; elsewhere it
-  is refused), and comparisons whose answer differs per model are refused. The mode notes when the folded size of a
+  per model where it takes it as the size of the samples (reshapes, creation, indexing), each model's own
+  number where an elementwise op takes it as a value (``h / B``), and elsewhere it is refused; comparisons
+  whose answer differs per model are refused. The mode notes when the folded size of a
   tagged tensor is read; from then on, tensors created with that size are known to be batch-sized: those
   with equal (``zeros``, ``ones``, ``full``, ``empty``) or independent random values (``rand``, ``randn``)
   are model-major on that dimension (every split of equal values is right): the dimension given ``B``, where
@@ -385,6 +386,7 @@ class Tracker(TorchFunctionMode):
         self.popped = 0  # > 0: off torch's mode stack (eager; see pause())
         self.size_read = False  # the folded size of a tagged tensor was read into an int
         self.eager_only = False  # refuse to be traced by torch.compile (see FoldInputs.tag_per_model)
+        self.own_numbers = False  # an elementwise op was given each model's own number (see _each_models_values)
         self.grad_enabled = torch.is_grad_enabled()  # at the start of the call (see refuse_checkpointing)
         # tensors that a .view() or reshape of a layer output copied where the original aliases, or the reverse
         # (see _view); any later in-place write to either would not reach the other, as it would in torch.
@@ -413,8 +415,9 @@ class Tracker(TorchFunctionMode):
         shaped, numbers, deferred = False, None, None
         if self.num_models > 1 and not isinstance(func, torch._ops.OpOverload):  # (a compiled graph's ops)
             numbers = _numbers_that_differ(args, kwargs)
-            if numbers and func in _VALUE_OPERANDS and _per_model_values_alone(args, kwargs):
+            if numbers and func in _VALUE_OPERANDS and _each_models_values(args, kwargs):
                 args, kwargs, numbers = _each_models_numbers(args), _each_models_numbers(kwargs), None
+                self.own_numbers = True
             if numbers:
                 if func in _OWN_POSITIONS:
                     deferred = numbers  # each model's own position in its samples, or refused below
@@ -656,8 +659,8 @@ class Tracker(TorchFunctionMode):
         """A number that differs per model (a :class:`FoldedSize` ``B``, or ``B - 1``, ``1 / B``: see
         ``batchlayers._numbers``) given to torch anywhere but as the size of the models' samples (``y / B`` with
         ``y`` holding the samples, ``count += x.shape[0]`` into a buffer stored once, ``torch.full(shape, B)``):
-        each original model would use its own. (Given with per-model values alone to an elementwise op, it is
-        replaced by that own number before this: see :func:`_per_model_values_alone`.)"""
+        each original model would use its own. (An elementwise op is given that own number instead before
+        this: see :func:`_each_models_values`.)"""
         values = _SIZE_TAKING.get(func)
         for number, where, top_level in numbers:
             if values is not None and isinstance(number, FoldedSize) and not (top_level and where in values):
@@ -758,16 +761,17 @@ def _numbers_that_differ(args: Sequence, kwargs: dict) -> list[tuple[Any, object
 _MARKED = frozenset({FoldedSize, FoldedInt, FoldedValue})
 
 
-def _per_model_values_alone(args: Sequence, kwargs: dict) -> bool:
-    """Whether the tensors among the arguments are all per-model values (none holds the samples), and the
-    numbers that differ per model are arguments themselves (not in a list): each model's call then computes
-    with its own number (``x.sum(0) / x.size(0)``, ``count + x.shape[0]`` with a per-model ``count``)."""
+def _each_models_values(args: Sequence, kwargs: dict) -> bool:
+    """Whether an elementwise op computes each element as its original model would with its own number in
+    place of each number that differs per model (``h / x.size(0)``, ``x.sum(0) / x.size(0)``, ``count +
+    x.shape[0]``): the numbers are arguments themselves (not in a list) and no tensor among them is
+    :class:`Lost`. That own number is the same for every model (``B`` of ``M * B``), and an elementwise op
+    computes every element alone, from the elements at its position: each element of its result is then its
+    original model's, whether the tensors hold the samples, per-model values or neither. (A tensor built from
+    the read size alone, ``torch.arange(B)``, stays marked so, wherever it goes.)"""
     tagged = _tagged(args, kwargs)
-    return (
-        bool(tagged)
-        and all(i.tag is PerModel for i in tagged)
-        and all(top for _, _, top in _numbers_that_differ(args, kwargs))
-    )
+    lost = any(isinstance(i.tag, Lost) for i in tagged)
+    return not lost and all(top for _, _, top in _numbers_that_differ(args, kwargs))
 
 
 def _each_models_numbers(obj: Any) -> Any:
@@ -1113,8 +1117,8 @@ def _reduced_dims(name: str, args: Sequence, kwargs: dict, ndim: int) -> set[int
 
 
 # Reductions of values: over the samples, each model's own (a per-model value). The sizes code pairs a sum
-# with (``x.sum(0) / x.size(0)``) are M times one model's; given with per-model values alone to an elementwise
-# op they are each model's own (Tracker.__torch_function__), anywhere else refused. Indices over the folded
+# with (``x.sum(0) / x.size(0)``) are M times one model's; given to an elementwise op they are each model's own
+# (_each_models_values), anywhere else refused. Indices over the folded
 # batch (argmax, argmin) are positions among every model's samples: those stay reductions over all of them,
 # refused where they meet the samples, a per-model value or the output.
 _OF_VALUES = {"mean", "nanmean", "sum", "nansum", "prod", "logsumexp", "count_nonzero", "norm", "vector_norm",
@@ -2992,8 +2996,8 @@ for _owners, _names, _values in (
     for _owner in _owners:
         for _n in _names.split():
             _SIZE_TAKING[getattr(_owner, _n)] = frozenset(_values)
-# Elementwise ops, where a number is a value: given with per-model values alone, a size read from the samples
-# is each model's own (see _per_model_values_alone)
+# Elementwise ops, where a number is a value: a size read from the samples is each model's own there (see
+# _each_models_values)
 _VALUE_OPERANDS = frozenset(f for f, r in _RULES.items() if r.rule in (_elementwise, _inplace_elementwise))
 
 _IN_PLACE = _in_place_functions()

@@ -19,8 +19,8 @@ Limits, by design:
   class weights) is each model's own: the output is ``(M,)``, entry ``i`` model ``i``'s loss, and
   ``loss.sum().backward()`` gives every model exactly its own gradient. An index over the samples
   (``argmax``) is refused where it reaches a layer or an output. Sizes read from the samples (``x.size(0)``)
-  are ``M * B`` inside: given with per-model values alone to an elementwise op (``x.sum(0) / x.size(0)``) they
-  are each model's own ``B``; used as values anywhere else (``x / x.size(0)``) they are refused.
+  are ``M * B`` inside: given to an elementwise op (``x / x.size(0)``, ``x.sum(0) / x.size(0)``) they are
+  each model's own ``B``; used as values anywhere else (``torch.full((4,), x.size(0))``) they are refused.
 - Which tensors carry the models' samples is followed through every torch call of ``forward``, not guessed
   from sizes (``batchlayers._provenance``). Code that would mix the models' samples (``torch.roll`` over the
   batch, a functional batch norm in training mode, an op without a rule) is refused where its result reaches

@@ -867,22 +867,12 @@ AS_A_PLAIN_NUMBER = (
 )
 A_SIZE = ("a size", "read from the size of a tensor that holds the models' samples")
 FOLDED_SIZES = {
-    "sum / batch size": AS_A_VALUE,
-    "scaled by 1 / B": AS_A_VALUE,
-    "divided by the square root of B": AS_A_VALUE,
-    "divided by half the batch": AS_A_VALUE,
     "divided by len(x)": AS_A_PLAIN_NUMBER.format("a tensor that holds the models' samples", "every model's samples"),
     "divided by float(B)": AS_A_PLAIN_NUMBER.format(*A_SIZE),
     "divided by math.sqrt(B)": AS_A_PLAIN_NUMBER.format(*A_SIZE),
-    # what Python computes from B stays marked (batchlayers._numbers), with each model's own value
-    "divided by B - 1 (unbiased)": AS_A_VALUE,
-    "scaled by B * 0.5": AS_A_VALUE,
-    "scaled by -B": AS_A_VALUE,
     "divided by int(B)": AS_A_PLAIN_NUMBER.format(*A_SIZE),
     "divided by a tensor made from B": AS_A_VALUE,
     "divided by a tensor filled with B": AS_A_VALUE,
-    "times a constant tensor divided by B": AS_A_VALUE,
-    "clamped at B - 1": AS_A_VALUE,
     "a feature dimension padded by B": AS_A_VALUE,
     "a feature dimension resampled to B": AS_A_VALUE,
     "a branch on B - 1": r"compares 5, computed from the size .* with 2 \(>\): each original model compares its "
@@ -890,10 +880,27 @@ FOLDED_SIZES = {
 }
 
 
-@pytest.mark.parametrize("pattern", ["running mean (RL observation normaliser)", "samples seen"])
-def test_the_batch_size_with_per_model_buffers_is_each_models_own(pattern: str) -> None:
-    """``x.size(0)`` given with per-model values alone (buffers stored per model, a mean over the samples) is
-    each model's own B: an RL observation normaliser's running mean and count are exact, step after step."""
+# what Python computes from B stays marked (batchlayers._numbers), with each model's own value
+AS_ELEMENTWISE_VALUES = [
+    "running mean (RL observation normaliser)",
+    "samples seen",
+    "sum / batch size",
+    "scaled by 1 / B",
+    "divided by the square root of B",
+    "divided by half the batch",
+    "divided by B - 1 (unbiased)",
+    "scaled by B * 0.5",
+    "scaled by -B",
+    "times a constant tensor divided by B",
+    "clamped at B - 1",
+]
+
+
+@pytest.mark.parametrize("pattern", AS_ELEMENTWISE_VALUES)
+def test_the_batch_size_as_an_elementwise_value_is_each_models_own(pattern: str) -> None:
+    """``x.size(0)`` (and what Python computes from it) given to an elementwise op is each model's own B: every
+    element is its original model's, with the samples, per-model buffers (an RL observation normaliser's
+    running mean and count) or constants. Exact, buffers included, step after step with changing B."""
     models = [seeded(lambda: _FoldedSizes(pattern), i) for i in range(3)]
     stacked = stack(models)
     for step in range(3):
@@ -1259,7 +1266,6 @@ SECOND_BATCH_SIZED = {
     "normal(0, 0, (B, B)) summed": _GIVEN_B,
     "linspace(0, 1, B) summed, as a factor": _VALUES_FROM_B,
     "the mean of arange(B) as a factor": _VALUES_FROM_B,
-    "the number of elements of arange(B)": r"uses the number \d+, read from the size of a tensor",
     "features written by a slice of B": "Tensor.__setitem__ " + _SLICED_BY_B,
     "features written at arange(B) % F": "Tensor.__setitem__ " + _INDEX_AS_LONG,
     "arange(B) as a row, repeated B times": r"a tensor of shape \(1, \d+\), as long as the folded batch \(M \* B\) on "
@@ -1282,10 +1288,13 @@ def test_the_batch_size_on_another_dimension_is_refused(pattern: str, num_models
 
 
 @pytest.mark.parametrize("num_models,batch", [(2, 1), (2, 2), (3, 2)], ids=lambda n: str(n))
-def test_the_samples_are_where_the_batch_size_was_given(num_models: int, batch: int) -> None:
+@pytest.mark.parametrize(
+    "pattern", ["new_zeros(F, B) plus the samples transposed", "the number of elements of arange(B)"]
+)
+def test_the_samples_are_where_the_batch_size_was_given(pattern: str, num_models: int, batch: int) -> None:
     """``h.new_zeros(F, B)``: the samples on the dimension given ``B``, also where ``F`` equals ``M * B`` (4 = 2 * 2),
-    which a guess from the sizes would take for them: exact, gradients included."""
-    pattern = "new_zeros(F, B) plus the samples transposed"
+    which a guess from the sizes would take for them; ``torch.arange(B).numel()``, a size read back, each model's
+    own ``B`` as a factor: exact, gradients included."""
     compare_training(stack([seeded(lambda: _SecondBatchSized(pattern), i) for i in range(num_models)]),
                      [seeded(lambda: _SecondBatchSized(pattern), i) for i in range(num_models)],
                      lambda lead: torch.randn(*lead, 4, dtype=torch.float64), batch=batch)  # fmt: skip
