@@ -541,6 +541,20 @@ def _addmm(ctx, func, args, kwargs):
     return _result(out, 0 if tag == 0 else None)
 
 
+def _matmul(ctx, func, args, kwargs):
+    """``a @ b`` (``matmul``, ``mm``, ``bmm``) of two per-model values of at least two dimensions (the samples
+    of a product that contracts them, see ``batchlayers._provenance._contracts_samples``): one matmul, the
+    models a batch dimension of both; ``mm`` and ``bmm`` keep their own checks of the one model's shapes."""
+    if kwargs or len(args) != 2 or not all(get_tag(t) is PerModel for t in args):
+        return NotImplemented
+    dims = {len(single_shape(t, ctx.num_models)) for t in args}
+    wanted = {torch.mm: {2}, Tensor.mm: {2}, torch.bmm: {3}, Tensor.bmm: {3}}.get(func)
+    if min(dims) < 2 or (wanted is not None and dims != wanted):
+        return NotImplemented  # (per model: torch's own result or error)
+    # one model's batch dimensions broadcast from the right, so the models' dimension goes first in both
+    return per_model(torch.matmul(*(explicit(t, ctx.num_models, max(dims)) for t in args)))
+
+
 def _einsum(ctx, func, args, kwargs):
     """``torch.einsum`` with per-model operands: one einsum over all models, with a model subscript in front
     of every per-model operand, every operand holding samples (viewed ``(M, n, ...)``) and the output."""
@@ -1029,6 +1043,9 @@ _FAST[torch.broadcast_tensors] = _broadcast_tensors
 _FAST[torch._is_all_true] = _on_stored(lambda t, s: t.reshape(t.shape[0], s.numel()).all(1))
 _FAST[torch.addmm] = _addmm
 _FAST[torch.einsum] = _einsum
+for _product in (torch.matmul, Tensor.matmul, Tensor.__matmul__, torch.mm, Tensor.mm, torch.bmm, Tensor.bmm):
+    _FAST[_product] = _matmul
+del _product
 _FAST[F.layer_norm] = _affine_norm(F.layer_norm, ("weight", "bias"), None)
 _FAST[F.rms_norm] = _affine_norm(F.rms_norm, ("weight",), None)
 _FAST[F.group_norm] = _affine_norm(F.group_norm, ("weight", "bias"), 1)

@@ -30,7 +30,8 @@ length equal to ``M * B``), so batchlayers follows where every tensor came from:
 - **Reductions over the samples.** A reduction of values (a mean, sum, product, norm, std/var, min/max
   values, median, logsumexp, a count, all/any; a loss with ``reduction='mean'`` or ``'sum'``) is computed
   per model on the samples viewed ``(M, *one model's shape)`` and gives a per-model value
-  (``batchlayers._per_model``): each model's own loss, ignore_index and class weights included. Indices over
+  (``batchlayers._per_model``): each model's own loss, ignore_index and class weights included; so is a
+  matrix product or einsum that contracts the samples (``h.T @ h``). Indices over
   the samples (``argmax``, ``max(dim).indices``) stay :class:`Lost`: they count positions in the folded
   batch. A size read from the samples given to an elementwise op (``x.sum(0) / x.size(0)``,
   ``mask.sum() == mask.numel()``) is each model's own there (see :func:`_each_models_values`).
@@ -1377,6 +1378,20 @@ def _matmul(ctx, name, args, kwargs, out, tagged) -> None:
     _tag_all(out, dim)
 
 
+def _contracts_samples(name, args, kwargs, tagged) -> bool:
+    """Over-samples check of matrix products: ``a @ b`` (``matmul``, ``mm``, ``bmm``) whose two operands both
+    hold the samples on the dimension it contracts (``h.T @ h``, a covariance or cross-correlation over the
+    batch): a sum over the samples, each model's own (a per-model value), as ``x.sum(0)`` is."""
+    if name.split(".")[-1] not in ("matmul", "__matmul__", "mm", "bmm") or len(tagged) != 2:
+        return False
+    operands = [a for a in args if isinstance(a, Tensor)]
+    operands += [kwargs[k] for k in _MATMUL_OPERANDS if isinstance(kwargs.get(k), Tensor)]
+    if len(operands) != 2 or any(t.dim() < 2 for t in operands):
+        return False
+    a, b = operands
+    return get_tag(a) == a.dim() - 1 and get_tag(b) == b.dim() - 2
+
+
 def _within_each_model(position: int, key: str) -> Callable:
     """A function along one dimension (``softmax(x, dim)``) of the dimension that holds the models' samples:
     each model's along its own samples, computed on that dimension viewed ``(M, B)``, the result tagged as the
@@ -1656,6 +1671,28 @@ def _einsum(ctx, name, args, kwargs, out, tagged) -> None:
     if parsed is None:
         return _tag_all(out, Lost(f"{name} (batchlayers has no rule for this form)"))
     _tag_all(out, einsum_tag(name, operands, *parsed))
+
+
+def _einsum_over_samples(name, args, kwargs, tagged) -> bool:
+    """Over-samples check of ``torch.einsum``: every operand holding samples holds them once, on one subscript
+    that the output sums over (``"bc,bd->cd"``, a cross-correlation over the batch), and no other operand spans
+    it: a sum over the samples, each model's own (a per-model value), as ``x.sum(0)`` is."""
+    operands = einsum_operands(args)
+    if kwargs or not args or not isinstance(args[0], str) or not all(isinstance(t, Tensor) for t in operands):
+        return False
+    if not all(isinstance(i.tag, int) or i.tag is PerModel for i in tagged):
+        return False
+    parsed = einsum_labels(args[0], [t.dim() for t in operands])
+    if parsed is None:
+        return False
+    labels, out = parsed
+    model = {ls[cast(int, get_tag(t))] for t, ls in zip(operands, labels) if isinstance(get_tag(t), int)}
+    if len(model) != 1:
+        return False
+    (label,) = model
+    spans = [ls.count(label) for t, ls in zip(operands, labels)]
+    holds = [isinstance(get_tag(t), int) for t in operands]
+    return label not in out and all(n == (1 if h else 0) for n, h in zip(spans, holds))
 
 
 def _einsum_pairs(ctx, func, args, kwargs, tagged) -> Tensor | None:
@@ -2792,7 +2829,7 @@ _add(_multi_head_attention, "multi_head_attention_forward", method=False, torch_
 _add(_bilinear, "bilinear", method=False)
 _add(_embedding_bag, "embedding_bag", method=False, torch_=False)
 _add(_like_self, "prelu", method=False)
-_add(_matmul, "matmul mm bmm addmm baddbmm __matmul__ mv addmv")
+_add(_matmul, "matmul mm bmm addmm baddbmm __matmul__ mv addmv", over_samples=_contracts_samples)
 for _fn in (torch.matmul, torch.mm, torch.bmm, Tensor.matmul, Tensor.mm, Tensor.bmm, Tensor.__matmul__):
     _RULES[_fn] = _RULES[_fn]._replace(compute=_pairs)
 _add(_trailing(lambda a, k: 1), "view_as_complex")  # (..., 2) real -> (...) complex
@@ -2818,7 +2855,7 @@ for _names, _default in (
 for _fft in ("fftshift", "ifftshift"):
     _RULES[getattr(torch.fft, _fft)] = _Rule(_dim_rule(1, "dim", None), f"torch.fft.{_fft}")
 _add(_sdpa, "scaled_dot_product_attention")
-_RULES[torch.einsum] = _Rule(_einsum, "torch.einsum", compute=_einsum_pairs)
+_RULES[torch.einsum] = _Rule(_einsum, "torch.einsum", _einsum_over_samples, _einsum_pairs)
 _RULES[torch.cdist] = _Rule(_cdist, "torch.cdist", compute=_cdist_per_model)
 _add(_reshape, "view reshape flatten unflatten view_as reshape_as squeeze unsqueeze squeeze_ unsqueeze_ ravel")
 _add(_permutation(_transpose_perm), "transpose swapaxes swapdims transpose_")

@@ -41,7 +41,23 @@ class DataWrites(nn.Module):
         return (h + self.loc) * self.log_scale.exp() * self.w / self.temperature
 
 
+class PerModelProducts(nn.Module):
+    """Matrix products of parameters held outside layers (a low-rank or mixing weight built in forward), one
+    of them batched over a dimension as long as the number of models."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+        self.a = nn.Parameter(torch.randn(M, 5))
+        self.b = nn.Parameter(torch.randn(M, 5, 2))  # (M as a batch dimension of one model's weight)
+
+    def forward(self, x):
+        w = (self.a @ self.b).sum(0) + torch.mm(self.a, self.b[0]) + torch.bmm(self.b, self.b.mT).sum(0)[:M, :2]
+        return self.fc(x) @ w.T
+
+
 CASES = {
+    "matrix products of per-model values of different ranks": (PerModelProducts, lambda lead: torch.randn(*lead, 4)),
     "writes through .data: clipping, ActNorm's data init": (DataWrites, lambda lead: torch.randn(*lead, 4)),
     "ViT: cls token, pos embed, gamma, bias table": (la.TinyViT, lambda lead: torch.randn(*lead, 3, 8, 8)),
     "ConvNeXt: std conv, BN+act, LayerNorm2d": (la.ConvNeXtish, lambda lead: torch.randn(*lead, 3, 6, 6)),

@@ -707,6 +707,20 @@ class _Sums(_Pattern):
         if self.pattern == "count == numel (transformers' fast_all)":
             positive = x[:, 0] > -10
             return h * 2 if positive.sum() == positive.numel() else h
+        if self.pattern == "covariance h.T @ h / (B - 1)":
+            c = h - h.mean(0)
+            return self.fc(x) @ (c.T @ c / (x.size(0) - 1))
+        if self.pattern == "cross-correlation torch.mm(h.t(), y) / B":
+            return torch.mm(h.t(), y) / x.size(0)
+        if self.pattern == "Barlow Twins' loss":
+            z1, z2 = (h - h.mean(0)) / h.std(0), (y - y.mean(0)) / y.std(0)
+            c = torch.matmul(z1.transpose(0, 1), z2) / x.shape[0]
+            return (torch.diagonal(c) - 1).pow(2).sum() + 0.005 * (c - torch.diag(torch.diagonal(c))).pow(2).sum()
+        if self.pattern == "einsum's cross-correlation over the batch":
+            return torch.einsum("bc,bd->cd", h, y) / x.size(0)
+        if self.pattern == "bmm over heads":
+            heads = h.T.reshape(1, 3, -1).expand(2, -1, -1)
+            return torch.bmm(heads, y.expand(2, -1, -1))
         if self.pattern == "count == a literal equal to M * B":
             return h * 2 if (x[:, 0] > -10).sum() == 6 else h
         if self.pattern == "indices of the batch max":
@@ -729,6 +743,11 @@ PER_MODEL_SUMS = [
     "logsumexp and prod over the batch",
     "count == numel (transformers' fast_all)",
     "count == a literal equal to M * B",
+    "covariance h.T @ h / (B - 1)",
+    "cross-correlation torch.mm(h.t(), y) / B",
+    "Barlow Twins' loss",
+    "bmm over heads",
+    "einsum's cross-correlation over the batch",
 ]
 
 
@@ -736,9 +755,10 @@ PER_MODEL_SUMS = [
 @pytest.mark.parametrize("batch", [2, 3])
 @pytest.mark.parametrize("pattern", PER_MODEL_SUMS)
 def test_sums_over_the_samples_are_each_models_own(pattern: str, batch: int) -> None:
-    """A sum, count or norm over the folded batch is each model's own (a per-model value), and a size read from
-    the samples that code pairs it with is each model's own size: exact against the originals, outputs and
-    gradients. (B = 2 makes M * B = 6, the literal, for 3 models.)"""
+    """A sum, count or norm over the folded batch is each model's own (a per-model value), and so is a matrix
+    product that contracts the samples (``h.T @ h``); a size read from the samples that code pairs it with is
+    each model's own size: exact against the originals, outputs and gradients. (B = 2 makes M * B = 6, the
+    literal, for 3 models.)"""
     models = [seeded(lambda: _Sums(pattern, 3), i) for i in range(3)]
     x, y = torch.randn(3, batch, 4, dtype=torch.float64), torch.randn(3, batch, 3, dtype=torch.float64)
     _matches_originals(stack(models), models, x, y, msg=pattern)
@@ -1805,11 +1825,10 @@ def test_einsum_is_exact(form: str, batch: int) -> None:
 @pytest.mark.parametrize(
     "equation, match",
     [
-        ("btc,btd->cd", "torch.einsum sums over the dimension that holds the models' samples"),
         ("btc,stc,c->bs", "torch.einsum combines the models' samples along two different dimensions"),
         ("bbc->bc", "torch.einsum takes a diagonal along the dimension that holds the models' samples"),
     ],
-    ids=["sum over the samples", "samples on two dimensions", "diagonal"],
+    ids=["samples on two dimensions", "diagonal"],
 )
 def test_einsum_mixing_the_models_is_refused(equation: str, match: str) -> None:
     class Mixes(nn.Module):
@@ -1832,13 +1851,24 @@ def test_einsum_rule_never_names_a_wrong_dimension() -> None:
     """Random equations (1-3 operands, ellipses, repeated and implicit subscripts) over operands that hold the
     samples of M models on a random dimension, or are shared: wherever the rule names an output dimension, its
     blocks are each model's own einsum; wherever two operands hold them on two subscripts and the einsum is
-    computed per model instead (pairs of samples), so is the result."""
+    computed per model instead (pairs of samples), so is the result; and wherever the equation sums over the
+    samples and is computed as a per-model value, model i's entry is model i's own einsum."""
     from types import SimpleNamespace
 
-    from batchlayers._provenance import _einsum_pairs, _tagged, einsum_labels, einsum_tag, get_tag, set_tag
+    from batchlayers import _per_model
+    from batchlayers._provenance import (
+        Tracker,
+        _einsum_over_samples,
+        _einsum_pairs,
+        _tagged,
+        einsum_labels,
+        einsum_tag,
+        get_tag,
+        set_tag,
+    )
 
     rng = random.Random(0)
-    named = paired = 0
+    named = paired = summed = 0
     for _ in range(3000):
         m, n = rng.choice([2, 3]), rng.choice([1, 2, 3])
         size = {c: rng.choice([1, 2, 3]) for c in "abcd"}
@@ -1879,6 +1909,10 @@ def test_einsum_rule_never_names_a_wrong_dimension() -> None:
         except RuntimeError:  # an equation torch refuses (shapes that do not broadcast, ...)
             continue
         arguments = (equation, *folded)
+        if _einsum_over_samples("torch.einsum", arguments, {}, _tagged(arguments, {})):
+            summed += 1
+            result = _per_model.call(Tracker(m, [m * n]), torch.einsum, arguments, {})
+            assert_close(result, torch.stack(expected), msg=f"{equation} summed per model")
         pairs = _einsum_pairs(SimpleNamespace(num_models=m), torch.einsum, arguments, {}, _tagged(arguments, {}))
         if pairs is not None:
             paired += 1
@@ -1893,7 +1927,7 @@ def test_einsum_rule_never_names_a_wrong_dimension() -> None:
         if isinstance(d, int):
             named += 1
             assert_close(out, torch.cat(expected, d), msg=f"{equation} {[tuple(t.shape) for t in folded]}")
-    assert named > 300 and paired > 30, (named, paired)  # often enough for this to test something
+    assert named > 300 and paired > 30 and summed > 100, (named, paired, summed)  # often enough to test something
 
 
 class _RowLSTM(nn.Module):
