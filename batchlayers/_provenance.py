@@ -31,7 +31,8 @@ length equal to ``M * B``), so batchlayers follows where every tensor came from:
   values, median, logsumexp, a count, all/any; a loss with ``reduction='mean'`` or ``'sum'``) is computed
   per model on the samples viewed ``(M, *one model's shape)`` and gives a per-model value
   (``batchlayers._per_model``): each model's own loss, ignore_index and class weights included; so is a
-  matrix product or einsum that contracts the samples (``h.T @ h``). Indices over
+  matrix product or einsum that contracts the samples (``h.T @ h``), and a reduction or loss over rows
+  picked by a boolean mask (``h[mask].mean()``: see :data:`_SELECTION`). Indices over
   the samples (``argmax``, ``max(dim).indices``) stay :class:`Lost`: they count positions in the folded
   batch. A size read from the samples given to an elementwise op (``x.sum(0) / x.size(0)``,
   ``mask.sum() == mask.numel()``) is each model's own there (see :func:`_each_models_values`).
@@ -498,6 +499,12 @@ class Tracker(TorchFunctionMode):
         if _ESCAPES.get(func, False) and self.num_models > 1:  # (one model: every value is its own)
             _refuse_escape(func, tagged)
         entry = _RULES.get(func)
+        follows = self.num_models > 1 and not torch.compiler.is_compiling()
+        before = [_selection_of(i.tensor) for i in tagged] if follows else []  # (an in-place call moves versions)
+        if entry is not None and follows:
+            selection = _reduced_selection(entry, args, kwargs, tagged, before)
+            if selection is not None:
+                return self._over_selection(entry.name, func, args, kwargs, selection)
         if entry is not None and entry.over_samples and entry.over_samples(entry.name, args, kwargs, tagged):
             return self._over_samples(entry.name, func, args, kwargs)
         computed = entry.compute(self, func, args, given, tagged) if entry is not None and entry.compute else None
@@ -547,6 +554,8 @@ class Tracker(TorchFunctionMode):
             _tag_all(out, lost or Lost(f"{_name(func)} (batchlayers has no rule for it)"))
         elif computed is None:
             entry.rule(self, entry.name, args, kwargs, out, tagged)
+        if follows:
+            _follow_selection(self, func, entry, args, kwargs, out, tagged, before)
         if self.num_models > 1 and out is not (args[0] if args else None) and not torch.compiler.is_compiling():
             _note_picked_rows(out, tagged)
             if entry is not None and entry.rule in (_like_self, _elementwise):  # (dimensions kept where they were)
@@ -654,6 +663,29 @@ class Tracker(TorchFunctionMode):
         indices = getattr(out, "indices", None)  # max(dim=...) and the like: positions within one model's samples
         if isinstance(indices, Tensor):
             set_tag(indices, Lost(f"the indices of {name} over the models' samples"))
+        return out
+
+    def _over_selection(self, name: str, func, args: tuple, kwargs: dict, selection: Selection) -> object:
+        """A reduction or a loss over rows picked from the samples by a boolean mask (``h[mask].mean()``,
+        ``F.cross_entropy(logits[mask], labels[mask])``): each model's own over its own rows (a per-model
+        value), computed model by model on its block of the rows."""
+        self.refuse_checkpointing(name)
+        counts = selection.counts.tolist()
+        results = []
+        parts = [
+            a.split(counts) if (picked := _selection_of(a)) is not None and selection.same(picked) else None
+            for a in (*args, *kwargs.values())
+        ]
+        keys = list(kwargs)
+        for i in range(self.num_models):
+            own = [a if part is None else part[i] for a, part in zip((*args, *kwargs.values()), parts)]
+            results.append(func(*own[: len(args)], **dict(zip(keys, own[len(args) :]))))
+        if not all(isinstance(r, Tensor) for r in results):  # values and indices (h[mask].max(0)): not followed
+            whole = func(*args, **kwargs)
+            _tag_all(whole, Lost(f"{name} over rows picked from the models' samples by a mask"))
+            return whole
+        out = torch.stack(results)
+        set_tag(out, PerModel)
         return out
 
     def _refuse_numbers_that_differ(self, func: Callable, numbers: list[tuple[Any, object, bool]]) -> None:
@@ -1097,6 +1129,136 @@ def _pass_samples_dim(out: object, tagged: list[_In]) -> None:
             d, shape = getattr(noted[0].tensor, _SAMPLES_DIM)
             if tuple(o.shape) == shape == tuple(noted[0].shape):
                 o._batchlayers_samples_dim = (d, shape)  # type: ignore[attr-defined]  # (syntax: see set_tag)
+
+
+# Rows picked from the samples by a boolean mask, ``h[mask]`` (``h`` and the mask holding the samples on
+# dimension 0): they keep the folded batch's order, so each model's rows are one block, of that model's own
+# count. The tag stays Lost (everything else refuses it as ever); a tensor that still holds exactly those rows
+# carries a Selection too, checked against its version counter (any write into it, through a view too, drops
+# it), so that reductions and losses over the rows can be computed per model (Tracker._over_selection).
+_SELECTION = "_batchlayers_selection"
+
+
+@dataclass(frozen=True, eq=False)
+class Selection:
+    mask: Tensor
+    version: int  # the mask's, when the rows were picked
+    counts: Tensor  # (M,): each model's number of rows
+
+    def same(self, other: Selection) -> bool:
+        """The same rows: picked by one mask, or by two masks equal in every element (``labels != -100``
+        computed twice), neither written since."""
+        if self is other or (self.mask is other.mask and self.version == other.version):
+            return True
+        unchanged = self.mask._version == self.version and other.mask._version == other.version
+        return unchanged and self.mask.shape == other.mask.shape and torch.equal(self.mask, other.mask)
+
+
+def _selection_of(t: object) -> Selection | None:
+    """The rows ``t`` holds, picked by a mask, while nothing has written into ``t`` since."""
+    noted = getattr(t, _SELECTION, None) if isinstance(t, Tensor) else None
+    if noted is None or noted[1] != cast(Tensor, t)._version:
+        return None
+    return noted[0]
+
+
+def _one_selection(before: Sequence[Selection | None]) -> Selection | None:
+    """The rows that every one of the tagged arguments held before the call (``before``), or None."""
+    first = before[0] if before else None
+    return first if first is not None and all(p is not None and first.same(p) for p in before) else None
+
+
+def _follow_selection(ctx, func, entry, args, kwargs, out, tagged, before) -> None:
+    """Note on the outputs the rows picked by a mask they hold (see :data:`_SELECTION`): ``h[mask]``, and an
+    elementwise op whose operands holding samples all hold the same picked rows on dimension 0 (the others
+    broadcast over them). Any other call's outputs hold none (an in-place one's included)."""
+    outs = [o for o in _outputs(out) if isinstance(o, Tensor)]
+    for o in outs:
+        o.__dict__.pop(_SELECTION, None)
+    picked = None
+    if func is Tensor.__getitem__ and len(args) == 2:
+        x, mask = args
+        if (
+            isinstance(mask, Tensor)
+            and mask.dtype == torch.bool
+            and get_tag(x) == 0
+            and get_tag(mask) == 0
+            and 1 <= mask.dim() <= x.dim()
+            and mask.shape == x.shape[: mask.dim()]
+            and len(outs) == 1
+            and not mask.is_inference()  # (inference tensors have no version counters to check a selection by)
+        ):
+            counts = mask.detach().reshape(ctx.num_models, -1).sum(1)
+            picked = Selection(mask, mask._version, counts)
+    elif entry is not None and entry.rule in (_like_self, _elementwise, _inplace_elementwise) and len(outs) == 1:
+        picked = _same_selection(args, kwargs, tagged, before, outs[0])
+    elif entry is not None and len(outs) == 1 and outs[0].dim() > 0:
+        picked = _rows_kept(entry, args, kwargs, tagged, before, outs[0])
+    if picked is None or any(o.is_inference() for o in outs):
+        return
+    for o in outs:
+        setattr(o, _SELECTION, (picked, o._version))
+
+
+def _same_selection(args: Sequence, kwargs: dict, tagged: list[_In], before, out: Tensor) -> Selection | None:
+    """The rows picked by a mask that every tagged operand holds on dimension 0 as ``out`` does, where the
+    untagged ones broadcast over those rows; None otherwise."""
+    found = _one_selection(before)
+    if found is None or any(len(i.shape) != out.dim() or i.shape[0] != out.shape[0] for i in tagged) or not out.dim():
+        return None
+    for t in (*args, *kwargs.values()):
+        if isinstance(t, Tensor) and get_tag(t) is None and t.dim() == out.dim() and t.shape[0] != 1:
+            return None  # (as many values as rows: each row's own, from where?)
+    return found
+
+
+def _rows_kept(entry: _Rule, args: Sequence, kwargs: dict, tagged: list[_In], before, out: Tensor) -> Selection | None:
+    """The rows picked by a mask that a call computes row by row keeps on ``out``'s dimension 0: a reduction
+    over other dimensions (``.sum(-1)``), ``softmax``/``log_softmax`` along another dimension, a loss with
+    ``reduction='none'`` of operands that all hold those rows (one loss per row)."""
+    first = _one_selection(before)
+    if first is None or any(not i.shape or i.shape[0] != out.shape[0] for i in tagged):
+        return None
+    if any(isinstance(t, Tensor) and get_tag(t) is None and t.dim() > 0 and t.shape[0] == out.shape[0] != 1
+           for t in (*args, *kwargs.values())):  # fmt: skip
+        return None  # (per-row values from elsewhere)
+    name = entry.name.split(".")[-1]
+    x = tagged[0].tensor
+    if (
+        entry.rule is _reduction
+        and len(tagged) == 1
+        and x is args[0]
+        and not (len(args) > 1 and isinstance(args[1], Tensor))
+    ):
+        return first if 0 not in _reduced_dims(entry.name, args, kwargs, x.dim()) else None
+    if name in ("softmax", "log_softmax") and len(tagged) == 1 and x is args[0]:
+        dim = _arg(args, kwargs, 1, "dim", None)
+        return first if isinstance(dim, int) and _norm(dim, x.dim()) != 0 else None
+    if entry.rule is _loss:
+        reduction = loss_arguments(getattr(F, name), args, kwargs)["reduction"]
+        return first if reduction == "none" else None
+    return None
+
+
+def _reduced_selection(entry: _Rule, args: Sequence, kwargs: dict, tagged: list[_In], before) -> Selection | None:
+    """The rows picked by a mask that a reduction over them (``h[mask].mean()``, ``.sum(0)``) or a loss of
+    them (``'mean'``, ``'sum'``, ``'batchmean'``: every tagged tensor holding the same rows) reduces; None
+    for any other call."""
+    first = _one_selection(before)
+    if first is None or kwargs.get("out") is not None or any(not i.shape for i in tagged):
+        return None
+    name = entry.name
+    if entry.rule is _reduction:
+        x = args[0] if args else None
+        if len(tagged) != 1 or tagged[0].tensor is not x or name.split(".")[-1] not in _OF_VALUES:
+            return None
+        if len(args) > 1 and isinstance(args[1], Tensor):
+            return None  # torch.max(a, b): elementwise
+        return first if 0 in _reduced_dims(name, args, kwargs, x.dim()) else None
+    if entry.rule is _loss:
+        reduction = loss_arguments(getattr(F, name.split(".")[-1]), args, kwargs)["reduction"]
+        return first if reduction in ("mean", "sum", "batchmean") else None
+    return None
 
 
 def _samples_dim(x: Tensor) -> int | None:

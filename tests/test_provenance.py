@@ -780,6 +780,93 @@ def test_indices_over_the_samples_are_refused(pattern: str) -> None:
     assert torch.overrides._get_current_function_mode_stack() == []
 
 
+class _Picked(_Pattern):
+    """Rows picked from the samples by a boolean mask, ``h[mask]`` (masked losses, masked means)."""
+
+    def forward(self, x, y):
+        h, m = self.fc(x), y[:, 0] > 0
+        t = torch.where(m, (y[:, 1] > 0).long(), -100)
+        if self.pattern == "mean of picked rows":
+            return h[m].mean()
+        if self.pattern == "cross entropy of picked rows, the mask computed twice":
+            return F.cross_entropy(h[t != -100], t[t != -100])
+        if self.pattern == "mse of picked rows":
+            return F.mse_loss(h[m], y[m])
+        if self.pattern == "squared error of picked rows, summed per row, averaged":
+            return ((h - y)[m] ** 2).sum(-1).mean()
+        if self.pattern == "log_softmax then nll of picked rows":
+            return F.nll_loss(F.log_softmax(h[m], -1), t[m])
+        if self.pattern == "per-row losses summed over the count":
+            return F.cross_entropy(h[m], t[m], reduction="none").sum() / m.sum()
+        if self.pattern == "picked rows scaled in place":
+            v = h[m]
+            v *= torch.tensor([1.0, 2.0, 3.0], dtype=v.dtype)
+            return v.mean(0)
+        if self.pattern == "a mask over two dimensions":
+            return h.unsqueeze(1).expand(-1, 2, -1)[y[:, :2] > 0].mean()
+        if self.pattern == "sum over picked rows / count":
+            return h[m].sum(0) / m.sum()
+        if self.pattern == "cumsum over picked rows":
+            return h[m].cumsum(0).mean()
+        if self.pattern == "a picked row overwritten":
+            v = h[m].clone()
+            v[0] = 0.0
+            return v.mean()
+        if self.pattern == "softmax over the picked rows":
+            return h[m].softmax(0).mean()
+        if self.pattern == "max over picked rows, with indices":
+            return h[m].max(0).values
+        if self.pattern == "picked rows into a layer":
+            return self.fc(x[m]).mean()
+        raise AssertionError(self.pattern)
+
+
+PICKED = [
+    "mean of picked rows",
+    "cross entropy of picked rows, the mask computed twice",
+    "mse of picked rows",
+    "squared error of picked rows, summed per row, averaged",
+    "log_softmax then nll of picked rows",
+    "per-row losses summed over the count",
+    "picked rows scaled in place",
+    "a mask over two dimensions",
+    "sum over picked rows / count",
+]
+PICKED_REFUSED = {
+    "cumsum over picked rows": "output .*indexing by values computed from the models' samples",
+    "a picked row overwritten": "output .*indexing by values computed from the models' samples",
+    "softmax over the picked rows": "output .*indexing by values computed from the models' samples",
+    "max over picked rows, with indices": r"output .*Tensor.max over rows picked from the models' samples by a mask",
+    "picked rows into a layer": "fc.*indexing by values computed from the models' samples",
+}
+
+
+def _picked_inputs(batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = torch.randn(3, batch, 4, dtype=torch.float64), torch.randn(3, batch, 3, dtype=torch.float64)
+    y[:, 0, 0] = 1.0  # every model picks a row or more
+    return x, y
+
+
+@pytest.mark.parametrize("batch", [1, 5])
+@pytest.mark.parametrize("pattern", PICKED)
+def test_reductions_and_losses_of_rows_picked_by_a_mask_are_each_models_own(pattern: str, batch: int) -> None:
+    """``h[mask]`` keeps the folded batch's order, each model's rows one block of its own count: a reduction
+    over those rows or a loss of them (operands picked by the same mask, or an equal one) is each model's own,
+    through elementwise and row-by-row calls. Exact against the originals, gradients included."""
+    models = [seeded(lambda: _Picked(pattern, 3), i) for i in range(3)]
+    _matches_originals(stack(models), models, *_picked_inputs(batch), msg=pattern)
+
+
+@pytest.mark.parametrize("pattern", list(PICKED_REFUSED))
+def test_rows_picked_by_a_mask_mixed_or_rewritten_are_refused(pattern: str) -> None:
+    """Picked rows that a call mixes (along them), that are written into since, that leave as indices, or
+    that reach a layer: refused, never split into blocks that no longer are each model's."""
+    batched = stack([seeded(lambda: _Picked(pattern, 3), i) for i in range(3)])
+    with pytest.raises(ValueError, match=PICKED_REFUSED[pattern]):
+        batched(*_picked_inputs(5))
+    assert torch.overrides._get_current_function_mode_stack() == []
+
+
 class _Escapes(_Pattern):
     """A value computed over every model's samples read into Python (a number, a bool, a list, an array) or
     handed to code batchlayers does not see: one value for all models, where each original reads its own."""
