@@ -389,6 +389,7 @@ class Tracker(TorchFunctionMode):
         self.size_read = False  # the folded size of a tagged tensor was read into an int
         self.eager_only = False  # refuse to be traced by torch.compile (see FoldInputs.tag_per_model)
         self.own_numbers = False  # an elementwise op was given each model's own number (see _each_models_values)
+        self.picked = False  # this call picked rows of the samples by a mask (see _SELECTION)
         self.grad_enabled = torch.is_grad_enabled()  # at the start of the call (see refuse_checkpointing)
         # tensors that a .view() or reshape of a layer output copied where the original aliases, or the reverse
         # (see _view); any later in-place write to either would not reach the other, as it would in torch.
@@ -499,7 +500,9 @@ class Tracker(TorchFunctionMode):
         if _ESCAPES.get(func, False) and self.num_models > 1:  # (one model: every value is its own)
             _refuse_escape(func, tagged)
         entry = _RULES.get(func)
-        follows = self.num_models > 1 and not torch.compiler.is_compiling()
+        # rows picked by a mask (from the first h[mask] of the call on: other calls pay nothing for it)
+        follows = (self.picked or func is Tensor.__getitem__) and self.num_models > 1
+        follows = follows and not torch.compiler.is_compiling()
         before = [_selection_of(i.tensor) for i in tagged] if follows else []  # (an in-place call moves versions)
         if entry is not None and follows:
             selection = _reduced_selection(entry, args, kwargs, tagged, before)
@@ -1196,6 +1199,7 @@ def _follow_selection(ctx, func, entry, args, kwargs, out, tagged, before) -> No
         picked = _rows_kept(entry, args, kwargs, tagged, before, outs[0])
     if picked is None or any(o.is_inference() for o in outs):
         return
+    ctx.picked = True
     for o in outs:
         setattr(o, _SELECTION, (picked, o._version))
 
