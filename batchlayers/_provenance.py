@@ -502,6 +502,11 @@ class Tracker(TorchFunctionMode):
         entry = _RULES.get(func)
         # rows picked by a mask (from the first h[mask] of the call on: other calls pay nothing for it)
         follows = (self.picked or func is Tensor.__getitem__) and self.num_models > 1
+        if follows and torch.compiler.is_compiling() and func is Tensor.__getitem__ and _picks_rows(args):
+            raise RuntimeError(
+                "batchlayers: h[mask] picks rows of the models' samples, which batchlayers follows per model only "
+                "without compiling; it runs without compiling (torch.compile falls back)"
+            )
         follows = follows and not torch.compiler.is_compiling()
         before = [_selection_of(i.tensor) for i in tagged] if follows else []  # (an in-place call moves versions)
         if entry is not None and follows:
@@ -1179,20 +1184,10 @@ def _follow_selection(ctx, func, entry, args, kwargs, out, tagged, before) -> No
     for o in outs:
         o.__dict__.pop(_SELECTION, None)
     picked = None
-    if func is Tensor.__getitem__ and len(args) == 2:
-        x, mask = args
-        if (
-            isinstance(mask, Tensor)
-            and mask.dtype == torch.bool
-            and get_tag(x) == 0
-            and get_tag(mask) == 0
-            and 1 <= mask.dim() <= x.dim()
-            and mask.shape == x.shape[: mask.dim()]
-            and len(outs) == 1
-            and not mask.is_inference()  # (inference tensors have no version counters to check a selection by)
-        ):
-            counts = mask.detach().reshape(ctx.num_models, -1).sum(1)
-            picked = Selection(mask, mask._version, counts)
+    if func is Tensor.__getitem__ and _picks_rows(args) and len(outs) == 1:
+        mask = cast(Tensor, args[1])
+        if not mask.is_inference():  # (inference tensors have no version counters to check a selection by)
+            picked = Selection(mask, mask._version, mask.detach().reshape(ctx.num_models, -1).sum(1))
     elif entry is not None and entry.rule in (_like_self, _elementwise, _inplace_elementwise) and len(outs) == 1:
         picked = _same_selection(args, kwargs, tagged, before, outs[0])
     elif entry is not None and len(outs) == 1 and outs[0].dim() > 0:
@@ -1202,6 +1197,21 @@ def _follow_selection(ctx, func, entry, args, kwargs, out, tagged, before) -> No
     ctx.picked = True
     for o in outs:
         setattr(o, _SELECTION, (picked, o._version))
+
+
+def _picks_rows(args: Sequence) -> bool:
+    """``h[mask]``: a boolean mask holding the samples on dimension 0 over ``h``'s leading dimensions, ``h``
+    holding them there too."""
+    if len(args) != 2 or not isinstance(args[0], Tensor) or not isinstance(args[1], Tensor):
+        return False
+    x, mask = args
+    return (
+        mask.dtype == torch.bool
+        and get_tag(x) == 0
+        and get_tag(mask) == 0
+        and 1 <= mask.dim() <= x.dim()
+        and mask.shape == x.shape[: mask.dim()]
+    )
 
 
 def _same_selection(args: Sequence, kwargs: dict, tagged: list[_In], before, out: Tensor) -> Selection | None:

@@ -222,12 +222,12 @@ def check_batched(stacked: nn.Module, *inputs: object, **kwargs: object) -> None
 
     Under ``torch.compile`` batchlayers cannot follow a batch size that ``forward`` reads (``x.size(0)``):
     code such as ``h / x.size(0)`` (each model's own ``B`` in an eager call) would give every model a wrong
-    result without an error. Where the check finds such code, the stacked model's calls run without compiling
-    from then on (with ``fullgraph=True`` they raise). So the first
-    compiled call with inputs of a kind (each tensor input's number of dimensions and dtype, train or eval
-    mode) runs this check itself, as a graph break. With ``fullgraph=True`` it cannot: call this (or the
-    stacked model itself, a real call) once before compiling. It also checks the batched forward of a model
-    stacked with ``execution="model_by_model"``, which compiled runs batched.
+    result without an error. So the first compiled call with inputs of a kind (each tensor input's number of
+    dimensions and dtype, train or eval mode) runs this check itself, as a graph break. With
+    ``fullgraph=True`` it cannot: call this (or the stacked model itself, a real call) once before compiling.
+    Where the check finds such code, the stacked model's calls run without compiling from then on (with
+    ``fullgraph=True`` they raise). It also checks the batched forward of a model stacked with
+    ``execution="model_by_model"``, which compiled runs batched.
 
     Args:
         stacked: a model from :func:`batchlayers.stack`.

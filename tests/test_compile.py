@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+import torch.nn.functional as F
 from convert_harness import seeded
 from harness import assert_close
 from models import CNN, GPT, MLP
@@ -280,6 +281,37 @@ def test_own_code_using_per_model_tensors_runs_eagerly_under_compile() -> None:
     x = torch.randn(M, 2, 5, 4, dtype=torch.float64)
     out = torch.compile(bl.stack(models))(x)
     assert_close(out, torch.stack([m(x[i]) for i, m in enumerate(models)]), msg="compiled output")
+
+
+class _PerModelReductions(nn.Module):
+    """A loss in forward that reduces over the samples: a masked MSE of picked rows, or a sum over the batch
+    divided by the batch size read in forward."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.fc, self.how = nn.Linear(4, 3), how
+
+    def forward(self, x, y):
+        h = self.fc(x)
+        if self.how == "picked rows":
+            m = y[:, 0] > 0
+            return F.mse_loss(h[m], y[m])
+        return (h - y).pow(2).sum() / x.size(0)
+
+
+@pytest.mark.parametrize("how", ["picked rows", "sum / x.size(0)"])
+def test_reductions_over_the_samples_run_eagerly_under_compile(how: str) -> None:
+    """Per-model reductions of picked rows and sizes given as values are followed only without compiling:
+    compiled, the stacked forward runs eagerly (a ValueError and a wrong result before) and equals the
+    originals, call after call."""
+    models = [seeded(lambda: _PerModelReductions(how), i).double() for i in range(M)]
+    compiled = torch.compile(bl.stack(models), backend="aot_eager")
+    for step in range(2):
+        x, y = torch.randn(M, 5, 4, dtype=torch.float64), torch.randn(M, 5, 3, dtype=torch.float64)
+        y[:, 0, 0] = 1.0  # every model picks a row or more
+        out = compiled(x, y)
+        expected = torch.stack([m(x[i], y[i]) for i, m in enumerate(models)])
+        assert_close(out, expected, msg=f"{how}, call {step}")
 
 
 @pytest.mark.parametrize("what", ["stack", "concat", "concat one compiled"])
