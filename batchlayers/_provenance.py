@@ -1143,7 +1143,8 @@ def _pass_samples_dim(out: object, tagged: list[_In]) -> None:
 # dimension 0): they keep the folded batch's order, so each model's rows are one block, of that model's own
 # count. The tag stays Lost (everything else refuses it as ever); a tensor that still holds exactly those rows
 # carries a Selection too, checked against its version counter (any write into it, through a view too, drops
-# it), so that reductions and losses over the rows can be computed per model (Tracker._over_selection).
+# it), so that reductions and losses over the rows can be computed per model (Tracker._over_selection), and
+# the rows written back by the same mask (_writes_back).
 _SELECTION = "_batchlayers_selection"
 
 
@@ -2479,7 +2480,7 @@ def _setitem(ctx, name, args, kwargs, out, tagged) -> None:
         if vtag is not None:
             set_tag(x, Lost("writing the models' samples into a tensor shared by all models"))
         return
-    if _fills_by_mask(x, index, value, d):
+    if _fills_by_mask(x, index, value, d) or (d == 0 and _writes_back(x, index, value)):
         return set_tag(x, d)
     if d == 0 and _per_sample_rows(x, index) and _each_samples_value(value, x.shape[0]):
         return set_tag(x, d)  # x[torch.arange(B), labels] = 1 (a one-hot): sample i writes its own row i
@@ -2529,6 +2530,16 @@ def _fills_by_mask(x: Tensor, index: object, value: object, d: int) -> bool:
     if tag is None:
         return d >= mask.dim() or not _differs_along(mask, d)
     return tag == d
+
+
+def _writes_back(x: Tensor, index: object, value: object) -> bool:
+    """``x[mask] = v`` with ``v`` holding the rows that ``mask`` picks (``h[mask] * 2``, ``y[mask]``: see
+    :data:`_SELECTION`): every row goes back to the place it was picked from, each model's to its own."""
+    picked = _selection_of(value)
+    if picked is None or not _picks_rows((x, index)) or cast(Tensor, index).is_inference():
+        return False
+    mask = cast(Tensor, index)
+    return picked.same(Selection(mask, mask._version, picked.counts))
 
 
 def _marked_slice(s: slice) -> bool:

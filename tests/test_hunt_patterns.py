@@ -426,7 +426,7 @@ class _MasksRows(nn.Module):
             h[mask, 1:] = -1.0
         elif self.pattern == "h[mask] = self.token (per model)":
             h[mask] = self.token
-        elif self.pattern == "h[mask] = h[mask] * 2 (rows of every model)":
+        elif self.pattern == "h[mask] = h[mask] * 2 (its own rows, written back)":
             h[mask] = h[mask] * 2
         elif self.pattern == "h[arange(B) % 2 == 0] = 0 (the folded arange's parity)":
             h[torch.arange(x.shape[0]) % 2 == 0] = 0
@@ -438,7 +438,7 @@ MASKED_ROWS = {
     "h[mask] = a tensor shared by the models": "exact",
     "h[mask, 1:] = -1": "exact",
     "h[mask] = self.token (per model)": "exact",
-    "h[mask] = h[mask] * 2 (rows of every model)": "refused",
+    "h[mask] = h[mask] * 2 (its own rows, written back)": "exact",
     "h[arange(B) % 2 == 0] = 0 (the folded arange's parity)": "refused",
 }
 
@@ -446,8 +446,8 @@ MASKED_ROWS = {
 @pytest.mark.parametrize("num_models,batch", [(2, 3), (3, 2), (2, 1)], ids=lambda n: str(n))
 @pytest.mark.parametrize("pattern", list(MASKED_ROWS))
 def test_writes_into_rows_picked_by_a_mask(pattern: str, num_models: int, batch: int) -> None:
-    """``h[row_mask] = v``: each sample's own rows get a value that is the same for every row (it was refused);
-    a value made from every model's picked rows, or a mask made from the folded batch's size, stays refused."""
+    """``h[row_mask] = v``: each sample's own rows get a value that is the same for every row, or the rows the
+    mask picked, written back (both were refused); a mask made from the folded batch's size stays refused."""
     assert assert_exact_or_refused(lambda: _MasksRows(pattern), num_models, rows, batch) == MASKED_ROWS[pattern]
 
 

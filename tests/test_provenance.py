@@ -806,6 +806,18 @@ class _Picked(_Pattern):
             return h.unsqueeze(1).expand(-1, 2, -1)[y[:, :2] > 0].mean()
         if self.pattern == "sum over picked rows / count":
             return h[m].sum(0) / m.sum()
+        if self.pattern == "picked rows written back, doubled":
+            g = h.clone()
+            g[m] = g[m] * 2
+            return g
+        if self.pattern == "rows of another tensor written by the same mask":
+            g = h.clone()
+            g[t != -100] = y[t != -100]
+            return g
+        if self.pattern == "picked rows written back reversed":
+            g = h.clone()
+            g[m] = g[m].flip(0)
+            return g
         if self.pattern == "cumsum over picked rows":
             return h[m].cumsum(0).mean()
         if self.pattern == "a picked row overwritten":
@@ -831,8 +843,11 @@ PICKED = [
     "picked rows scaled in place",
     "a mask over two dimensions",
     "sum over picked rows / count",
+    "picked rows written back, doubled",
+    "rows of another tensor written by the same mask",
 ]
 PICKED_REFUSED = {
+    "picked rows written back reversed": r"output .*writing into part of the models' samples",
     "cumsum over picked rows": "output .*indexing by values computed from the models' samples",
     "a picked row overwritten": "output .*indexing by values computed from the models' samples",
     "softmax over the picked rows": "output .*indexing by values computed from the models' samples",
