@@ -501,8 +501,8 @@ class Tracker(TorchFunctionMode):
             _refuse_escape(func, tagged)
         entry = _RULES.get(func)
         # rows picked by a mask (from the first h[mask] of the call on: other calls pay nothing for it)
-        follows = (self.picked or func is Tensor.__getitem__) and self.num_models > 1
-        if follows and torch.compiler.is_compiling() and func is Tensor.__getitem__ and _picks_rows(args):
+        follows = (self.picked or func in _PICKS) and self.num_models > 1
+        if follows and torch.compiler.is_compiling() and func in _PICKS and _picks_rows(func, args, kwargs):
             raise RuntimeError(
                 "batchlayers: h[mask] picks rows of the models' samples, which batchlayers follows per model only "
                 "without compiling; it runs without compiling (torch.compile falls back)"
@@ -1146,6 +1146,7 @@ def _pass_samples_dim(out: object, tagged: list[_In]) -> None:
 # it), so that reductions and losses over the rows can be computed per model (Tracker._over_selection), and
 # the rows written back by the same mask (_writes_back).
 _SELECTION = "_batchlayers_selection"
+_PICKS = frozenset({Tensor.__getitem__, torch.masked_select, Tensor.masked_select})
 
 
 @dataclass(frozen=True, eq=False)
@@ -1185,8 +1186,8 @@ def _follow_selection(ctx, func, entry, args, kwargs, out, tagged, before) -> No
     for o in outs:
         o.__dict__.pop(_SELECTION, None)
     picked = None
-    if func is Tensor.__getitem__ and _picks_rows(args) and len(outs) == 1:
-        mask = cast(Tensor, args[1])
+    if func in _PICKS and _picks_rows(func, args, kwargs) and len(outs) == 1:
+        mask = cast(Tensor, args[1] if len(args) > 1 else kwargs["mask"])
         if not mask.is_inference():  # (inference tensors have no version counters to check a selection by)
             picked = Selection(mask, mask._version, mask.detach().reshape(ctx.num_models, -1).sum(1))
     elif entry is not None and entry.rule in (_like_self, _elementwise, _inplace_elementwise) and len(outs) == 1:
@@ -1200,14 +1201,17 @@ def _follow_selection(ctx, func, entry, args, kwargs, out, tagged, before) -> No
         setattr(o, _SELECTION, (picked, o._version))
 
 
-def _picks_rows(args: Sequence) -> bool:
+def _picks_rows(func: Callable, args: Sequence, kwargs: dict) -> bool:
     """``h[mask]``: a boolean mask holding the samples on dimension 0 over ``h``'s leading dimensions, ``h``
-    holding them there too."""
-    if len(args) != 2 or not isinstance(args[0], Tensor) or not isinstance(args[1], Tensor):
+    holding them there too; ``h.masked_select(mask)`` with a mask of ``h``'s whole shape (its elements)."""
+    operands = [*args, *(kwargs[k] for k in ("mask",) if k in kwargs)]
+    if len(operands) != 2 or not isinstance(operands[0], Tensor) or not isinstance(operands[1], Tensor):
         return False
-    x, mask = args
+    x, mask = operands
+    whole = func is Tensor.__getitem__ or mask.dim() == x.dim()
     return (
-        mask.dtype == torch.bool
+        whole
+        and mask.dtype == torch.bool
         and get_tag(x) == 0
         and get_tag(mask) == 0
         and 1 <= mask.dim() <= x.dim()
@@ -2536,7 +2540,7 @@ def _writes_back(x: Tensor, index: object, value: object) -> bool:
     """``x[mask] = v`` with ``v`` holding the rows that ``mask`` picks (``h[mask] * 2``, ``y[mask]``: see
     :data:`_SELECTION`): every row goes back to the place it was picked from, each model's to its own."""
     picked = _selection_of(value)
-    if picked is None or not _picks_rows((x, index)) or cast(Tensor, index).is_inference():
+    if picked is None or not _picks_rows(Tensor.__getitem__, (x, index), {}) or cast(Tensor, index).is_inference():
         return False
     mask = cast(Tensor, index)
     return picked.same(Selection(mask, mask._version, picked.counts))

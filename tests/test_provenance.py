@@ -814,6 +814,12 @@ class _Picked(_Pattern):
             g = h.clone()
             g[t != -100] = y[t != -100]
             return g
+        if self.pattern == "masked_select's elements, averaged":
+            return (h - y).abs().masked_select(y > 0).mean()
+        if self.pattern == "masked_select's elements written back":
+            g = h.clone()
+            g[y > 0] = h.masked_select(y > 0) * 2
+            return g
         if self.pattern == "picked rows written back reversed":
             g = h.clone()
             g[m] = g[m].flip(0)
@@ -845,6 +851,8 @@ PICKED = [
     "sum over picked rows / count",
     "picked rows written back, doubled",
     "rows of another tensor written by the same mask",
+    "masked_select's elements, averaged",
+    "masked_select's elements written back",
 ]
 PICKED_REFUSED = {
     "picked rows written back reversed": r"output .*writing into part of the models' samples",
