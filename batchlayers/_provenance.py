@@ -416,9 +416,10 @@ class Tracker(TorchFunctionMode):
                 "would read as the stored (M, *) ones; it runs without compiling (torch.compile falls back)"
             )
         shaped, numbers, deferred = False, None, None
+        tagged = _tagged(args, kwargs)
         if self.num_models > 1 and not isinstance(func, torch._ops.OpOverload):  # (a compiled graph's ops)
             numbers = _numbers_that_differ(args, kwargs)
-            if numbers and func in _VALUE_OPERANDS and _each_models_values(args, kwargs):
+            if numbers and func in _VALUE_OPERANDS and _each_models_values(tagged, numbers):
                 args, kwargs, numbers = _each_models_numbers(args), _each_models_numbers(kwargs), None
                 self.own_numbers = True
             if numbers:
@@ -427,7 +428,6 @@ class Tracker(TorchFunctionMode):
                 else:
                     self._refuse_numbers_that_differ(func, numbers)
                     shaped = func in _SHAPE_GIVING
-        tagged = _tagged(args, kwargs)
         if deferred is not None and (not tagged or any(i.tag is PerModel for i in tagged)):
             self._refuse_numbers_that_differ(func, deferred)
         if self.copied_views.storages:
@@ -802,7 +802,7 @@ def _numbers_that_differ(args: Sequence, kwargs: dict) -> list[tuple[Any, object
 _MARKED = frozenset({FoldedSize, FoldedInt, FoldedValue})
 
 
-def _each_models_values(args: Sequence, kwargs: dict) -> bool:
+def _each_models_values(tagged: list[_In], numbers: list[tuple[Any, object, bool]]) -> bool:
     """Whether an elementwise op computes each element as its original model would with its own number in
     place of each number that differs per model (``h / x.size(0)``, ``x.sum(0) / x.size(0)``, ``count +
     x.shape[0]``): the numbers are arguments themselves (not in a list) and no tensor among them is
@@ -810,9 +810,7 @@ def _each_models_values(args: Sequence, kwargs: dict) -> bool:
     computes every element alone, from the elements at its position: each element of its result is then its
     original model's, whether the tensors hold the samples, per-model values or neither. (A tensor built from
     the read size alone, ``torch.arange(B)``, stays marked so, wherever it goes.)"""
-    tagged = _tagged(args, kwargs)
-    lost = any(isinstance(i.tag, Lost) for i in tagged)
-    return not lost and all(top for _, _, top in _numbers_that_differ(args, kwargs))
+    return not any(isinstance(i.tag, Lost) for i in tagged) and all(top for _, _, top in numbers)
 
 
 def _each_models_numbers(obj: Any) -> Any:
@@ -1241,21 +1239,24 @@ def _rows_kept(entry: _Rule, args: Sequence, kwargs: dict, tagged: list[_In], be
     if any(isinstance(t, Tensor) and get_tag(t) is None and t.dim() > 0 and t.shape[0] == out.shape[0] != 1
            for t in (*args, *kwargs.values())):  # fmt: skip
         return None  # (per-row values from elsewhere)
-    name = entry.name.split(".")[-1]
     x = tagged[0].tensor
-    if (
-        entry.rule is _reduction
-        and len(tagged) == 1
-        and x is args[0]
-        and not (len(args) > 1 and isinstance(args[1], Tensor))
-    ):
-        return first if 0 not in _reduced_dims(entry.name, args, kwargs, x.dim()) else None
-    if name in ("softmax", "log_softmax") and len(tagged) == 1 and x is args[0]:
+    if entry.name.split(".")[-1] in ("softmax", "log_softmax") and len(tagged) == 1 and x is args[0]:
         dim = _arg(args, kwargs, 1, "dim", None)
         return first if isinstance(dim, int) and _norm(dim, x.dim()) != 0 else None
+    return first if _reduces_rows(entry, args, kwargs, tagged) is False else None
+
+
+def _reduces_rows(entry: _Rule, args: Sequence, kwargs: dict, tagged: list[_In]) -> bool | None:
+    """For a reduction of one tensor or a loss: whether it reduces dimension 0, the rows (a reduction over it,
+    a loss with ``'mean'``, ``'sum'`` or ``'batchmean'``), or keeps them (a reduction over other dimensions,
+    ``reduction='none'``); None for any other call."""
+    if entry.rule is _reduction:
+        x = args[0] if args else None
+        if len(tagged) != 1 or tagged[0].tensor is not x or (len(args) > 1 and isinstance(args[1], Tensor)):
+            return None  # (torch.max(a, b): elementwise)
+        return 0 in _reduced_dims(entry.name, args, kwargs, cast(Tensor, x).dim())
     if entry.rule is _loss:
-        reduction = loss_arguments(getattr(F, name), args, kwargs)["reduction"]
-        return first if reduction == "none" else None
+        return loss_arguments(getattr(F, entry.name.split(".")[-1]), args, kwargs)["reduction"] != "none"
     return None
 
 
@@ -1266,18 +1267,9 @@ def _reduced_selection(entry: _Rule, args: Sequence, kwargs: dict, tagged: list[
     first = _one_selection(before)
     if first is None or kwargs.get("out") is not None or any(not i.shape for i in tagged):
         return None
-    name = entry.name
-    if entry.rule is _reduction:
-        x = args[0] if args else None
-        if len(tagged) != 1 or tagged[0].tensor is not x or name.split(".")[-1] not in _OF_VALUES:
-            return None
-        if len(args) > 1 and isinstance(args[1], Tensor):
-            return None  # torch.max(a, b): elementwise
-        return first if 0 in _reduced_dims(name, args, kwargs, x.dim()) else None
-    if entry.rule is _loss:
-        reduction = loss_arguments(getattr(F, name.split(".")[-1]), args, kwargs)["reduction"]
-        return first if reduction in ("mean", "sum", "batchmean") else None
-    return None
+    if entry.rule is _reduction and entry.name.split(".")[-1] not in _OF_VALUES:
+        return None  # (argmax: an index)
+    return first if _reduces_rows(entry, args, kwargs, tagged) else None
 
 
 def _samples_dim(x: Tensor) -> int | None:
@@ -1516,13 +1508,19 @@ def _batch_norm(ctx, name, args, kwargs, out, tagged) -> None:
 _MATMUL_OPERANDS = ("input", "batch1", "batch2", "mat1", "mat2", "mat", "vec", "other")
 
 
+def _matmul_operands(args: Sequence, kwargs: dict) -> list[Tensor]:
+    """The tensor operands of a matrix product, positional or by keyword, in their positional order."""
+    return [a for a in args if isinstance(a, Tensor)] + [
+        kwargs[k] for k in _MATMUL_OPERANDS if isinstance(kwargs.get(k), Tensor)
+    ]
+
+
 def _matmul(ctx, name, args, kwargs, out, tagged) -> None:
     outs = _outputs(out)
     if not outs:
         return
     n = outs[0].dim()
-    operands = [a for a in args if isinstance(a, Tensor)]
-    operands += [kwargs[k] for k in _MATMUL_OPERANDS if isinstance(kwargs.get(k), Tensor)]
+    operands = _matmul_operands(args, kwargs)
     extra = None
     if name.split(".")[-1] in ("addmm", "baddbmm", "addbmm", "addmv"):
         extra, operands = operands[0], operands[1:]
@@ -1565,8 +1563,7 @@ def _contracts_samples(name, args, kwargs, tagged) -> bool:
     batch): a sum over the samples, each model's own (a per-model value), as ``x.sum(0)`` is."""
     if name.split(".")[-1] not in ("matmul", "__matmul__", "mm", "bmm") or len(tagged) != 2:
         return False
-    operands = [a for a in args if isinstance(a, Tensor)]
-    operands += [kwargs[k] for k in _MATMUL_OPERANDS if isinstance(kwargs.get(k), Tensor)]
+    operands = _matmul_operands(args, kwargs)
     if len(operands) != 2 or any(t.dim() < 2 for t in operands):
         return False
     a, b = operands
