@@ -32,6 +32,7 @@ from ._provenance import (
     UNTRACKED,
     Lost,
     PerModel,
+    Selection,
     SharedBuffer,
     Tracker,
     _name,
@@ -39,6 +40,8 @@ from ._provenance import (
     from_size_alone,
     from_size_message,
     get_tag,
+    keep_picked_rows,
+    picked_rows,
     set_tag,
     untracked,
 )
@@ -57,6 +60,60 @@ __all__ = [
 _local = threading.local()
 
 
+@dataclass(frozen=True)
+class _PickedRows:
+    """Rows picked from the samples by a mask (``h[mask]``) given to a batched layer: each model's rows are one
+    block of the folded order, of its own count, so the layer gets them as ``(M, width, *)`` with each model's
+    block padded with zeros to the widest, and its output is taken back at ``positions``."""
+
+    selection: Selection
+    tag: Lost
+    width: int
+    positions: Tensor  # (K,): where each picked row sits in the padded (M * width) rows
+
+    @staticmethod
+    def of(selection: Selection, tag: Lost, device: torch.device) -> _PickedRows:
+        counts = selection.counts.to(device)
+        width = int(counts.max()) if counts.numel() else 0
+        model = torch.repeat_interleave(torch.arange(len(counts), device=device), counts)
+        starts = torch.cumsum(counts, 0) - counts
+        positions = model * width + torch.arange(len(model), device=device) - starts[model]
+        return _PickedRows(selection, tag, width, positions)
+
+    def pad(self, t: Tensor, num_models: int) -> Tensor:
+        rows = t.new_zeros((num_models * self.width, *t.shape[1:])).index_copy(0, self.positions, t)
+        return rows.view(num_models, self.width, *t.shape[1:])
+
+    def take(self, t: Tensor) -> Tensor:
+        out = t.reshape(t.shape[0] * t.shape[1], *t.shape[2:]).index_select(0, self.positions)
+        set_tag(out, self.tag)
+        keep_picked_rows(out, self.selection)
+        return out
+
+
+def _picked_rows(layer: nn.Module, tensors: list[Tensor], num_models: int) -> _PickedRows | None:
+    """The rows picked from the samples by a mask (``self.head(h[mask])``) that every input of ``layer`` holding
+    samples holds, where ``layer`` computes each row on its own (its ``_mixes_picked_rows`` is None: a zero row
+    padded in changes no other row, no statistic and no state); None where no input holds such rows, or where
+    some input holds all the samples or other rows (refused below as rows whose models are lost)."""
+    held = [t for t in tensors if get_tag(t) is not None and get_tag(t) is not PerModel]
+    tags = [get_tag(t) for t in held]
+    if num_models == 1 or not held or not all(isinstance(tag, Lost) for tag in tags):
+        return None
+    picked = [picked_rows(t) for t in held]
+    first = picked[0]
+    if first is None or not all(p is not None and first.same(p) for p in picked[1:]):
+        return None
+    mixes = getattr(layer, "_mixes_picked_rows", "is not known to compute each row on its own")
+    if mixes is not None:
+        raise ValueError(
+            f"{layer_name(layer)}: its input holds rows picked from the models' samples by a mask, and "
+            f"{type(layer).__name__} {mixes}, so it cannot be given each model's rows alone. Stack with "
+            "execution='model_by_model'"
+        )
+    return _PickedRows.of(first, cast(Lost, tags[0]), held[0].device)
+
+
 @dataclass
 class _Call:
     """One call of a stacked root: what its batched layers need to know about the folded batch."""
@@ -67,8 +124,8 @@ class _Call:
     tracker: Tracker
     shared_buffers: list[SharedBuffer]
     # per swapped layer being called: (broadcast, model dimension of its inputs, whether an input without samples
-    # has a leading 1, None when it has samples), a stack for re-entry
-    leaves: dict[int, list[tuple[bool, int, bool | None]]] = field(default_factory=dict)
+    # has a leading 1, None when it has samples; the rows picked by a mask it is given), a stack for re-entry
+    leaves: dict[int, list[tuple[bool, int, bool | None, _PickedRows | None]]] = field(default_factory=dict)
     # (module, name, tensor) of every per-model parameter and buffer at the start of the call (see UnfoldOutputs)
     per_model_slots: list[tuple[nn.Module, str, Tensor | None]] = field(default_factory=list)
     signature: tuple = ()  # see _signature
@@ -624,9 +681,12 @@ class UnfoldLeafInputs:
     def _unfold(self, layer: nn.Module, args: tuple, kwargs: dict, call: _Call) -> tuple[tuple, dict]:
         num_models = call.num_models
         tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, Tensor) and t.dim() > 0]
+        picked = _picked_rows(layer, tensors, num_models)
         layouts = set()  # (model dimension, its size) of each input that carries samples
         for t in tensors:
             tag = get_tag(t)
+            if isinstance(tag, Lost) and picked is not None:
+                continue  # (rows picked by a mask: each model's block is padded below)
             if isinstance(tag, Lost):
                 if num_models > 1:
                     raise ValueError(
@@ -656,6 +716,8 @@ class UnfoldLeafInputs:
                 f"numbers: (dimension, size) {sorted(layouts)}"
             )
         dim, size = layouts.pop() if layouts else (0, None)
+        if picked is not None:
+            size = num_models * picked.width
         if dim:
             trailing = getattr(layer, "_rowwise_trailing_dims", None)
             if trailing is None or any(dim >= t.dim() - trailing for t in tensors if isinstance(get_tag(t), int)):
@@ -670,12 +732,14 @@ class UnfoldLeafInputs:
             first = tensors[0]
             shape = first.shape[1:] if get_tag(first) is PerModel else first.shape
             leading_one = len(shape) >= 2 and shape[0] == 1
-        call.leaves.setdefault(id(layer), []).append((size is None, dim, leading_one))
+        call.leaves.setdefault(id(layer), []).append((size is None, dim, leading_one, picked))
 
         def unfold(t: object) -> object:
             if not isinstance(t, Tensor) or t.dim() == 0:
                 return t
             tag = get_tag(t)
+            if picked is not None and isinstance(tag, Lost):
+                return picked.pad(t, num_models)
             if tag is not None and tag is not PerModel:
                 t = t.movedim(dim, 0) if dim else t
                 return t.reshape(num_models, t.shape[0] // num_models, *t.shape[1:])
@@ -704,14 +768,21 @@ class FoldLeafOutput:
         stack = call.leaves.get(id(layer))
         if not stack:
             return None  # the pre-hook refused the input
-        broadcast, dim, leading_one = stack.pop()
+        broadcast, dim, leading_one, picked = stack.pop()
         try:
-            return None if output is None else self._fold(layer, output, call, broadcast, dim, leading_one)
+            return None if output is None else self._fold(layer, output, call, broadcast, dim, leading_one, picked)
         finally:
             call.tracker.resume()
 
     def _fold(
-        self, layer: nn.Module, output: object, call: _Call, broadcast: bool, dim: int, leading_one: bool | None
+        self,
+        layer: nn.Module,
+        output: object,
+        call: _Call,
+        broadcast: bool,
+        dim: int,
+        leading_one: bool | None,
+        picked: _PickedRows | None,
     ) -> object:
         num_models = call.num_models
 
@@ -722,6 +793,8 @@ class FoldLeafOutput:
                     f"{layer_name(layer)}: expected the batched layer's output{where} to be {expected}, "
                     f"got shape {tuple(t.shape)}"
                 )
+            if picked is not None:  # (the rows a mask picked: each model's back from its padded block)
+                return picked.take(t)
             if broadcast:
                 if torch.compiler.is_compiling():
                     # torch.compile does not pass size reads to the tracker, so a per-model value would show its

@@ -1170,6 +1170,17 @@ def _selection_of(t: object) -> Selection | None:
     return noted[0]
 
 
+def picked_rows(t: object) -> Selection | None:
+    """The rows picked from the samples by a mask that ``t`` holds (see :data:`_SELECTION`), or None."""
+    return _selection_of(t)
+
+
+def keep_picked_rows(t: Tensor, selection: Selection) -> None:
+    """Note on ``t``, a new tensor, that it holds the rows ``selection`` picked (a batched layer's output on
+    them: ``self.head(h[mask])``, see ``_fold.UnfoldLeafInputs``)."""
+    setattr(t, _SELECTION, (selection, t._version))
+
+
 def _one_selection(before: Sequence[Selection | None]) -> Selection | None:
     """The rows that every one of the tagged arguments held before the call (``before``), or None."""
     first = before[0] if before else None

@@ -48,6 +48,7 @@ class BatchedPReLU(nn.Module):
 
     __constants__ = ["num_models", "num_parameters"]
     torch_module = nn.PReLU
+    _mixes_picked_rows: str | None = None  # each row computed alone (rows picked by a mask: see batchlayers._fold)
 
     def __init__(
         self,

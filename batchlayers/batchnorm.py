@@ -35,6 +35,15 @@ class _BatchedBatchNorm(BatchedNormBase):
     ) -> None:
         super().__init__(num_models, num_features, eps, momentum, affine, track_running_stats, device, dtype, bias=bias)
 
+    @property
+    def _mixes_picked_rows(self) -> str | None:
+        """Rows picked by a mask (see batchlayers._fold) are each normalised alone by running statistics only."""
+        if self.training:
+            return "in training computes its statistics over all its rows"
+        if self.running_mean is None:
+            return "without running statistics computes its statistics over all its rows"
+        return None
+
     def forward(self, input: Tensor) -> Tensor:
         self._check_input(input)
         # As torch.nn: running statistics are used in eval mode when present, updated in training mode

@@ -44,6 +44,7 @@ class _BatchedConvNd(nn.Module):
     torch_module: type[nn.Module]
     # As in torch: a transposed convolution's weight is (in, out // groups, *k), a convolution's (out, in // groups).
     transposed: bool = False
+    _mixes_picked_rows: str | None = None  # each row computed alone (rows picked by a mask: see batchlayers._fold)
 
     def __init__(
         self,

@@ -51,6 +51,7 @@ class BatchedLinear(nn.Module):
     # In a stacked model, each row is computed on its own: the models' samples may sit on any dimension
     # but the last (batchlayers._fold).
     _rowwise_trailing_dims = 1
+    _mixes_picked_rows: str | None = None  # each row computed alone (rows picked by a mask: see batchlayers._fold)
 
     def __init__(
         self,
@@ -130,6 +131,7 @@ class BatchedBilinear(nn.Module):
     torch_module = nn.Bilinear
     # each row is computed on its own (see BatchedLinear)
     _rowwise_trailing_dims = 1
+    _mixes_picked_rows: str | None = None  # each row computed alone (rows picked by a mask: see batchlayers._fold)
 
     def __init__(
         self,

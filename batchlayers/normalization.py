@@ -54,6 +54,7 @@ class _BatchedTrailingNorm(nn.Module):
     __constants__ = ["num_models", "normalized_shape", "eps", "elementwise_affine"]
     _default_eps: float | None
     _bias_option: bool  # whether the torch.nn layer has a ``bias`` argument
+    _mixes_picked_rows: str | None = None  # each row computed alone (rows picked by a mask: see batchlayers._fold)
     weight: nn.Parameter | None  # (registered by register_affine)
     bias: nn.Parameter | None
 
@@ -239,6 +240,7 @@ class BatchedGroupNorm(nn.Module):
 
     __constants__ = ["num_models", "num_groups", "num_channels", "eps", "affine"]
     torch_module = nn.GroupNorm
+    _mixes_picked_rows: str | None = None  # each row computed alone (rows picked by a mask: see batchlayers._fold)
     weight: nn.Parameter | None  # (registered by register_affine)
     bias: nn.Parameter | None
 
@@ -406,6 +408,14 @@ class _BatchedInstanceNorm(BatchedNormBase):
         bias: bool = True,
     ) -> None:
         super().__init__(num_models, num_features, eps, momentum, affine, track_running_stats, device, dtype, bias=bias)
+
+    @property
+    def _mixes_picked_rows(self) -> str | None:
+        """Each sample is normalised alone; in training the running statistics average over all rows (see
+        batchlayers._fold)."""
+        if self.training and self.track_running_stats:
+            return "in training with track_running_stats averages its running statistics over all its rows"
+        return None
 
     def forward(self, input: Tensor) -> Tensor:
         self._check_input(input)

@@ -126,6 +126,18 @@ class BatchedEmbedding(_EmbeddingTable):
     torch_module = nn.Embedding
     _rowwise_trailing_dims = 0  # each index is looked up on its own (see BatchedLinear)
 
+    @property
+    def _mixes_picked_rows(self) -> str | None:
+        """Why rows picked by a mask, padded with index 0 for the models that picked fewer, would change what
+        the layer does (see batchlayers._fold), or None."""
+        if self.max_norm is not None:
+            return "with max_norm renormalises every table row it looks up, in place"
+        if self.scale_grad_by_freq:
+            return "with scale_grad_by_freq counts the lookups of all its rows"
+        if self.sparse:
+            return "with sparse gradients lists every table row it looks up"
+        return None
+
     def __init__(
         self,
         num_models: int,

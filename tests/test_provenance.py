@@ -781,7 +781,13 @@ def test_indices_over_the_samples_are_refused(pattern: str) -> None:
 
 
 class _Picked(_Pattern):
-    """Rows picked from the samples by a boolean mask, ``h[mask]`` (masked losses, masked means)."""
+    """Rows picked from the samples by a boolean mask, ``h[mask]`` (masked losses, masked means, a head on the
+    picked rows)."""
+
+    def __init__(self, pattern: str, out_features: int = 3) -> None:
+        super().__init__(pattern, out_features)
+        self.norm = nn.LayerNorm(out_features)
+        self.bn = nn.BatchNorm1d(out_features)
 
     def forward(self, x, y):
         h, m = self.fc(x), y[:, 0] > 0
@@ -836,6 +842,22 @@ class _Picked(_Pattern):
             return h[m].max(0).values
         if self.pattern == "picked rows into a layer":
             return self.fc(x[m]).mean()
+        if self.pattern == "a loss of a layer's output on picked rows":
+            return F.cross_entropy(self.fc(x[t != -100]), t[t != -100])
+        if self.pattern == "picked rows through two layers, summed":
+            return self.norm(torch.relu(self.fc(x[m]))).sum(0)
+        if self.pattern == "a layer's output on picked rows written back":
+            g = h.clone()
+            g[m] = self.norm(self.fc(x[m]))
+            return g
+        if self.pattern == "a layer given picked rows and a shared value":
+            return self.norm(self.fc(x[m]) + torch.ones(3, dtype=x.dtype)).mean(0)
+        if self.pattern == "picked rows into batch norm":
+            return self.bn(h[m]).mean(0)
+        if self.pattern == "picked rows and every sample into a layer":
+            return self.fc(x[m]).sum() + self.fc(x).sum()
+        if self.pattern == "a layer's output on picked rows, mixed":
+            return self.fc(x[m]).cumsum(0).mean()
         raise AssertionError(self.pattern)
 
 
@@ -853,6 +875,12 @@ PICKED = [
     "rows of another tensor written by the same mask",
     "masked_select's elements, averaged",
     "masked_select's elements written back",
+    "picked rows into a layer",
+    "a loss of a layer's output on picked rows",
+    "picked rows through two layers, summed",
+    "a layer's output on picked rows written back",
+    "a layer given picked rows and a shared value",
+    "picked rows and every sample into a layer",
 ]
 PICKED_REFUSED = {
     "picked rows written back reversed": r"output .*writing into part of the models' samples",
@@ -860,7 +888,8 @@ PICKED_REFUSED = {
     "a picked row overwritten": "output .*indexing by values computed from the models' samples",
     "softmax over the picked rows": "output .*indexing by values computed from the models' samples",
     "max over picked rows, with indices": r"output .*Tensor.max over rows picked from the models' samples by a mask",
-    "picked rows into a layer": "fc.*indexing by values computed from the models' samples",
+    "picked rows into batch norm": r"'bn': its input holds rows picked .* BatchedBatchNorm1d in training",
+    "a layer's output on picked rows, mixed": "output .*indexing by values computed from the models' samples",
 }
 
 
@@ -887,6 +916,100 @@ def test_rows_picked_by_a_mask_mixed_or_rewritten_are_refused(pattern: str) -> N
     batched = stack([seeded(lambda: _Picked(pattern, 3), i) for i in range(3)])
     with pytest.raises(ValueError, match=PICKED_REFUSED[pattern]):
         batched(*_picked_inputs(5))
+    assert torch.overrides._get_current_function_mode_stack() == []
+
+
+class _Heads(nn.Module):
+    """Layers given rows picked from the samples by a mask: an embedding of picked ids, a convolution and group
+    norm of picked images, a fused Linear-ReLU-Linear run, a batch norm (its running statistics in eval mode)."""
+
+    def __init__(self, pattern: str) -> None:
+        super().__init__()
+        self.pattern = pattern
+        self.emb = nn.Embedding(10, 3, padding_idx=0)
+        self.conv = nn.Conv2d(1, 2, 2, padding=1)
+        self.gn = nn.GroupNorm(1, 2)
+        self.mlp = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+        self.bn = nn.BatchNorm1d(3)
+        self.renormed = nn.Embedding(10, 3, max_norm=1.0)
+        self.attn = nn.MultiheadAttention(4, 1, batch_first=True)
+        self.bag = nn.EmbeddingBag(10, 3, mode="sum")
+
+    def forward(self, x):
+        m = x[:, 0] > 0
+        if self.pattern == "embedding with max_norm of picked ids":
+            return self.renormed((x.detach().abs() * 4).long().clamp(max=9)[m]).sum((0, 1))
+        if self.pattern == "attention over picked rows":
+            h = x[m].unsqueeze(1)
+            return self.attn(h, h, h)[0].sum((0, 1))
+        if self.pattern == "bags of picked ids":
+            return self.bag((x.detach().abs() * 4).long().clamp(max=9)[m]).sum(0)
+        if self.pattern == "embedding of picked ids":
+            ids = (x.detach().abs() * 4).long().clamp(max=9)
+            return (self.emb(ids[m]).sum(1) * x[m].sum(-1, keepdim=True)).sum(0)
+        if self.pattern == "convolution and group norm of picked images":
+            return self.gn(self.conv(x.view(-1, 1, 2, 2)[m])).sum((0, 2, 3))
+        if self.pattern == "fused MLP on picked rows":
+            return self.mlp(x[m]).sum(0)
+        if self.pattern == "batch norm (eval) of picked rows":
+            return self.bn(self.mlp(x[m])).pow(2).sum(0)
+        raise AssertionError(self.pattern)
+
+
+@pytest.mark.parametrize(
+    ("pattern", "train"),
+    [
+        ("embedding of picked ids", True),
+        ("embedding of picked ids", False),
+        ("convolution and group norm of picked images", True),
+        ("convolution and group norm of picked images", False),
+        ("fused MLP on picked rows", True),
+        ("fused MLP on picked rows", False),
+        ("batch norm (eval) of picked rows", False),  # (in training: refused, above)
+    ],
+)
+def test_layers_given_rows_picked_by_a_mask_compute_each_models_own(pattern: str, train: bool) -> None:
+    """A batched layer given ``h[mask]`` gets each model's block of rows alone (padded to the widest model's
+    count, zeros that change nothing): outputs, input gradients and parameter gradients equal the originals',
+    each model picking its own number of rows (none, in one model)."""
+    models = [seeded(lambda: _Heads(pattern), i).train(train) for i in range(3)]
+    batched = stack(models).train(train)
+    x = torch.randn(3, 5, 4, dtype=torch.float64)
+    x[1, :, 0] = -1.0  # model 1 picks no row
+    x[2, :, 0] = 1.0  # model 2 picks every row
+    x.requires_grad_(True)
+    out = batched(x)
+    refs = [m(x[i]) for i, m in enumerate(models)]
+    assert_close(out, torch.stack(refs))
+    grad_out = torch.randn_like(out)
+    (x_grad,) = torch.autograd.grad((out * grad_out).sum(), x, retain_graph=True)
+    (ref_grad,) = torch.autograd.grad(sum((r * g).sum() for r, g in zip(refs, grad_out)), x, retain_graph=True)
+    assert_close(x_grad, ref_grad)
+    (out * grad_out).sum().backward()
+    sum((r * g).sum() for r, g in zip(refs, grad_out)).backward()
+    for key, p in batched.named_parameters():
+        expected = [dict(m.named_parameters())[key].grad for m in models]
+        assert (p.grad is None) == (expected[0] is None), key
+        if p.grad is not None:
+            assert_close(p.grad, torch.stack(expected), msg=key)
+    for key, b in batched.named_buffers():
+        assert_close(b, torch.stack([dict(m.named_buffers())[key] for m in models]), msg=key)
+
+
+@pytest.mark.parametrize(
+    ("pattern", "match"),
+    [
+        ("embedding with max_norm of picked ids", "'renormed': .* with max_norm renormalises every table row"),
+        ("attention over picked rows", "multi_head_attention_forward .*indexing by values computed from the models"),
+        ("bags of picked ids", "'bag': its input holds rows picked .* is not known to compute each row on its own"),
+    ],
+)
+def test_layers_that_mix_or_pad_picked_rows_refuse_them(pattern: str, match: str) -> None:
+    """A layer whose padded rows would change something (an embedding renormalising the rows it looks up), or
+    that is not known to compute each row alone, refuses rows picked by a mask."""
+    batched = stack([seeded(lambda: _Heads(pattern), i) for i in range(3)])
+    with pytest.raises(ValueError, match=match):
+        batched(torch.randn(3, 5, 4, dtype=torch.float64))
     assert torch.overrides._get_current_function_mode_stack() == []
 
 
