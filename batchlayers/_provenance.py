@@ -1201,6 +1201,8 @@ def _follow_selection(ctx, func, entry, args, kwargs, out, tagged, before) -> No
             picked = Selection(mask, mask._version, mask.detach().reshape(ctx.num_models, -1).sum(1))
     elif entry is not None and entry.rule in (_like_self, _elementwise, _inplace_elementwise) and len(outs) == 1:
         picked = _same_selection(args, kwargs, tagged, before, outs[0])
+    elif func in _ROWS_IN_PLACE and len(outs) == 1:
+        picked = _rows_in_place(func, args, kwargs, tagged, before, outs[0])
     elif entry is not None and len(outs) == 1 and outs[0].dim() > 0:
         picked = _rows_kept(entry, args, kwargs, tagged, before, outs[0])
     if picked is None or any(o.is_inference() for o in outs):
@@ -1226,6 +1228,67 @@ def _picks_rows(func: Callable, args: Sequence, kwargs: dict) -> bool:
         and 1 <= mask.dim() <= x.dim()
         and mask.shape == x.shape[: mask.dim()]
     )
+
+
+# Calls that only reshape, in row-major order: where dimension 0 keeps its size, each of its rows holds the same
+# elements as before (row i is elements [i * R, (i + 1) * R) of both), so picked rows stay where they were.
+_PURE_RESHAPES = frozenset(
+    {
+        Tensor.view,
+        Tensor.view_as,
+        Tensor.reshape,
+        Tensor.reshape_as,
+        torch.reshape,
+        Tensor.unsqueeze,
+        torch.unsqueeze,
+        Tensor.squeeze,
+        torch.squeeze,
+        Tensor.flatten,
+        torch.flatten,
+        Tensor.unflatten,
+        torch.unflatten,
+    }
+)
+_SWAPS = frozenset(
+    {Tensor.transpose, torch.transpose, Tensor.swapaxes, torch.swapaxes, Tensor.swapdims, torch.swapdims}
+)
+_ROWS_IN_PLACE = _PURE_RESHAPES | _SWAPS | {Tensor.permute, torch.permute, Tensor.__getitem__}
+
+
+def _rows_in_place(
+    func: Callable, args: Sequence, kwargs: dict, tagged: list[_In], before, out: Tensor
+) -> Selection | None:
+    """The rows picked by a mask that a reshape keeping dimension 0's size, a transposition or permutation of
+    other dimensions, or an index that leaves dimension 0 whole (``h[:, :1]``, ``h[:, 0]``, ``h[:, None]``)
+    keeps on ``out``'s dimension 0, each row where it was; None otherwise."""
+    x = args[0] if args else None
+    if not isinstance(x, Tensor) or x.dim() == 0 or out.dim() == 0:
+        return None
+    picked = next((p for i, p in zip(tagged, before) if i.tensor is x), None)
+    if picked is None:
+        return None
+    if func in _PURE_RESHAPES:
+        kept = out.shape[0] == x.shape[0] and out.numel() == x.numel()
+    elif func in _SWAPS:
+        dims = (_arg(args, kwargs, 1, "dim0"), _arg(args, kwargs, 2, "dim1"))
+        kept = all(_is_int(d) and _norm(cast(int, d), x.dim()) != 0 for d in dims)
+    elif func is Tensor.__getitem__:
+        index = args[1] if len(args) > 1 else None
+        kept = (
+            isinstance(index, tuple)
+            and bool(index)
+            and index[0] == slice(None)
+            and all(i is None or i is Ellipsis or isinstance(i, slice) or _is_int(i) for i in index[1:])
+        )
+    else:  # permute
+        order = args[1:] if len(args) > 2 or (len(args) == 2 and _is_int(args[1])) else _arg(args, kwargs, 1, "dims")
+        kept = isinstance(order, (tuple, list)) and bool(order) and _is_int(order[0]) and _norm(order[0], x.dim()) == 0
+    return picked if kept and out.shape[0] == x.shape[0] else None
+
+
+def _is_int(value: object) -> bool:
+    """A plain int (not a bool, which indexes as a new dimension, nor a tensor)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _same_selection(args: Sequence, kwargs: dict, tagged: list[_In], before, out: Tensor) -> Selection | None:

@@ -852,6 +852,18 @@ class _Picked(_Pattern):
             return g
         if self.pattern == "a layer given picked rows and a shared value":
             return self.norm(self.fc(x[m]) + torch.ones(3, dtype=x.dtype)).mean(0)
+        if self.pattern == "picked rows unsqueezed and squeezed into a layer":
+            return self.fc(x[m].unsqueeze(1).squeeze(1)).sum(0)
+        if self.pattern == "a layer's output on picked rows, reshaped and transposed, in a loss":
+            return F.mse_loss(self.fc(x[m]).unsqueeze(-1).transpose(1, 2).reshape(-1, 3), y[m])
+        if self.pattern == "a layer's output on picked rows permuted and flattened":
+            return F.mse_loss(self.fc(x[m]).unsqueeze(1).permute(0, 2, 1).flatten(1), y[m], reduction="sum")
+        if self.pattern == "a layer's output on picked rows squeezed":
+            return F.mse_loss(self.fc(x[m])[:, :1].squeeze(-1), y[m].sum(-1))
+        if self.pattern == "picked rows flattened together":
+            return self.fc(x[m]).view(-1).sum()
+        if self.pattern == "picked rows transposed":
+            return x[m].T.sum(1)
         if self.pattern == "picked rows into batch norm":
             return self.bn(h[m]).mean(0)
         if self.pattern == "picked rows and every sample into a layer":
@@ -881,6 +893,10 @@ PICKED = [
     "a layer's output on picked rows written back",
     "a layer given picked rows and a shared value",
     "picked rows and every sample into a layer",
+    "picked rows unsqueezed and squeezed into a layer",
+    "a layer's output on picked rows, reshaped and transposed, in a loss",
+    "a layer's output on picked rows squeezed",
+    "a layer's output on picked rows permuted and flattened",
 ]
 PICKED_REFUSED = {
     "picked rows written back reversed": r"output .*writing into part of the models' samples",
@@ -890,6 +906,8 @@ PICKED_REFUSED = {
     "max over picked rows, with indices": r"output .*Tensor.max over rows picked from the models' samples by a mask",
     "picked rows into batch norm": r"'bn': its input holds rows picked .* BatchedBatchNorm1d in training",
     "a layer's output on picked rows, mixed": "output .*indexing by values computed from the models' samples",
+    "picked rows flattened together": "output .*indexing by values computed from the models' samples",
+    "picked rows transposed": "output .*indexing by values computed from the models' samples",
 }
 
 
