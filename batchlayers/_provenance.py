@@ -494,7 +494,8 @@ class Tracker(TorchFunctionMode):
         if any(i.tag is PerModel for i in tagged):
             if isinstance(func, torch._ops.OpOverload):
                 return func(*args, **given)  # a compiled graph running: its ops are on the stored tensors
-            return _per_model.call(self, func, args, kwargs)
+            rows = self._per_model_rows(func, args, given, tagged) if self.picked else None
+            return rows if rows is not None else _per_model.call(self, func, args, kwargs)
         if self.copied_views.versions:
             self.copied_views.check()
         if _ESCAPES.get(func, False) and self.num_models > 1:  # (one model: every value is its own)
@@ -694,6 +695,45 @@ class Tracker(TorchFunctionMode):
             return whole
         out = torch.stack(results)
         set_tag(out, PerModel)
+        return out
+
+    def _per_model_rows(self, func, args: tuple, given: dict, tagged: list[_In]) -> Tensor | None:
+        """An elementwise op of per-model values and rows picked by a mask (``self.weight * h[mask]``, a norm
+        written in Python on picked rows): each per-model value, shaped ``(M, *own)``, goes to every row of its
+        own model (indexed by row), broadcast over the row as in the original model. None where this is not
+        such a call (``_per_model.call`` then refuses the rows)."""
+        entry = _RULES.get(func)
+        rows = [i for i in tagged if i.tag is not PerModel]
+        if entry is None or entry.rule is not _elementwise or not rows or "out" in given:
+            return None
+        if torch.compiler.is_compiling():
+            return None
+        picked = [_selection_of(i.tensor) if isinstance(i.tag, Lost) else None for i in rows]
+        first = picked[0]
+        if first is None or not all(p is not None and first.same(p) for p in picked[1:]):
+            return None
+        ndim, count = rows[0].tensor.dim(), rows[0].tensor.shape[0] if rows[0].tensor.dim() else None
+        if count is None or any(i.tensor.dim() != ndim or i.tensor.shape[0] != count for i in rows):
+            return None
+        model = torch.repeat_interleave(torch.arange(self.num_models, device=first.counts.device), first.counts)
+
+        def per_row(t: object) -> object:
+            if not isinstance(t, Tensor) or get_tag(t) is not PerModel:
+                return t
+            own = tuple(t.shape[1:])
+            if len(own) > ndim or (len(own) == ndim and own[0] != 1):
+                raise _NotRowwise  # (broadcast against the rows' own dimension: no row of the original has it)
+            own = (1,) * (ndim - len(own)) + own
+            return t.reshape(self.num_models, *own[1:]).index_select(0, model.to(t.device))
+
+        try:
+            out = func(*(per_row(a) for a in args), **{k: per_row(v) for k, v in given.items()})
+        except _NotRowwise:
+            return None
+        if not isinstance(out, Tensor) or out.dim() != ndim or out.shape[0] != count:
+            return None
+        set_tag(out, rows[0].tag)
+        keep_picked_rows(out, first)
         return out
 
     def _refuse_numbers_that_differ(self, func: Callable, numbers: list[tuple[Any, object, bool]]) -> None:
@@ -1135,6 +1175,10 @@ def _pass_samples_dim(out: object, tagged: list[_In]) -> None:
             d, shape = getattr(noted[0].tensor, _SAMPLES_DIM)
             if tuple(o.shape) == shape == tuple(noted[0].shape):
                 o._batchlayers_samples_dim = (d, shape)  # type: ignore[attr-defined]  # (syntax: see set_tag)
+
+
+class _NotRowwise(Exception):
+    """A per-model value that does not broadcast over rows picked by a mask (see ``Tracker._per_model_rows``)."""
 
 
 # Rows picked from the samples by a boolean mask, ``h[mask]`` (``h`` and the mask holding the samples on
@@ -2617,6 +2661,36 @@ def _writes_back(x: Tensor, index: object, value: object) -> bool:
     return picked.same(Selection(mask, mask._version, picked.counts))
 
 
+def _masked_scatter(ctx, name, args, kwargs, out, tagged) -> None:
+    """``x.masked_scatter(mask, source)`` (and ``masked_scatter_``) with ``source`` holding the rows that ``mask``
+    picked (``h.masked_scatter(mask.unsqueeze(-1), self.norm(h[mask]))``, as higgs_audio_v2 writes its audio
+    tokens back: see :data:`_SELECTION`): every row goes back where it was picked from, each model's to its own,
+    so the result holds the samples as ``x`` does. Any other source or mask (fewer ones than rows: each
+    original model would take its own first rows) leaves rows that cannot be assigned to models."""
+    x, mask, source = args[0], _arg(args, kwargs, 1, "mask"), _arg(args, kwargs, 2, "source")
+    result = x if name.endswith("_") else out
+    if get_tag(x) == 0 and isinstance(mask, Tensor) and isinstance(source, Tensor) and _scatters_back(x, mask, source):
+        return set_tag(result, 0)
+    set_tag(result, Lost(f"{name} of values that are not the rows its mask picked"))
+
+
+def _scatters_back(x: Tensor, mask: Tensor, source: Tensor) -> bool:
+    """``mask`` is the mask that picked ``source``'s rows (or equal to it), over ``x``'s leading dimensions and
+    broadcast along the rest, and each of ``source``'s rows fills one of ``x``'s rows (see :func:`_masked_scatter`)."""
+    picked = _selection_of(source)
+    if picked is None or mask.dtype != torch.bool or mask.is_inference() or mask.dim() != x.dim():
+        return False
+    d = picked.mask.dim()
+    if mask.shape[:d] != x.shape[:d] or 0 in mask.shape[d:] or source.shape[1:] != x.shape[d:]:
+        return False
+    rows, ones = mask, (1,) * (mask.dim() - d)
+    for _ in ones:
+        rows = rows.select(-1, 0)  # (a view: mask's version counter)
+    if mask.shape[d:] != ones and not torch.equal(mask, rows.view(rows.shape + ones).expand(mask.shape)):
+        return False  # (not the same along the rows' own dimensions)
+    return picked.same(Selection(rows, rows._version, picked.counts))
+
+
 def _marked_slice(s: slice) -> bool:
     return any(type(n) in _MARKED for n in (s.start, s.stop, s.step))
 
@@ -3230,6 +3304,9 @@ _RULES[torch.numel] = _Rule(_size, "torch.numel")
 _RULES[_getter("shape")] = _Rule(_size, "Tensor.shape")
 _RULES[torch.Tensor.__getitem__] = _Rule(_getitem, "Tensor.__getitem__", compute=_slice_within_each_model)
 _RULES[torch.Tensor.__setitem__] = _Rule(_setitem, "Tensor.__setitem__")
+_RULES[torch.Tensor.masked_scatter] = _Rule(_masked_scatter, "Tensor.masked_scatter")
+_RULES[torch.masked_scatter] = _Rule(_masked_scatter, "torch.masked_scatter")
+_RULES[torch.Tensor.masked_scatter_] = _Rule(_masked_scatter, "Tensor.masked_scatter_")
 _RULES[_getter("mT")] = _Rule(_permutation(_last_two_perm), "Tensor.mT")
 _RULES[_getter("T")] = _Rule(_permutation(_reverse_perm), "Tensor.T")
 _RULES[_getter("data")] = _Rule(_like_self, "Tensor.data")

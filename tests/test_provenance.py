@@ -788,6 +788,7 @@ class _Picked(_Pattern):
         super().__init__(pattern, out_features)
         self.norm = nn.LayerNorm(out_features)
         self.bn = nn.BatchNorm1d(out_features)
+        self.scale = nn.Parameter(torch.randn(out_features))
 
     def forward(self, x, y):
         h, m = self.fc(x), y[:, 0] > 0
@@ -864,6 +865,27 @@ class _Picked(_Pattern):
             return self.fc(x[m]).view(-1).sum()
         if self.pattern == "picked rows transposed":
             return x[m].T.sum(1)
+        if self.pattern == "a parameter times a layer's output on picked rows":
+            return (self.scale * self.fc(x[m])).sum(0)
+        if self.pattern == "an RMSNorm written in Python on picked rows":
+            r = self.fc(x[m])
+            return (self.scale * (r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + 1e-6))).pow(2).sum(0)
+        if self.pattern == "picked rows plus a (1, C) parameter, then a loss":
+            return F.mse_loss(self.fc(x[m]) + self.scale.view(1, 3), y[m])
+        if self.pattern == "a parameter with a dimension of its own times picked rows":
+            return (self.scale.view(3, 1) * self.fc(x[m]).unsqueeze(1)).sum(0)
+        if self.pattern == "picked rows normalised and scattered back (higgs_audio_v2)":
+            r = h[m]
+            r = self.scale * (r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + 1e-6))
+            g = h.masked_scatter(m.unsqueeze(-1), r)
+            g[~m] += self.norm(g[~m])
+            return g
+        if self.pattern == "picked rows scattered back in place":
+            g = h.clone()
+            g.masked_scatter_(m.unsqueeze(-1).expand_as(g), self.norm(g[m]))
+            return g
+        if self.pattern == "rows scattered back by another mask":
+            return h.masked_scatter((m & (y[:, 1] > 0)).unsqueeze(-1), self.norm(h[m]))  # (fewer: each its first)
         if self.pattern == "picked rows into batch norm":
             return self.bn(h[m]).mean(0)
         if self.pattern == "picked rows and every sample into a layer":
@@ -897,6 +919,12 @@ PICKED = [
     "a layer's output on picked rows, reshaped and transposed, in a loss",
     "a layer's output on picked rows squeezed",
     "a layer's output on picked rows permuted and flattened",
+    "a parameter times a layer's output on picked rows",
+    "an RMSNorm written in Python on picked rows",
+    "picked rows plus a (1, C) parameter, then a loss",
+    "a parameter with a dimension of its own times picked rows",
+    "picked rows normalised and scattered back (higgs_audio_v2)",
+    "picked rows scattered back in place",
 ]
 PICKED_REFUSED = {
     "picked rows written back reversed": r"output .*writing into part of the models' samples",
@@ -907,6 +935,7 @@ PICKED_REFUSED = {
     "picked rows into batch norm": r"'bn': its input holds rows picked .* BatchedBatchNorm1d in training",
     "a layer's output on picked rows, mixed": "output .*indexing by values computed from the models' samples",
     "picked rows flattened together": "output .*indexing by values computed from the models' samples",
+    "rows scattered back by another mask": "output .*Tensor.masked_scatter",
     "picked rows transposed": "output .*indexing by values computed from the models' samples",
 }
 
