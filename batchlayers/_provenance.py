@@ -2062,6 +2062,59 @@ def _cdist_per_model(ctx, func, args, kwargs, tagged) -> Tensor | None:
     return computed
 
 
+_CTC_OPERANDS = ("log_probs", "targets", "input_lengths", "target_lengths")
+
+
+def _ctc_loss_per_model(ctx, func, args, kwargs, tagged) -> Tensor | None:
+    """``F.ctc_loss`` of a folded batch, each model's own call on its samples: log-probabilities ``(T, M * B,
+    C)`` (samples on dimension 1), lengths ``(M * B,)``, and targets padded per sample ``(M * B, S)`` or
+    concatenated in the samples' order by a mask (``labels.masked_select(labels >= 0)``, wav2vec2's: each
+    model's targets are one block of its own count, see :data:`_SELECTION`). ``(M,)`` per-model losses for
+    ``'mean'`` and ``'sum'`` (torch's mean divides by each sample's target length, then averages over the
+    model's own samples), each sample's for ``'none'``. None for anything else (refused as lost)."""
+    log_probs, targets, input_lengths, target_lengths = (_arg(args, kwargs, i, n) for i, n in enumerate(_CTC_OPERANDS))
+    m = ctx.num_models
+    lengths = (input_lengths, target_lengths)
+    if m == 1 or not isinstance(log_probs, Tensor) or log_probs.dim() != 3 or get_tag(log_probs) != 1:
+        return None
+    if not all(isinstance(t, Tensor) and t.dim() == 1 and get_tag(t) == 0 for t in lengths):
+        return None
+    if not isinstance(targets, Tensor):
+        return None
+    picked = _selection_of(targets) if targets.dim() == 1 else None
+    if picked is not None:
+        own_targets = targets.split(picked.counts.tolist())
+    elif targets.dim() == 2 and get_tag(targets) == 0:
+        own_targets = _per_model.split_models(targets, 0, m).unbind(0)
+    else:
+        return None
+    ctx.refuse_checkpointing("F.ctc_loss")
+    rest = {k: v for k, v in kwargs.items() if k not in _CTC_OPERANDS}
+    own = [
+        func(
+            _per_model.split_models(log_probs, 1, m).select(1, i),
+            own_targets[i],
+            *(_per_model.split_models(t, 0, m)[i] for t in lengths),
+            *args[4:],
+            **rest,
+        )
+        for i in range(m)
+    ]
+    if own[0].dim():  # reduction='none': each sample's loss
+        out = torch.cat(own)
+        set_tag(out, 0)
+    else:
+        out = torch.stack(own)
+        set_tag(out, PerModel)
+    return out
+
+
+def _ctc_loss(ctx, name, args, kwargs, out, tagged) -> None:
+    """``F.ctc_loss`` that :func:`_ctc_loss_per_model` does not compute per model."""
+    reason = f"{name} of other operands than a folded batch's log-probabilities, lengths and targets"
+    _tag_all(out, _first_lost(tagged) or Lost(reason))
+
+
 class _Probe:
     """Stands for an intermediate result with a known tag in :func:`_broadcast_tag`."""
 
@@ -3193,6 +3246,7 @@ for _fft in ("fftshift", "ifftshift"):
 _add(_sdpa, "scaled_dot_product_attention")
 _RULES[torch.einsum] = _Rule(_einsum, "torch.einsum", _einsum_over_samples, _einsum_pairs)
 _RULES[torch.cdist] = _Rule(_cdist, "torch.cdist", compute=_cdist_per_model)
+_RULES[F.ctc_loss] = _Rule(_ctc_loss, "F.ctc_loss", compute=_ctc_loss_per_model)
 _add(_reshape, "view reshape flatten unflatten view_as reshape_as squeeze unsqueeze squeeze_ unsqueeze_ ravel")
 _add(_permutation(_transpose_perm), "transpose swapaxes swapdims transpose_")
 _add(_permutation(_permute_perm), "permute")

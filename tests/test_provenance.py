@@ -1060,6 +1060,34 @@ def test_layers_that_mix_or_pad_picked_rows_refuse_them(pattern: str, match: str
     assert torch.overrides._get_current_function_mode_stack() == []
 
 
+class _CTC(nn.Module):
+    """A CTC loss in forward, targets concatenated by a mask (wav2vec2's) or padded per sample."""
+
+    def __init__(self, reduction: str, padded: bool) -> None:
+        super().__init__()
+        self.fc, self.reduction, self.padded = nn.Linear(4, 5), reduction, padded
+
+    def forward(self, x, labels):
+        log_probs = self.fc(x).log_softmax(-1).transpose(0, 1)  # (T, B, C)
+        input_lengths = torch.full((x.size(0),), x.size(1), dtype=torch.long)
+        mask = labels >= 0
+        targets = labels.clamp(min=1) if self.padded else labels.masked_select(mask)
+        return F.ctc_loss(log_probs, targets, input_lengths, mask.sum(-1), reduction=self.reduction, zero_infinity=True)
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["concatenated", "padded"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_ctc_loss_in_forward_is_each_models_own(reduction: str, padded: bool) -> None:
+    """``F.ctc_loss`` of the folded batch, with each model's targets one block of the concatenated ones (or
+    padded rows): each model's own loss ((M,), or (M, B) with 'none'), computed on its own samples."""
+    models = [seeded(lambda: _CTC(reduction, padded), i) for i in range(3)]
+    x = torch.randn(3, 4, 6, 4, dtype=torch.float64)
+    labels = torch.randint(1, 5, (3, 4, 3))
+    labels[0, 1, 1:] = -1  # each model its own number of targets
+    labels[2, :, 2:] = -1
+    _matches_originals(stack(models), models, x, labels, msg=reduction)
+
+
 class _Escapes(_Pattern):
     """A value computed over every model's samples read into Python (a number, a bool, a list, an array) or
     handed to code batchlayers does not see: one value for all models, where each original reads its own."""

@@ -70,6 +70,13 @@ CONFIGS = {
                          d_model=16, encoder_ffn_dim=32, decoder_ffn_dim=32, num_mel_bins=8, max_source_positions=8,
                          max_target_positions=16, pad_token_id=0, decoder_start_token_id=0, **_LM)
     ),
+    # speech recognition fine-tuning: F.ctc_loss of targets concatenated by labels.masked_select(labels >= 0)
+    "wav2vec2-ctc": lambda: tf.Wav2Vec2ForCTC(
+        tf.Wav2Vec2Config(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+                          conv_dim=(8, 8), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16,
+                          num_conv_pos_embedding_groups=2, vocab_size=12, mask_time_prob=0.0, layerdrop=0.0,
+                          ctc_loss_reduction="mean")
+    ),
     # load-state-dict pre-hooks that rename old checkpoints' keys (kept on the stacked model)
     "mamba": lambda: tf.MambaModel(
         tf.MambaConfig(vocab_size=50, hidden_size=16, state_size=4, num_hidden_layers=2, expand=2, conv_kernel=3)
@@ -119,6 +126,8 @@ def _inputs(name: str) -> dict[str, torch.Tensor]:
         return {"input_ids": ids, "decoder_input_ids": ids[..., :4]}
     if name in ("clip", "siglip"):
         return {"input_ids": ids, "pixel_values": torch.randn(M, IMAGES, 3, 16, 16, dtype=torch.float64)}
+    if name == "wav2vec2-ctc":
+        return {"input_values": torch.randn(M, B, 200, dtype=torch.float64)}  # 19 frames
     return {"input_ids": ids}
 
 
@@ -270,6 +279,11 @@ def _labels(name: str, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
     """Labels with a different number of ignored (-100) positions per model."""
     if name == "vit":
         return torch.randint(0, 3, (M, B))
+    if name == "wav2vec2-ctc":  # CTC targets: up to 5 characters (1..11; 0 is the blank), -100 after
+        labels = torch.randint(1, 12, (M, B, 5))
+        labels[0, 0, 2:] = -100
+        labels[1, 2, 1:] = -100
+        return labels
     shape = inputs.get("decoder_input_ids", inputs.get("input_ids")).shape
     labels = torch.randint(3, 50, shape)
     labels[0, 0, 1:] = -100
@@ -277,7 +291,7 @@ def _labels(name: str, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
     return labels
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama", "opt", "t5", "bart", "vit", "whisper"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "opt", "t5", "bart", "vit", "whisper", "wav2vec2-ctc"])
 def test_transformers_loss_is_each_models_own(name: str) -> None:
     """``labels`` given: the model computes its loss in forward (transformers' own loss functions, -100
     ignored); the stacked ``loss`` is ``(M,)``, each model's own, and its sum trains each model exactly."""
