@@ -715,6 +715,9 @@ class Tracker(TorchFunctionMode):
         ndim, count = rows[0].tensor.dim(), rows[0].tensor.shape[0] if rows[0].tensor.dim() else None
         if count is None or any(i.tensor.dim() != ndim or i.tensor.shape[0] != count for i in rows):
             return None
+        if any(isinstance(t, Tensor) and get_tag(t) is None and t.dim() == ndim and t.shape[0] != 1
+               for t in (*args, *given.values())):  # fmt: skip
+            return None  # (as many values as rows: each row's own, from where? see _same_selection)
         model = torch.repeat_interleave(torch.arange(self.num_models, device=first.counts.device), first.counts)
 
         def per_row(t: object) -> object:

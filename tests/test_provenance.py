@@ -886,6 +886,8 @@ class _Picked(_Pattern):
             return g
         if self.pattern == "rows scattered back by another mask":
             return h.masked_scatter((m & (y[:, 1] > 0)).unsqueeze(-1), self.norm(h[m]))  # (fewer: each its first)
+        if self.pattern == "a parameter, picked rows and a constant with rows of its own":
+            return torch.addcmul(torch.ones(3, 3, dtype=x.dtype), self.scale, self.fc(x[m])).sum(0)
         if self.pattern == "picked rows into batch norm":
             return self.bn(h[m]).mean(0)
         if self.pattern == "picked rows and every sample into a layer":
@@ -936,6 +938,7 @@ PICKED_REFUSED = {
     "a layer's output on picked rows, mixed": "output .*indexing by values computed from the models' samples",
     "picked rows flattened together": "output .*indexing by values computed from the models' samples",
     "rows scattered back by another mask": "output .*Tensor.masked_scatter",
+    "a parameter, picked rows and a constant with rows of its own": "addcmul .*per-model value .*indexing by",
     "picked rows transposed": "output .*indexing by values computed from the models' samples",
 }
 
