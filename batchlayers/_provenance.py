@@ -70,7 +70,7 @@ import math
 import os
 import string
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any, NamedTuple, cast
@@ -718,6 +718,8 @@ class Tracker(TorchFunctionMode):
         if any(isinstance(t, Tensor) and get_tag(t) is None and t.dim() == ndim and t.shape[0] != 1
                for t in (*args, *given.values())):  # fmt: skip
             return None  # (as many values as rows: each row's own, from where? see _same_selection)
+        if _any_marked((*args, *given.values())):
+            return None  # (a size read from the samples: _per_model.call refuses it)
         model = torch.repeat_interleave(torch.arange(self.num_models, device=first.counts.device), first.counts)
 
         def per_row(t: object) -> object:
@@ -1312,8 +1314,8 @@ def _rows_in_place(
     if not isinstance(x, Tensor) or x.dim() == 0 or out.dim() == 0:
         return None
     picked = next((p for i, p in zip(tagged, before) if i.tensor is x), None)
-    if picked is None:
-        return None
+    if picked is None or _any_marked((*args[1:], *kwargs.values())):
+        return None  # (a size read from the samples, M * B here, where each original model has its own B)
     if func in _PURE_RESHAPES:
         kept = out.shape[0] == x.shape[0] and out.numel() == x.numel()
     elif func in _SWAPS:
@@ -1324,6 +1326,7 @@ def _rows_in_place(
         kept = (
             isinstance(index, tuple)
             and bool(index)
+            and isinstance(index[0], slice)
             and index[0] == slice(None)
             and all(i is None or i is Ellipsis or isinstance(i, slice) or _is_int(i) for i in index[1:])
         )
@@ -1336,6 +1339,19 @@ def _rows_in_place(
 def _is_int(value: object) -> bool:
     """A plain int (not a bool, which indexes as a new dimension, nor a tensor)."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _any_marked(values: Iterable[object]) -> bool:
+    """Whether a number computed from a read size (``B``, ``B - 1``: see ``batchlayers._numbers``) is among
+    ``values``, in a slice, a list or a tuple of them."""
+    for v in values:
+        if type(v) in _MARKED:
+            return True
+        if isinstance(v, slice) and _marked_slice(v):
+            return True
+        if isinstance(v, (tuple, list)) and _any_marked(v):
+            return True
+    return False
 
 
 def _same_selection(args: Sequence, kwargs: dict, tagged: list[_In], before, out: Tensor) -> Selection | None:

@@ -889,6 +889,13 @@ class _Picked(_Pattern):
             return h.masked_scatter((m & (y[:, 1] > 0)).unsqueeze(-1), self.norm(h[m]))  # (fewer: each its first)
         if self.pattern == "a parameter, picked rows and a constant with rows of its own":
             return torch.addcmul(torch.ones(3, 3, dtype=x.dtype), self.scale, self.fc(x[m])).sum(0)
+        if self.pattern == "a per-model value, picked rows and the batch size":
+            r = self.fc(x[m])
+            return torch.addcmul(r, self.scale, r, value=x.size(0)).sum(0)
+        if self.pattern == "picked rows sliced by the batch size":
+            return self.fc(x[m])[:, : x.size(0) - 3].sum(0)
+        if self.pattern == "picked rows viewed by the batch size":
+            return self.fc(x[m]).view(-1, x.size(0)).sum(0)
         if self.pattern == "picked rows into batch norm":
             return self.bn(h[m]).mean(0)
         if self.pattern == "picked rows and every sample into a layer":
@@ -940,6 +947,8 @@ PICKED_REFUSED = {
     "picked rows flattened together": "output .*indexing by values computed from the models' samples",
     "rows scattered back by another mask": "output .*Tensor.masked_scatter",
     "a parameter, picked rows and a constant with rows of its own": "addcmul .*per-model value .*indexing by",
+    "a per-model value, picked rows and the batch size": "addcmul",
+    "picked rows sliced by the batch size": r"Tensor.__getitem__ uses the number 12",
     "picked rows transposed": "output .*indexing by values computed from the models' samples",
 }
 
@@ -958,6 +967,16 @@ def test_reductions_and_losses_of_rows_picked_by_a_mask_are_each_models_own(patt
     through elementwise and row-by-row calls. Exact against the originals, gradients included."""
     models = [seeded(lambda: _Picked(pattern, 3), i) for i in range(3)]
     _matches_originals(stack(models), models, *_picked_inputs(batch), msg=pattern)
+
+
+def test_picked_rows_viewed_by_a_batch_size_that_equals_their_width_are_refused() -> None:
+    """``r.view(-1, B)`` of picked rows 3 wide, with ``M * B = 3``: the folded view keeps the rows as they are,
+    where each original model (B = 1) makes one row of every element. A size read from the samples given to
+    a reshape of picked rows ends what batchlayers follows of them (here the sum over them is refused)."""
+    batched = stack([seeded(lambda: _Picked("picked rows viewed by the batch size", 3), i) for i in range(3)])
+    with pytest.raises(ValueError, match="output .*indexing by values computed from the models' samples"):
+        batched(*_picked_inputs(1))
+    assert torch.overrides._get_current_function_mode_stack() == []
 
 
 @pytest.mark.parametrize("pattern", list(PICKED_REFUSED))
