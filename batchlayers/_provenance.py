@@ -851,11 +851,13 @@ def _each_models_values(tagged: list[_In], numbers: list[tuple[Any, object, bool
     """Whether an elementwise op computes each element as its original model would with its own number in
     place of each number that differs per model (``h / x.size(0)``, ``x.sum(0) / x.size(0)``, ``count +
     x.shape[0]``): the numbers are arguments themselves (not in a list) and no tensor among them is
-    :class:`Lost`. That own number is the same for every model (``B`` of ``M * B``), and an elementwise op
-    computes every element alone, from the elements at its position: each element of its result is then its
-    original model's, whether the tensors hold the samples, per-model values or neither. (A tensor built from
-    the read size alone, ``torch.arange(B)``, stays marked so, wherever it goes.)"""
-    return not any(isinstance(i.tag, Lost) for i in tagged) and all(top for _, _, top in numbers)
+    :class:`Lost` but rows picked by a mask (see :data:`_SELECTION`). That own number is the same for every
+    model (``B`` of ``M * B``), and an elementwise op computes every element alone, from the elements at its
+    position: each element of its result is then its original model's, whether the tensors hold the samples,
+    picked rows, per-model values or neither. (A tensor built from the read size alone, ``torch.arange(B)``,
+    stays marked so, wherever it goes.)"""
+    lost = (i for i in tagged if isinstance(i.tag, Lost))
+    return all(_selection_of(i.tensor) is not None for i in lost) and all(top for _, _, top in numbers)
 
 
 def _each_models_numbers(obj: Any) -> Any:

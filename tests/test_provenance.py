@@ -896,6 +896,8 @@ class _Picked(_Pattern):
             return self.fc(x[m])[:, : x.size(0) - 3].sum(0)
         if self.pattern == "picked rows viewed by the batch size":
             return self.fc(x[m]).view(-1, x.size(0)).sum(0)
+        if self.pattern == "a layer's output on picked rows over the batch size":
+            return (self.fc(x[m]) * (x.size(0) - 1) / x.size(0)).sum(0)
         if self.pattern == "picked rows into batch norm":
             return self.bn(h[m]).mean(0)
         if self.pattern == "picked rows and every sample into a layer":
@@ -934,6 +936,8 @@ PICKED = [
     "picked rows plus a (1, C) parameter, then a loss",
     "a parameter with a dimension of its own times picked rows",
     "picked rows normalised and scattered back (higgs_audio_v2)",
+    "a layer's output on picked rows over the batch size",
+    "a per-model value, picked rows and the batch size",
     "picked rows scattered back in place",
 ]
 PICKED_REFUSED = {
@@ -947,7 +951,6 @@ PICKED_REFUSED = {
     "picked rows flattened together": "output .*indexing by values computed from the models' samples",
     "rows scattered back by another mask": "output .*Tensor.masked_scatter",
     "a parameter, picked rows and a constant with rows of its own": "addcmul .*per-model value .*indexing by",
-    "a per-model value, picked rows and the batch size": "addcmul",
     "picked rows sliced by the batch size": r"Tensor.__getitem__ uses the number 12",
     "picked rows transposed": "output .*indexing by values computed from the models' samples",
 }
@@ -1103,6 +1106,9 @@ _ROW_STEPS = {
     "flipped rows": lambda s, h, m, r: r.flip(0),
     "transposed twice": lambda s, h, m, r: r.T.T,
     "shared rows added": lambda s, h, m, r: r + torch.ones(3, 6, dtype=r.dtype)[:1],
+    "divided by the batch size": lambda s, h, m, r: r / h.size(0),
+    "per-model scale over the batch size": lambda s, h, m, r: (s.scale / h.size(0)) * r,
+    "reshaped by the batch size": lambda s, h, m, r: r.reshape(-1, h.size(0) * 0 + 6),
 }
 _ROW_ENDS = {
     "sum over rows": lambda s, m, r, x: r.sum(0),
