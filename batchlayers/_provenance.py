@@ -1254,6 +1254,8 @@ def _follow_selection(ctx, func, entry, args, kwargs, out, tagged, before) -> No
         picked = _same_selection(args, kwargs, tagged, before, outs[0])
     elif func in _ROWS_IN_PLACE and len(outs) == 1:
         picked = _rows_in_place(func, args, kwargs, tagged, before, outs[0])
+    elif func in _JOINS and len(outs) == 1:
+        picked = _rows_joined(func, args, kwargs, tagged, before, outs[0])
     elif entry is not None and len(outs) == 1 and outs[0].dim() > 0:
         picked = _rows_kept(entry, args, kwargs, tagged, before, outs[0])
     if picked is None or any(o.is_inference() for o in outs):
@@ -1336,6 +1338,32 @@ def _rows_in_place(
         order = args[1:] if len(args) > 2 or (len(args) == 2 and _is_int(args[1])) else _arg(args, kwargs, 1, "dims")
         kept = isinstance(order, (tuple, list)) and bool(order) and _is_int(order[0]) and _norm(order[0], x.dim()) == 0
     return picked if kept and out.shape[0] == x.shape[0] else None
+
+
+_JOINS = frozenset({torch.cat, torch.concat, torch.concatenate, torch.stack})
+
+
+def _rows_joined(
+    func: Callable, args: Sequence, kwargs: dict, tagged: list[_In], before, out: Tensor
+) -> Selection | None:
+    """The rows picked by a mask that every tensor given to ``torch.cat`` or ``torch.stack`` along another
+    dimension than 0 holds (``torch.cat([r, self.proj(r)], -1)``): each row is joined with the same row of the
+    others, and stays where it was; None otherwise (along dimension 0 the models' blocks would follow each
+    other twice)."""
+    tensors = _arg(args, kwargs, 0, "tensors")
+    dim = kwargs.get("axis", _arg(args, kwargs, 1, "dim", 0))
+    if not isinstance(tensors, (list, tuple)) or not tensors or type(dim) is not int:
+        return None
+    held = {id(i.tensor): p for i, p in zip(tagged, before)}
+    first = held.get(id(tensors[0]))
+    if first is None or not all(isinstance(t, Tensor) and t.dim() > 0 for t in tensors):
+        return None
+    if not all((p := held.get(id(t))) is not None and first.same(p) for t in tensors[1:]):
+        return None
+    ndim = tensors[0].dim() + (1 if func is torch.stack else 0)
+    if _norm(dim, ndim) == 0 or out.dim() == 0 or out.shape[0] != tensors[0].shape[0]:
+        return None
+    return first
 
 
 def _is_int(value: object) -> bool:
