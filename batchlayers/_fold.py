@@ -36,12 +36,12 @@ from ._provenance import (
     SharedBuffer,
     Tracker,
     _name,
+    _selection_of,
     _viewed,
     from_size_alone,
     from_size_message,
     get_tag,
     keep_picked_rows,
-    picked_rows,
     set_tag,
     untracked,
 )
@@ -75,7 +75,7 @@ class _PickedRows:
     def of(selection: Selection, tag: Lost, device: torch.device) -> _PickedRows:
         counts = selection.counts.to(device)
         width = int(counts.max()) if counts.numel() else 0
-        model = torch.repeat_interleave(torch.arange(len(counts), device=device), counts)
+        model = selection.row_models().to(device)
         starts = torch.cumsum(counts, 0) - counts
         positions = model * width + torch.arange(len(model), device=device) - starts[model]
         return _PickedRows(selection, tag, width, positions)
@@ -100,7 +100,7 @@ def _picked_rows(layer: nn.Module, tensors: list[Tensor], num_models: int) -> _P
     tags = [get_tag(t) for t in held]
     if num_models == 1 or not held or not all(isinstance(tag, Lost) for tag in tags):
         return None
-    picked = [picked_rows(t) for t in held]
+    picked = [_selection_of(t) for t in held]
     first = picked[0]
     if first is None or not all(p is not None and first.same(p) for p in picked[1:]):
         return None

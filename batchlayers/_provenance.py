@@ -715,12 +715,9 @@ class Tracker(TorchFunctionMode):
         ndim, count = rows[0].tensor.dim(), rows[0].tensor.shape[0] if rows[0].tensor.dim() else None
         if count is None or any(i.tensor.dim() != ndim or i.tensor.shape[0] != count for i in rows):
             return None
-        if any(isinstance(t, Tensor) and get_tag(t) is None and t.dim() == ndim and t.shape[0] != 1
-               for t in (*args, *given.values())):  # fmt: skip
-            return None  # (as many values as rows: each row's own, from where? see _same_selection)
-        if _any_marked((*args, *given.values())):
-            return None  # (a size read from the samples: _per_model.call refuses it)
-        model = torch.repeat_interleave(torch.arange(self.num_models, device=first.counts.device), first.counts)
+        if _shared_rows((*args, *given.values()), ndim) or _any_marked((*args, *given.values())):
+            return None  # (a size read from the samples left as it is: _per_model.call refuses it)
+        model = first.row_models()
 
         def per_row(t: object) -> object:
             if not isinstance(t, Tensor) or get_tag(t) is not PerModel:
@@ -1212,6 +1209,10 @@ class Selection:
         unchanged = self.mask._version == self.version and other.mask._version == other.version
         return unchanged and self.mask.shape == other.mask.shape and torch.equal(self.mask, other.mask)
 
+    def row_models(self) -> Tensor:
+        """``(K,)``: the model each picked row belongs to (the rows in the folded order, one block a model)."""
+        return torch.repeat_interleave(torch.arange(len(self.counts), device=self.counts.device), self.counts)
+
 
 def _selection_of(t: object) -> Selection | None:
     """The rows ``t`` holds, picked by a mask, while nothing has written into ``t`` since."""
@@ -1219,11 +1220,6 @@ def _selection_of(t: object) -> Selection | None:
     if noted is None or noted[1] != cast(Tensor, t)._version:
         return None
     return noted[0]
-
-
-def picked_rows(t: object) -> Selection | None:
-    """The rows picked from the samples by a mask that ``t`` holds (see :data:`_SELECTION`), or None."""
-    return _selection_of(t)
 
 
 def keep_picked_rows(t: Tensor, selection: Selection) -> None:
@@ -1373,7 +1369,8 @@ def _is_int(value: object) -> bool:
 
 def _any_marked(values: Iterable[object]) -> bool:
     """Whether a number computed from a read size (``B``, ``B - 1``: see ``batchlayers._numbers``) is among
-    ``values``, in a slice, a list or a tuple of them."""
+    ``values``, in a slice, a list or a tuple of them (where :func:`_numbers_that_differ` finds those that differ
+    per model, this finds every one)."""
     for v in values:
         if type(v) in _MARKED:
             return True
@@ -1390,10 +1387,13 @@ def _same_selection(args: Sequence, kwargs: dict, tagged: list[_In], before, out
     found = _one_selection(before)
     if found is None or any(len(i.shape) != out.dim() or i.shape[0] != out.shape[0] for i in tagged) or not out.dim():
         return None
-    for t in (*args, *kwargs.values()):
-        if isinstance(t, Tensor) and get_tag(t) is None and t.dim() == out.dim() and t.shape[0] != 1:
-            return None  # (as many values as rows: each row's own, from where?)
-    return found
+    return None if _shared_rows((*args, *kwargs.values()), out.dim()) else found
+
+
+def _shared_rows(values: Iterable[object], ndim: int) -> bool:
+    """Whether a tensor holding no samples among ``values`` has rows of its own against picked rows of ``ndim``
+    dimensions (as many values as rows: each row's own, from where?), where it should broadcast over them."""
+    return any(isinstance(t, Tensor) and get_tag(t) is None and t.dim() == ndim and t.shape[0] != 1 for t in values)
 
 
 def _rows_kept(entry: _Rule, args: Sequence, kwargs: dict, tagged: list[_In], before, out: Tensor) -> Selection | None:
@@ -2139,16 +2139,9 @@ def _ctc_loss_per_model(ctx, func, args, kwargs, tagged) -> Tensor | None:
         return None
     ctx.refuse_checkpointing("F.ctc_loss")
     rest = {k: v for k, v in kwargs.items() if k not in _CTC_OPERANDS}
-    own = [
-        func(
-            _per_model.split_models(log_probs, 1, m).select(1, i),
-            own_targets[i],
-            *(_per_model.split_models(t, 0, m)[i] for t in lengths),
-            *args[4:],
-            **rest,
-        )
-        for i in range(m)
-    ]
+    own_log_probs = _per_model.split_models(log_probs, 1, m).unbind(1)
+    own_inputs, own_lengths = (_per_model.split_models(t, 0, m).unbind(0) for t in lengths)
+    own = [func(own_log_probs[i], own_targets[i], own_inputs[i], own_lengths[i], *args[4:], **rest) for i in range(m)]
     if own[0].dim():  # reduction='none': each sample's loss
         out = torch.cat(own)
         set_tag(out, 0)
