@@ -987,3 +987,52 @@ def test_rmsprop_models_without_a_momentum_buffer_follow_state_dict_and_keep_mod
     resumed.step()  # model 1 now has model 0's buffer
     keep_models_(model, resumed, [1, 2])
     resumed.step()
+
+
+@pytest.mark.parametrize("where", ["instance", "global"])
+@pytest.mark.parametrize("fused", [None, True], ids=["foreach", "fused"])
+def test_step_hooks_and_profiler_label_work_as_in_torch_optim(where, fused) -> None:
+    """step() skips torch's profiling wrapper only while nothing would see it: step hooks still run (and
+    a pre-hook's new arguments are used), and a profiler still records ``Optimizer.step#<class>.step``."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    lr = tensor(1e-2, 1e-3, 3e-2)
+    pair = Pair(Adam, torch.optim.Adam, {"lr": lr}, fused=fused, dtype=torch.float32)
+    seen = []
+
+    def pre_hook(optimizer, args, kwargs):
+        seen.append(("pre", torch.is_grad_enabled()))
+        return args, {**kwargs, "active": torch.tensor([True, False, True])}  # skip model 1, as torch would let it
+
+    def post_hook(optimizer, args, kwargs):
+        seen.append(("post", kwargs["active"].tolist()))
+
+    if where == "instance":
+        handles = [pair.opt.register_step_pre_hook(pre_hook), pair.opt.register_step_post_hook(post_hook)]
+    else:
+        handles = [register_optimizer_step_pre_hook(pre_hook), register_optimizer_step_post_hook(post_hook)]
+    grads = [torch.randn_like(p) for p in pair.params]
+    try:
+        for p, g in zip(pair.params, grads):
+            p.grad = g.clone()
+        pair.opt.step()
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert seen == [("pre", True), ("post", [True, False, True])]
+    for m in (0, 2):  # the references step without hooks: model 1 was skipped
+        for q, g in zip(pair.ref_params[m], grads):
+            q.grad = g[m].clone()
+        pair.ref_opts[m].step()
+    exact = fused is None  # the fused path rounds its own way in float32 (test_fused_*)
+    pair.check("hooked step", exact=exact)
+    pair.step()  # no hooks: the fast path
+    pair.check("plain step", exact=exact)
+    assert len(seen) == 2
+
+    for p in pair.params:
+        p.grad = torch.randn_like(p)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        pair.opt.step()
+    names = [event.name for event in prof.events()]
+    assert names.count("Optimizer.step#Adam.step") == 1

@@ -13,6 +13,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
+from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
 __all__ = ["PerModelValue"]
 
@@ -194,6 +195,30 @@ def rows_of_one_tensor(steps: list[Tensor]) -> Tensor | None:
         ):
             return base
     return None
+
+
+def _step_with_hooks(step: Callable) -> Callable:
+    """An optimizer's ``step`` as torch.optim wraps it (:meth:`Optimizer.profile_hook_step`: step pre- and
+    post-hooks, global ones included, run inside a ``record_function`` named ``Optimizer.step#<class>.step``),
+    calling ``step`` directly while nothing would see that wrapper: no step hook registered, no profiler
+    running, not compiling. Entering and leaving the empty label alone costs about 20 us, where torch's
+    fused Adam kernel takes 11 us on the 10-20-2 MLP at M=64 (1 thread)."""
+    hooked = Optimizer.profile_hook_step(step)
+
+    @functools.wraps(step)
+    def wrapper(self: Optimizer, *args: Any, **kwargs: Any) -> Any:
+        if (
+            torch.compiler.is_compiling()  # (first: dynamo cannot trace the profiler's state)
+            or self._optimizer_step_pre_hooks
+            or self._optimizer_step_post_hooks
+            or _global_optimizer_pre_hooks
+            or _global_optimizer_post_hooks
+            or torch._C._autograd._profiler_enabled()
+        ):
+            return hooked(self, *args, **kwargs)
+        return step(self, *args, **kwargs)
+
+    return wrapper
 
 
 def steps_after_increment(steps: list[Tensor]) -> float | Tensor:
@@ -468,6 +493,16 @@ class BatchedOptimizer(Optimizer):
     """
 
     per_model_hyperparameters: tuple[str | tuple[str, int], ...] = ()
+
+    def _patch_step_function(self) -> None:
+        # torch.optim wraps a class's step once, to run step hooks inside a profiler label
+        # (Optimizer.profile_hook_step); this wraps it so that the label and hooks cost nothing while none
+        # is there (see _step_with_hooks).
+        self._zero_grad_profile_name = f"Optimizer.zero_grad#{type(self).__name__}.zero_grad"
+        cls = type(self)
+        if not getattr(cls.step, "hooked", None):
+            cls.step = _step_with_hooks(cls.step)  # type: ignore[method-assign]
+            cls.step.hooked = True  # type: ignore[attr-defined]
 
     def __init__(self, params: Iterable, defaults: dict[str, Any]) -> None:
         for flag in ("differentiable", "capturable"):
@@ -797,7 +832,6 @@ class BatchedOptimizer(Optimizer):
             kernels[kernel] = torch.compile(own, fullgraph=True, options={"size_asserts": False})
         return kernels[kernel]
 
-    @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None, *, active: Tensor | None = None) -> Any:
         """Perform one optimization step for every model, or only for the ``active`` ones.
 
@@ -812,6 +846,15 @@ class BatchedOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        grad_enabled = torch.is_grad_enabled()
+        torch.set_grad_enabled(False)  # (as torch.no_grad() but for its decorator's 3 us a step)
+        try:
+            self._step_models(active)
+        finally:
+            torch.set_grad_enabled(grad_enabled)
+        return loss
+
+    def _step_models(self, active: Tensor | None) -> None:
         self._check_step(active)
         # One pass over the parameters, the checks included: on small models this loop is a good part of the step.
         for group in self.param_groups:
@@ -861,7 +904,6 @@ class BatchedOptimizer(Optimizer):
                         num_models,
                     )
             restore_models(saved, idle)
-        return loss
 
     @staticmethod
     def _count_steps_in_one_tensor(states: list[dict[str, Any]]) -> None:
