@@ -1036,3 +1036,26 @@ def test_step_hooks_and_profiler_label_work_as_in_torch_optim(where, fused) -> N
         pair.opt.step()
     names = [event.name for event in prof.events()]
     assert names.count("Optimizer.step#Adam.step") == 1
+
+
+@pytest.mark.parametrize("profiled", [False, True], ids=["plain", "profiled"])
+@pytest.mark.parametrize("set_to_none", [True, False], ids=["to_none", "to_zero"])
+def test_zero_grad_as_torch_optim(set_to_none, profiled) -> None:
+    """zero_grad leaves every gradient as torch.optim's does, and a profiler still records its label."""
+    params = [torch.nn.Parameter(torch.randn(M, *s)) for s in SHAPES]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    ours, theirs = Adam(params, lr=1e-3), torch.optim.Adam(twins, lr=1e-3)
+    for p, q in zip(params, twins):
+        p.grad, q.grad = torch.ones_like(p), torch.ones_like(q)
+    params[1].grad = twins[1].grad = None  # a parameter without a gradient stays so
+    if profiled:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            ours.zero_grad(set_to_none=set_to_none)
+        assert [e.name for e in prof.events()].count("Optimizer.zero_grad#Adam.zero_grad") == 1
+    else:
+        ours.zero_grad(set_to_none=set_to_none)
+    theirs.zero_grad(set_to_none=set_to_none)
+    for p, q in zip(params, twins):
+        assert (p.grad is None) == (q.grad is None)
+        if q.grad is not None:
+            assert_equal(p.grad, q.grad, "gradient")

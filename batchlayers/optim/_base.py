@@ -494,6 +494,17 @@ class BatchedOptimizer(Optimizer):
 
     per_model_hyperparameters: tuple[str | tuple[str, int], ...] = ()
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As ``torch.optim.Optimizer.zero_grad``; with ``set_to_none`` (the default) and no profiler running,
+        without its ``record_function`` label, which cost 7.6 of its 8.7 us on four tensors (1 thread)."""
+        if not set_to_none or torch.compiler.is_compiling() or torch._C._autograd._profiler_enabled():
+            super().zero_grad(set_to_none)
+            return
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad = None
+
     def _patch_step_function(self) -> None:
         # torch.optim wraps a class's step once, to run step hooks inside a profiler label
         # (Optimizer.profile_hook_step); this wraps it so that the label and hooks cost nothing while none
