@@ -2,7 +2,7 @@
 
 Examples::
 
-    python -m benchmarks --quick                      # docs/benchmarks.md's table, a minute on 2 CPU cores
+    python -m benchmarks --quick                      # docs/benchmarks.md's table, about three minutes on 2 CPU cores
     python -m benchmarks --workloads mlp-tiny --num-models 1 64 1024 4096 --iters 30
     python -m benchmarks --device cuda --dtype bfloat16 --format json
 """
