@@ -152,6 +152,17 @@ def test_float32_matches_loop():
     _compare(model, loops, _input("relu-tanh-3", (M, 64), torch.float32), False, True)
 
 
+@pytest.mark.parametrize("outputs", [1, 2, 3])
+@pytest.mark.parametrize("shared", [False, True], ids=["per-model", "shared"])
+def test_float32_few_outputs_after_a_short_hidden_layer_match_loop(outputs, shared):
+    # 64 samples through 20 hidden units: the hidden tensor is held transposed, so the output layer's weight
+    # gradient multiplies two transposed operands; with 2 outputs the chain copies one of them first
+    # (mlp_module._two_rows_transposed).
+    model, loops = _build([(10, 20), nn.ReLU(), (20, outputs)], torch.float32)
+    leading = (64,) if shared else (M, 64)
+    _compare(model, loops, torch.randn(*leading, 10), shared, True)
+
+
 def test_state_dict_and_children_are_sequentials():
     model, _ = _build(STRUCTURES["run-in-middle"])
     plain = nn.Sequential(*model)
