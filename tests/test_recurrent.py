@@ -170,6 +170,22 @@ def test_plain_recurrence_matches_loop(monkeypatch, kind, bidirectional):
     grad.sum().backward()
 
 
+@pytest.mark.parametrize("input_size", [I, 13], ids=["narrow_input", "wide_input"])
+@pytest.mark.parametrize("batch_first", [False, True], ids=["time_major", "batch_first"])
+@pytest.mark.parametrize("kind", NETWORKS)
+def test_step_layouts_match_loop(kind, batch_first, input_size):
+    """Every layout of the input projection gives the loop's numbers, two layers deep: batch-first rows as they
+    are, or copied into time-major ones (an input narrower than the gates, in training), and the time-major
+    output passed between layers."""
+    torch.manual_seed(0)
+    batched, make_torch = build(kind, 3, input_size=input_size, num_layers=2, batch_first=batch_first)
+    modules = unbatch(batched, make_torch)
+    x = torch.randn(3, *((B, T) if batch_first else (T, B)), input_size, dtype=F64)
+    compare(batched, modules, x, initial_state(kind, 3, (2, B)), shared=False)
+    with torch.no_grad():  # nothing recorded: the batch-first rows as they are
+        assert_close(batched(x)[0], torch.stack([m(x[i])[0] for i, m in enumerate(modules)]), msg="no_grad output")
+
+
 def _force_per_model_kernels(monkeypatch) -> list[int]:
     """Make every LSTM take the per-model kernel path; returns a list that grows by one per call of it."""
     calls: list[int] = []

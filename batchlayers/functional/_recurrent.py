@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .._utils import autocast_enabled, check_call_input, check_parameter, check_weight
+from .._utils import autocast_enabled, check_call_input, check_parameter, check_weight, is_shared
 
 __all__ = ["rnn"]
 
@@ -149,21 +149,26 @@ def rnn(
         c0 = None
 
     time_dim = 2 if batch_first else 1
-    layer_input = input
+    layer_input, input_time_dim = input, time_dim
     h_n: list[Tensor] = []
     c_n: list[Tensor] = []
     for layer in range(num_layers):
         start = layer * num_directions * per_direction
         params = [weights[start + d * per_direction : start + (d + 1) * per_direction] for d in range(num_directions)]
         c0_layer = c0[layer] if lstm and c0 is not None else None
-        output, h_last, c_last = _layer(mode, layer_input, h0[layer], c0_layer, params, bias, proj_size, time_dim)
+        # Between layers the output stays time-major, (M, T, B, H), as the steps write it: the next layer's
+        # input projection reads its rows as they are. Only the last layer's output takes the input's layout.
+        output_time_dim = time_dim if layer == num_layers - 1 else 1
+        output, h_last, c_last = _layer(
+            mode, layer_input, h0[layer], c0_layer, params, bias, proj_size, input_time_dim, output_time_dim
+        )
         h_n.extend(h_last.view(num_directions, num_models, *h_last.shape[1:]).unbind(0))
         if lstm:
             c_last = cast(Tensor, c_last)  # (an LSTM layer returns its c)
             c_n.extend(c_last.view(num_directions, num_models, *c_last.shape[1:]).unbind(0))
         if dropout > 0 and training and layer < num_layers - 1:
             output = _dropout(output, dropout, generator)
-        layer_input = output
+        layer_input, input_time_dim = output, output_time_dim
     h_stacked = torch.stack(h_n, 1)
     return (layer_input, (h_stacked, torch.stack(c_n, 1))) if lstm else (layer_input, h_stacked)
 
@@ -343,17 +348,26 @@ def _layer(
     bias: bool,
     proj_size: int,
     time_dim: int,
+    output_time_dim: int,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """One layer, all directions: ``x`` ``(M, T, B, I)`` (or batch-first) -> the output in the same layout, and
-    the final ``(D*M, B, H_out)`` states of the directions."""
+    """One layer, all directions: ``x`` ``(M, T, B, I)`` (``time_dim`` 1) or ``(M, B, T, I)`` (``time_dim`` 2)
+    -> the output, contiguous, in the layout ``output_time_dim`` names, and the final ``(D*M, B, H_out)`` states
+    of the directions."""
     num_models, num_directions = x.shape[0], len(params)
     w_ih = [p[0] for p in params]
     gate_size = w_ih[0].shape[1]
 
-    # The input projection of every step, direction and model: one GEMM. A reshape of a stride-0 expand of
-    # a contiguous batch is a view, so a shared batch stays one copy.
+    if time_dim == 2 and x.shape[-1] < num_directions * gate_size and _records_projection(x, params):
+        # The steps write the gradient of the projected inputs time-major, (M, T, B, D*G): projecting
+        # batch-first rows would copy that gradient into their order in backward. Copying the narrower input
+        # into time-major rows once is cheaper (the RL policy's LSTM, (32, 8, 16, 16) inputs and 256 gates:
+        # a 65k-element copy instead of a 1M-element one).
+        x, time_dim = x.transpose(1, 2), 1
+
+    # The input projection of every step, direction and model: one GEMM. A shared batch stays one batch (a
+    # stride-0 expand of its rows, copied once at most).
     w_in = _cat_directions(w_ih, 1).transpose(1, 2)  # (M, I, D*G)
-    x3 = x.reshape(num_models, -1, x.shape[-1])
+    x3 = _input_rows(x)
     b_rec = None
     if bias and mode == "GRU":
         # r multiplies W_hn h + b_hn, so b_hh stays in the recurrence and b_ih goes with the projection.
@@ -391,13 +405,27 @@ def _layer(
         hs, h_last = steps(inputs, b_rec, h0, w_rec, mode == "RNN_RELU")
         c_last = None
 
-    # hs: (D*M, T, B, H_out) in step order; the output is contiguous in the input's layout, as torch's.
+    # hs: (D*M, T, B, H_out) in step order
     if num_directions == 1:
-        output = hs if time_dim == 1 else hs.transpose(1, 2).contiguous()
+        output = hs if output_time_dim == 1 else hs.transpose(1, 2).contiguous()
     else:
         forward, backward = hs[:num_models], hs[num_models:].flip(1)
-        output = torch.cat([forward.movedim(1, time_dim), backward.movedim(1, time_dim)], -1)
+        output = torch.cat([forward.movedim(1, output_time_dim), backward.movedim(1, output_time_dim)], -1)
     return output, h_last, c_last
+
+
+def _input_rows(x: Tensor) -> Tensor:
+    """``(M, S, S', I)`` -> ``(M, S*S', I)``, the rows the input projection multiplies: a view where the layout
+    allows; a shared stride-0 batch is reshaped as one batch and expanded, never copied M times."""
+    if is_shared(x):
+        return x[0].reshape(-1, x.shape[-1]).expand(x.shape[0], -1, -1)
+    return x.reshape(x.shape[0], -1, x.shape[-1])
+
+
+def _records_projection(x: Tensor, params: list[Sequence[Tensor]]) -> bool:
+    """Whether autograd records the input projection, so that its backward computes the projected inputs'
+    gradient."""
+    return torch.is_grad_enabled() and (x.requires_grad or any(t.requires_grad for p in params for t in p))
 
 
 # The recurrences, written twice. The plain versions are compositions of differentiable ops: torch.compile
