@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 import torch
-from harness import assert_close
+from harness import RecordOps, assert_close
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -111,6 +111,23 @@ def test_shared_query_is_not_copied() -> None:
     out, _ = batched(shared, shared, shared)
     modules = _loop(batched, batch_first=True)
     assert_close(out, torch.stack([m(x, x, x)[0] for m in modules]), msg="shared batch")
+
+
+def test_heads_reach_scaled_dot_product_attention_without_copies() -> None:
+    """Self-attention without weights: the heads are views of the packed projection, as torch's own attention
+    passes them, in forward and backward; no copy the size of q, k, v or the attention's output is made."""
+    batched = BatchedMultiheadAttention(M, E, HEADS, batch_first=True, dtype=torch.float64)
+    # 5 steps: no weight or weight gradient has the size of q, k or v
+    x = torch.randn(M, B, 5, E, dtype=torch.float64, requires_grad=True)
+    with RecordOps() as ops:
+        out, _ = batched(x, x, x, need_weights=False)
+        out.backward(torch.randn_like(out))
+    copies = [
+        name for name, is_view, n in ops.ops if not is_view and n == x.numel() and ("copy" in name or "clone" in name)
+    ]
+    assert copies == [], f"the heads were copied: {copies}"
+    modules = _loop(batched, batch_first=True)
+    assert_close(out, torch.stack([m(x[i], x[i], x[i], need_weights=False)[0] for i, m in enumerate(modules)]))
 
 
 def test_init_state_dict_and_dropout() -> None:

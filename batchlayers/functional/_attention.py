@@ -106,16 +106,16 @@ def multi_head_attention(
     elif bias_k is not None or bias_v is not None:
         raise ValueError("multi_head_attention: bias_k and bias_v are given together or not at all")
 
-    # (M, B, L, E) -> (M * B * heads, L, d), torch's (bsz * heads, L, d) with the models in the batch
-    q = q.reshape(folded, tgt_len, num_heads, head_dim).transpose(1, 2).reshape(folded * num_heads, tgt_len, head_dim)
-    k = k.reshape(folded, -1, num_heads, head_dim).transpose(1, 2).reshape(folded * num_heads, -1, head_dim)
-    v = v.reshape(folded, -1, num_heads, head_dim).transpose(1, 2).reshape(folded * num_heads, -1, head_dim)
+    # (M, B, L, E) -> (M * B, heads, L, d), torch's (bsz, heads, L, d) with the models in the batch: views of
+    # the projections (as torch's own attention takes them), which scaled_dot_product_attention reads as they
+    # are; the explicit-weights path below flattens them into (M * B * heads, L, d) for its batched GEMMs.
+    q, k, v = (t.reshape(folded, -1, num_heads, head_dim).transpose(1, 2) for t in (q, k, v))
     if add_zero_attn:
-        zeros = q.new_zeros(folded * num_heads, 1, head_dim)
-        k, v = torch.cat([k, zeros], dim=1), torch.cat([v, zeros], dim=1)
+        zeros = q.new_zeros(folded, num_heads, 1, head_dim)
+        k, v = torch.cat([k, zeros], dim=2), torch.cat([v, zeros], dim=2)
         attn_mask = None if attn_mask is None else F.pad(attn_mask, (0, 1))
         key_padding_mask = None if key_padding_mask is None else F.pad(key_padding_mask, (0, 1))
-    src_len = k.shape[1]
+    src_len = k.shape[2]
     if key_padding_mask is not None:
         key_padding_mask = (
             key_padding_mask.view(folded, 1, 1, src_len)
@@ -128,6 +128,7 @@ def multi_head_attention(
 
     weights = None
     if need_weights:
+        q, k, v = (t.reshape(folded * num_heads, -1, head_dim) for t in (q, k, v))
         q_scaled = q * math.sqrt(1.0 / float(head_dim))
         if attn_mask is not None:
             scores = torch.baddbmm(attn_mask, q_scaled, k.transpose(-2, -1))
@@ -147,14 +148,7 @@ def multi_head_attention(
                 if attn_mask.dim() == 3 and attn_mask.shape[0] == 1
                 else (attn_mask.view(folded, num_heads, -1, src_len))
             )
-        out = F.scaled_dot_product_attention(
-            q.view(folded, num_heads, tgt_len, head_dim),
-            k.view(folded, num_heads, src_len, head_dim),
-            v.view(folded, num_heads, src_len, head_dim),
-            attn_mask,
-            dropout_p,
-            is_causal,
-        )
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal)
     out = out.transpose(1, 2).reshape(num_models, batch * tgt_len, embed_dim)
     out = linear(out, out_proj_weight, out_proj_bias).view(num_models, batch, tgt_len, -1)
     return out, weights
