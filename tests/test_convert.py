@@ -522,14 +522,21 @@ def test_global_average_pooling_is_exact_with_a_channels_last_gradient(module: b
             assert_close(stacked.get_parameter(name).grad[i], p.grad, msg=f"model {i}: {name}'s penalty gradient")
 
 
-def test_the_pooled_gradient_is_channels_last() -> None:
-    from batchlayers._provenance import MeanWithChannelsLastGradient
+def test_the_pooled_gradient_is_an_expand_the_activation_reads_channels_last() -> None:
+    """The pooling's gradient is torch's, as a stride-0 expand (no full-size tensor written); the backward of
+    a ReLU before the pooling turns it into a channels-last gradient, where torch's own contiguous gradient
+    gives a contiguous one (mixing layouts with the channels-last saved output)."""
+    from batchlayers._provenance import MeanWithExpandedGradient
 
     x = torch.randn(4, 3, 5, 5, dtype=torch.float64).contiguous(memory_format=torch.channels_last).requires_grad_()
-    y = MeanWithChannelsLastGradient.apply(x)
+    y = MeanWithExpandedGradient.apply(x)
     assert torch.equal(y, F.adaptive_avg_pool2d(x, 1))
     g = torch.randn_like(y)
     (grad,) = torch.autograd.grad(y, x, g)
     (expected,) = torch.autograd.grad(F.adaptive_avg_pool2d(x, 1), x, g)
-    assert torch.equal(grad, expected) and grad.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(grad, expected) and grad.stride()[-2:] == (0, 0), f"strides {grad.stride()}"
+    relu_out = torch.relu(x.detach())
+    by_relu = torch.ops.aten.threshold_backward(grad, relu_out, 0)
+    assert torch.equal(by_relu, torch.ops.aten.threshold_backward(expected, relu_out, 0))
+    assert by_relu.is_contiguous(memory_format=torch.channels_last)
     assert not expected.is_contiguous(memory_format=torch.channels_last), "torch's own is contiguous"
