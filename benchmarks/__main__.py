@@ -10,6 +10,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import platform
 import subprocess
@@ -81,6 +82,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="also time the steps in a second, fresh process with --keep-freed-memory and report both "
         "(default: on for CPU runs without --keep-freed-memory where glibc's mallopt exists)",
     )
+    parser.add_argument(
+        "--isolate",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="time each workload in a fresh process (default: on when more than one workload runs): after other "
+        "workloads in the same process the loop's step on the transformer and GPT-mini took 1.4-1.5x as long, "
+        "batchlayers' 1.01-1.05x (the heap those workloads left behind)",
+    )
     parser.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True, help="measure peak memory")
     parser.add_argument("--results-file", type=pathlib.Path, help="default: results/<setup>.<format>")
     parser.add_argument("--format", choices=["csv", "json"], default="csv")
@@ -106,32 +115,59 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.per_model_optimizers = args.num_models is None and args.workloads == list(WORKLOADS)
     if args.compare_freed_memory is None:
         args.compare_freed_memory = args.device == "cpu" and not args.keep_freed_memory and can_keep_freed_memory()
+    if args.isolate is None:
+        args.isolate = len(args.workloads) > 1
     return args
 
 
-def _kept_memory_run(args: argparse.Namespace) -> tuple[dict, list[dict]]:
-    """The setup and rows of a second run of the same configurations in a fresh process with
-    ``keep_freed_memory()`` (glibc's settings cannot be undone within a process, so both cannot share one)."""
+def _child_run(
+    args: argparse.Namespace, workloads: Sequence[str], flags: Sequence[str] = ()
+) -> tuple[dict, list[dict]]:
+    """The setup and rows of ``workloads`` timed in a fresh process with this run's settings and ``flags``."""
     import json
     import tempfile
 
     root = pathlib.Path(__file__).resolve().parent.parent
     with tempfile.TemporaryDirectory() as folder:
-        path = pathlib.Path(folder) / "kept.json"
+        path = pathlib.Path(folder) / "child.json"
         argv = [sys.executable, "-m", "benchmarks", "--device", args.device, "--dtype", args.dtype]
         argv += ["--warmup", str(args.warmup), "--iters", str(args.iters), "--budget-s", str(args.budget_s)]
         argv += ["--optimizer", args.optimizer, "--loop-max-models", str(args.loop_max_models)]
-        argv += ["--seed", str(args.seed), "--workloads", *args.workloads, "--contenders", *args.contenders]
+        argv += ["--seed", str(args.seed), "--workloads", *workloads, "--contenders", *args.contenders]
         argv += ["--num-models", *map(str, args.num_models)] if args.num_models else []
         argv += ["--batch-size", str(args.batch_size)] if args.batch_size else []
         argv += ["--quick"] if args.quick else []
         argv += ["--compile"] if args.compile else []
-        argv += ["--modes", *args.modes, "--keep-freed-memory", "--no-compare-freed-memory", "--no-memory", "--no-plot"]
-        argv += ["--no-per-model-optimizers"]
-        argv += ["--no-progress", "--format", "json", "--results-file", str(path)]
+        argv += ["--memory" if args.memory else "--no-memory"]
+        argv += ["--keep-freed-memory"] if args.keep_freed_memory else []
+        argv += ["--modes", *args.modes, "--no-isolate", "--no-compare-freed-memory", "--no-plot", *flags]
+        argv += ["--no-progress"] if args.no_progress else []  # (the child's progress bar goes to stderr)
+        argv += ["--no-per-model-optimizers", "--format", "json", "--results-file", str(path)]
         subprocess.run(argv, check=True, cwd=root, stdout=subprocess.DEVNULL)
         result = json.loads(path.read_text())
         return result["setup"], result["rows"]
+
+
+def _isolated_run(args: argparse.Namespace, flags: Sequence[str] = ()) -> tuple[dict, list[dict]]:
+    """:func:`run`, each workload in a fresh process (:func:`_child_run`): one workload's heap does not slow
+    the next one's contenders. The setup's GEMM rate is the highest the processes measured."""
+    setups, rows = [], []
+    for name in args.workloads:
+        setup, child_rows = _child_run(args, [name], flags)
+        setups.append(setup)
+        rows += child_rows
+    setup = {**setups[0], "gemm_gflops": max(s["gemm_gflops"] for s in setups), "isolated": True}
+    setup["command"] = _command(args)
+    return setup, rows
+
+
+def _kept_memory_run(args: argparse.Namespace) -> tuple[dict, list[dict]]:
+    """The setup and rows of a second run of the same configurations with ``keep_freed_memory()``, in fresh
+    processes (glibc's settings cannot be undone within a process, so both cannot share one): one per
+    workload where the first run isolates them."""
+    if args.isolate:
+        return _isolated_run(args, ["--keep-freed-memory", "--no-memory"])
+    return _child_run(args, args.workloads, ["--keep-freed-memory", "--no-memory"])
 
 
 def _merge_kept(rows: list[dict], kept: list[dict]) -> None:
@@ -295,6 +331,7 @@ def run(args: argparse.Namespace) -> tuple[dict, list[dict]]:
             bar.update(done + args.warmup + args.iters - bar.n)  # rounds cut by the budget still count
     gemm = max(gemm_before, gemm_gflops(device, dtype))
     for row in rows:
+        row["process"] = os.getpid()  # which process timed the row (one per workload with --isolate)
         if row.get("gflops") is not None:
             row["pct_gemm"] = 100 * row["gflops"] / gemm
     setup = {
@@ -308,9 +345,15 @@ def run(args: argparse.Namespace) -> tuple[dict, list[dict]]:
         "optimizer": f"torch.optim.Adam ({args.optimizer})",
         "keep_freed_memory": malloc_tuned,
         "memory_method": MEMORY_METHOD["cuda" if device.type == "cuda" else "cpu"],
-        "command": "python -m benchmarks " + " ".join(sys.argv[1:]) if args.argv is None else " ".join(args.argv),
+        "command": _command(args),
+        "process": os.getpid(),
+        "isolated": False,
     }
     return setup, rows
+
+
+def _command(args: argparse.Namespace) -> str:
+    return "python -m benchmarks " + " ".join(sys.argv[1:]) if args.argv is None else " ".join(args.argv)
 
 
 OPTIMIZER_SETS = ("mlp-tiny-64", "resnet-16")
@@ -342,7 +385,7 @@ def _setup_name(args: argparse.Namespace) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     args.argv = None if argv is None else ["python -m benchmarks", *argv]
-    setup, rows = run(args)
+    setup, rows = _isolated_run(args) if args.isolate else run(args)
     if args.compare_freed_memory:
         try:
             kept_setup, kept_rows = _kept_memory_run(args)
@@ -364,12 +407,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{setup['device']} ({setup['cpu']}), {setup['threads']} threads, torch {setup['torch']}, {setup['dtype']}; "
         f"dense GEMM {setup['gemm_gflops']} GFLOP/s"
     )
-    print(f"\n{header}\n`{setup['command']}`\n")
+    isolated = " (each workload in a fresh process)" if setup.get("isolated") else ""
+    print(f"\n{header}\n`{setup['command']}`{isolated}\n")
     print(markdown_table(rows))
     print("\nSummary (ms per step; single = one torch.nn model's step):\n")
     if setup.get("kept_memory_run") is not None:
         print(
-            "(`kept`: the steps run again in a fresh process with `batchlayers.backends.cpu."
+            "(`kept`: the steps run again, in fresh processes, with `batchlayers.backends.cpu."
             "keep_freed_memory()`, so that large tensors stop page-faulting every step; an opt-in setting)\n"
         )
     print(summary_table(rows))

@@ -23,7 +23,7 @@ def _run(tmp_path, *argv, compare="--no-compare-freed-memory"):
 
 def test_every_workload_runs_and_contenders_agree(tmp_path, capsys):
     results = tmp_path / "bench.json"
-    _run(tmp_path, "--results-file", str(results), "--format", "json")
+    _run(tmp_path, "--results-file", str(results), "--format", "json", "--no-isolate")
     printed = capsys.readouterr().out
     assert "| workload |" in printed and "Summary" in printed and "Targets" in printed
     assert results.with_suffix(".png").stat().st_size > 0
@@ -49,6 +49,25 @@ def test_every_workload_runs_and_contenders_agree(tmp_path, capsys):
             assert any(r["workload"] == name and r["contender"] == contender for r in timed), (name, contender)
     shared = [r for r in timed if r["workload"].endswith("-shared")]
     assert {"batchlayers", "batchlayers-copies"} <= {r["contender"] for r in shared}
+
+
+def test_isolate_times_each_workload_in_a_fresh_process(tmp_path, capsys):
+    """With more than one workload, each runs in a process of its own, the kept-memory pass too; the rows are
+    the same rows, with the contenders agreeing."""
+    import os
+
+    results = tmp_path / "bench.json"
+    workloads = ["mlp-tiny", "mlp-tiny-shared"]
+    argv = ("--workloads", *workloads, "--modes", "infer", "--no-memory", "--no-plot", "--results-file", str(results))
+    _run(tmp_path, *argv, "--format", "json", compare="--compare-freed-memory")
+    assert "(each workload in a fresh process)" in capsys.readouterr().out
+    data = json.loads(results.read_text())
+    assert data["setup"]["isolated"] is True
+    timed = [r for r in data["rows"] if r.get("median_ms") is not None]
+    processes = {w: {r["process"] for r in timed if r["workload"] == w} for w in workloads}
+    assert all(len(p) == 1 for p in processes.values()), processes
+    assert len(set.union(*processes.values()) | {os.getpid()}) == len(workloads) + 1, processes
+    assert all(r["check_rel_diff"] < 1e-3 and "median_ms_kept" in r for r in timed)
 
 
 @pytest.mark.parametrize("free_first", [True, False])
