@@ -2,7 +2,7 @@
 
 Examples::
 
-    python -m benchmarks --quick                      # docs/benchmarks.md's table, about three minutes on 2 CPU cores
+    python -m benchmarks --quick                      # docs/benchmarks.md's table, about 3.5 minutes on 2 CPU cores
     python -m benchmarks --workloads mlp-tiny --num-models 1 64 1024 4096 --iters 30
     python -m benchmarks --device cuda --dtype bfloat16 --format json
 """
@@ -95,7 +95,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--format", choices=["csv", "json"], default="csv")
     parser.add_argument("--plot", action=argparse.BooleanOptionalAction, default=True, help="write a PNG plot")
     parser.add_argument(
-        "--quick", action="store_true", help="fewer sizes and rounds: about three minutes on 2 CPU cores"
+        "--quick", action="store_true", help="fewer sizes and rounds: about three and a half minutes on 2 CPU cores"
     )
     parser.add_argument(
         "--per-model-optimizers",
