@@ -178,7 +178,14 @@ def _merge_kept(rows: list[dict], kept: list[dict]) -> None:
         other = by_key.get(tuple(row[k] for k in key))
         if other is None:
             continue
-        for field in ("median_ms", "speedup_vs_loop", "speedup_vs_torch_func", "cost_vs_single", "pct_gemm"):
+        for field in (
+            "median_ms",
+            "speedup_vs_loop",
+            "speedup_vs_torch_func",
+            "cost_vs_single",
+            "pct_gemm",
+            "faults_per_step",
+        ):
             if other.get(field) is not None:
                 row[f"{field}_kept"] = other[field]
 
@@ -261,6 +268,7 @@ def run_config(workload: Workload, num_models: int, train: bool, args, device, d
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # already reported by the check
+        faults: list[list[float]] = []
         times = time_interleaved(
             [r.step for r in runners],
             device,
@@ -268,10 +276,12 @@ def run_config(workload: Workload, num_models: int, train: bool, args, device, d
             iters=args.iters,
             budget_s=args.budget_s,
             tick=lambda: progress.update(1),
+            faults=faults,
         )
-        for runner, ts in zip(runners, times):
+        for runner, ts, fs in zip(runners, times, faults):
             row = rows[runner.name]
             row.update(median_ms=1e3 * median(ts), rounds=len(ts), held_mb=held_bytes(runner.holds()) / 2**20)
+            row["faults_per_step"] = median(fs) if fs else None  # minor page faults a step
             # A profiled step of a long loop is slow; --quick skips it (the loop's peak is one model's).
             if args.memory and train and not (args.quick and runner.name == "loop" and num_models > 64):
                 peak = peak_step_bytes(runner.step, device)
@@ -346,7 +356,6 @@ def run(args: argparse.Namespace) -> tuple[dict, list[dict]]:
         "keep_freed_memory": malloc_tuned,
         "memory_method": MEMORY_METHOD["cuda" if device.type == "cuda" else "cpu"],
         "command": _command(args),
-        "process": os.getpid(),
         "isolated": False,
     }
     return setup, rows

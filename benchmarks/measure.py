@@ -7,6 +7,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -28,6 +29,7 @@ def time_interleaved(
     budget_s: float,
     block_s: float = 0.01,
     tick: Callable[[], None] = lambda: None,
+    faults: list[list[float]] | None = None,
 ) -> list[list[float]]:
     """Seconds per call of every step, measured round-robin in blocks.
 
@@ -37,6 +39,9 @@ def time_interleaved(
     contender's large step would otherwise be timed with cold caches every time, which no user running it
     in a loop sees. The warm-up rounds estimate each step's time; the number of timed rounds is then cut
     (to no fewer than 3) when ``iters`` rounds would exceed ``budget_s``.
+
+    A ``faults`` list receives, per step, the process's minor page faults per call of each timed block (no
+    entries where the platform has no ``getrusage``): a step that faults in fresh pages every call shows it.
     """
     count = len(steps)
     estimate = [float("inf")] * count
@@ -51,12 +56,26 @@ def time_interleaved(
     else:
         blocks, rounds = [1] * count, iters
     times: list[list[float]] = [[] for _ in steps]
+    if faults is not None:
+        faults[:] = [[] for _ in steps]
     for r in range(rounds):
         for k in range(count):
             i = (r + k) % count
+            before = _minor_faults()
             times[i] += [_timed(steps[i], device) for _ in range(blocks[i])]
+            if faults is not None and before is not None:
+                faults[i].append((cast(int, _minor_faults()) - before) / blocks[i])
         tick()
     return times
+
+
+def _minor_faults() -> int | None:
+    """The process's minor page faults so far (all threads), or None without ``resource`` (Windows)."""
+    try:
+        import resource
+    except ImportError:
+        return None
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def _timed(step: Callable[[], object], device: torch.device) -> float:

@@ -21,6 +21,7 @@ COLUMNS = [
     ("pct_gemm", "% GEMM"),
     ("peak_step_mb", "step peak MB"),
     ("held_mb", "held MB"),
+    ("faults_per_step", "faults/step"),
     ("check_rel_diff", "diff"),
     ("note", "note"),
 ]
