@@ -367,7 +367,7 @@ def _layer(
     # The input projection of every step, direction and model: one GEMM. A shared batch stays one batch (a
     # stride-0 expand of its rows, copied once at most).
     w_in = _cat_directions(w_ih, 1).transpose(1, 2)  # (M, I, D*G)
-    x3 = _input_rows(x)
+    x3 = _rows(x)
     b_rec = None
     if bias and mode == "GRU":
         # r multiplies W_hn h + b_hn, so b_hh stays in the recurrence and b_ih goes with the projection.
@@ -412,14 +412,6 @@ def _layer(
         forward, backward = hs[:num_models], hs[num_models:].flip(1)
         output = torch.cat([forward.movedim(1, output_time_dim), backward.movedim(1, output_time_dim)], -1)
     return output, h_last, c_last
-
-
-def _input_rows(x: Tensor) -> Tensor:
-    """``(M, S, S', I)`` -> ``(M, S*S', I)``, the rows the input projection multiplies: a view where the layout
-    allows; a shared stride-0 batch is reshaped as one batch and expanded, never copied M times."""
-    if is_shared(x):
-        return x[0].reshape(-1, x.shape[-1]).expand(x.shape[0], -1, -1)
-    return x.reshape(x.shape[0], -1, x.shape[-1])
 
 
 def _records_projection(x: Tensor, params: list[Sequence[Tensor]]) -> bool:
@@ -507,7 +499,10 @@ def _affine_step(out: Tensor, x: Tensor, b: Tensor | None, h: Tensor, w_rec_t: T
 
 
 def _rows(steps: Tensor) -> Tensor:
-    """``(N, T, B, K)`` -> ``(N, T*B, K)``: every step's rows of each model (a view when the layout allows)."""
+    """``(N, T, B, K)`` (or ``(N, B, T, K)``) -> ``(N, T*B, K)``: every step's rows of each model, a view when the
+    layout allows; a shared stride-0 batch is reshaped as one batch and expanded, never copied N times."""
+    if is_shared(steps):
+        return steps[0].reshape(-1, steps.shape[-1]).expand(steps.shape[0], -1, -1)
     return steps.reshape(steps.shape[0], -1, steps.shape[-1])
 
 
