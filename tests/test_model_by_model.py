@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import copy
 import pickle
+import weakref
 
 import models as zoo
 import pytest
@@ -13,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from convert_harness import assert_threads_get_their_own, assert_unchanged, compare_training, seeded, snapshot
 from harness import assert_close
-from torch import nn
+from torch import Tensor, nn
 
 import batchlayers as bl
 from batchlayers import backends
@@ -94,6 +95,36 @@ def test_convolutions_run_channels_last_on_the_cpu_by_default(strategy: str) -> 
     assert len(seen) == 2 * 2  # one train and one eval pass, once per model
     channels_last = seen[0].is_contiguous(memory_format=torch.channels_last) and not seen[0].is_contiguous()
     assert channels_last == (strategy == "auto")
+
+
+@pytest.mark.parametrize("inference_mode", [False, True], ids=["no_grad", "inference_mode"])
+def test_a_models_channels_last_inputs_are_freed_before_the_next_model_runs(inference_mode: bool) -> None:
+    """Each convolution's channels-last copy of its input is batchlayers' own, made for the convolution alone:
+    without gradients nothing holds it after the call, so one model's inputs are gone before the next model
+    runs (holding every model's until the pass ends costs memory and the cache locality model by model is for:
+    the U-Net's inference ran 0.69x the loop, 0.98x without)."""
+    batched, references = _stacked(zoo.CNN, 3)
+    per_model = sum(isinstance(m, nn.Conv2d) for m in references[0].modules())
+    copies: list = []
+
+    def convolution_input(module: nn.Module, args: tuple, out: Tensor) -> None:
+        if isinstance(module, nn.Conv2d):
+            assert args[0].is_contiguous(memory_format=torch.channels_last)
+            earlier_models = copies[: len(copies) // per_model * per_model]
+            assert all(ref() is None for ref in earlier_models), "an earlier model's convolution input is still held"
+            copies.append(weakref.ref(args[0]))
+
+    x = _images((3, 2))
+    handle = nn.modules.module.register_module_forward_hook(convolution_input)
+    try:
+        with torch.inference_mode() if inference_mode else torch.no_grad():
+            out = batched(x)
+    finally:
+        handle.remove()
+    assert len(copies) == 3 * per_model
+    with torch.no_grad():
+        for i, reference in enumerate(references):
+            assert_close(out[i], reference(x[i]))
 
 
 def test_a_layer_changed_after_a_call_is_used_as_changed() -> None:
