@@ -382,8 +382,9 @@ def stack(models: Sequence[nn.Module], *, execution: str = "batched") -> nn.Modu
             folded into one batch, every batched layer computing all models at once. ``"model_by_model"``: the
             architecture's ``forward`` once per model, each batched layer replaced for that pass by its torch.nn
             layer holding the model's slices (views of the stacked tensors), convolutions on the CPU
-            channels-last; exactly the original models' computation, whatever the sizes, and faster for
-            convolutional networks on a CPU (see the performance guide). Parameters, buffers, optimizers and
+            channels-last; exactly the original models' computation, whatever the sizes, and often faster for
+            convolutional networks with large per-model batches on a CPU (the performance guide has the
+            measurements). Parameters, buffers, optimizers and
             ``state_dict`` are the same in both; under ``torch.compile`` the model runs batched.
 
     Returns:
