@@ -166,8 +166,13 @@ def _kept_memory_run(args: argparse.Namespace) -> tuple[dict, list[dict]]:
     processes (glibc's settings cannot be undone within a process, so both cannot share one): one per
     workload where the first run isolates them."""
     if args.isolate:
-        return _isolated_run(args, ["--keep-freed-memory", "--no-memory"])
-    return _child_run(args, args.workloads, ["--keep-freed-memory", "--no-memory"])
+        return _isolated_run(args, _KEPT_MEMORY_FLAGS)
+    return _child_run(args, args.workloads, _KEPT_MEMORY_FLAGS)
+
+
+# The kept-memory pass's flags, given after the forwarded ones (argparse keeps the last): no peak-memory
+# measurement there (the first pass has it), whatever --memory says.
+_KEPT_MEMORY_FLAGS = ("--keep-freed-memory", "--no-memory")
 
 
 def _merge_kept(rows: list[dict], kept: list[dict]) -> None:
