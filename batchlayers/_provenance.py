@@ -41,6 +41,9 @@ length equal to ``M * B``), so batchlayers follows where every tensor came from:
   layers such as Linear also take it on another dimension), broadcasts an untagged one, and refuses a
   :class:`Lost` one with the reason. The stacked root unfolds tagged outputs and refuses lost ones.
 
+- **Custom autograd Functions.** Their forward is followed op by op; their backward, which autograd would run on
+  every model's gradient at once, is computed model by model (``batchlayers._custom_function``).
+
 - **Sizes.** ``B = x.size(0)`` is ``M * B``, returned as a :class:`FoldedSize` (an int that knows it counts
   the samples: a reshape by it, or by ``B * T``, is known, a literal is not). What Python computes from it
   carries each original model's value too (``batchlayers._numbers``): torch is given a number that differs
@@ -396,12 +399,23 @@ class Tracker(TorchFunctionMode):
         self.copied_views = CopiedViews()
         # buffers stored once for all models, by storage address (see guard_shared_buffer)
         self.shared_buffers: dict[int, SharedBuffer] = {}
+        # the custom autograd.Functions called, whose backward each model gets its own of (None: no gradients)
+        self.functions = (
+            Calls(num_models) if self.grad_enabled and num_models > 1 and not torch.compiler.is_compiling() else None
+        )
 
     def __enter__(self):
         self.numbers = open_call()  # the sizes read in this call (batchlayers._numbers.Call)
         return super().__enter__()
 
     def __exit__(self, *exc_info):
+        if self.functions is not None and self.functions.pending and sys.exc_info()[1] is None:
+            try:
+                self.functions.settle()
+            except BaseException:
+                close_call(self.numbers)
+                super().__exit__(*exc_info)
+                raise
         close_call(self.numbers)  # from here they are plain numbers (kept in caches, returned)
         return super().__exit__(*exc_info)
 
@@ -417,6 +431,13 @@ class Tracker(TorchFunctionMode):
             )
         shaped, numbers, deferred = False, None, None
         tagged = _tagged(args, kwargs)
+        function = None
+        if self.functions is not None:
+            if not torch.is_grad_enabled():
+                if not torch.compiler.is_compiling():
+                    function = self.functions.op(self, func, args, kwargs, tagged)
+            elif self.functions.pending:
+                self.functions.returned()
         if self.num_models > 1 and not isinstance(func, torch._ops.OpOverload):  # (a compiled graph's ops)
             numbers = _numbers_that_differ(args, kwargs)
             if numbers and func in _VALUE_OPERANDS and _each_models_values(tagged, numbers):
@@ -483,6 +504,8 @@ class Tracker(TorchFunctionMode):
         for guard in written or ():
             if guard.version is not None:
                 guard.version = guard.tensor._version
+        if function is not None:
+            self.functions.made(function, func, out)
         return out
 
     def _tracked(
@@ -3495,3 +3518,5 @@ def _never_compiled_on_its_own() -> None:
 
 
 _never_compiled_on_its_own()
+
+from ._custom_function import Calls  # noqa: E402  (it builds on this module)

@@ -525,3 +525,46 @@ def test_contrastive_loss_outside_forward_is_each_clip_models_own() -> None:
     loss.sum().backward()
     expected.sum().backward()
     _assert_same_gradients(batched, models, "clip")
+
+
+# Models whose forward applies custom torch.autograd.Functions (their backward is recomputed per model): bloom's
+# GeLUFunction (in training), sew_d's XSoftmax, recurrent_gemma's SqrtBoundDerivative. Dropout off: the
+# training-mode paths are deterministic and compare with the originals.
+WITH_FUNCTIONS = {
+    "bloom": lambda: tf.BloomForCausalLM(
+        tf.BloomConfig(vocab_size=50, hidden_size=16, n_layer=2, n_head=2, hidden_dropout=0.0, attention_dropout=0.0)
+    ),
+    "sew_d": lambda: tf.SEWDModel(
+        tf.SEWDConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+                      conv_dim=(8, 8), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16,
+                      num_conv_pos_embedding_groups=2, squeeze_factor=2, max_position_embeddings=16,
+                      position_buckets=8, hidden_dropout=0.0, activation_dropout=0.0, attention_dropout=0.0,
+                      feat_proj_dropout=0.0, layerdrop=0.0, mask_time_prob=0.0)
+    ),
+    "recurrent_gemma": lambda: tf.RecurrentGemmaForCausalLM(
+        tf.RecurrentGemmaConfig(num_hidden_layers=2, vocab_size=50, hidden_size=16, intermediate_size=32,
+                                num_attention_heads=2, lru_width=16, attention_window_size=8, conv1d_width=4,
+                                block_types=("recurrent", "attention"), head_dim=8, num_key_value_heads=1)
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", WITH_FUNCTIONS)
+def test_custom_autograd_functions_in_training_are_each_models_own(name: str) -> None:
+    models = []
+    for i in range(M):
+        torch.manual_seed(i)
+        models.append(WITH_FUNCTIONS[name]().double().train())
+    batched = stack(models)
+    if name == "sew_d":
+        inputs = {"input_values": torch.randn(M, B, 160, dtype=torch.float64)}
+    else:  # (bloom builds its alibi bias from the mask)
+        inputs = {"input_ids": torch.randint(3, 50, (M, B, T)), "attention_mask": torch.ones(M, B, T, dtype=torch.long)}
+    out = _main_output(batched(**inputs))
+    refs = [_main_output(m(**{k: v[i] for k, v in inputs.items()})) for i, m in enumerate(models)]
+    assert_close(out, torch.stack(refs), msg=f"{name} output")
+    grad = torch.randn_like(out)
+    (out * grad).sum().backward()
+    for i, r in enumerate(refs):
+        (r * grad[i]).sum().backward()
+    _assert_same_gradients(batched, models, name)

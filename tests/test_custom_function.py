@@ -1,0 +1,365 @@
+"""Custom ``torch.autograd.Function``s in a stacked model's batched forward: each model's gradients are those of
+its original model (a backward that reduces over the batch or into a per-model argument included), or the
+Function is refused with its name. The reference is the N original models."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from convert_harness import compare_training, seeded
+from torch import Tensor, nn
+
+from batchlayers.convert import stack
+
+
+class Center(torch.autograd.Function):
+    """Subtracts the batch mean; its backward reduces over the batch too."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x - x.mean(0, keepdim=True)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g - g.mean(0, keepdim=True)
+
+
+class CenterWithSetupContext(torch.autograd.Function):
+    """Center written with ``setup_context``: its forward has no ``ctx``."""
+
+    @staticmethod
+    def forward(x):
+        return x - x.mean(0, keepdim=True)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, g):
+        return g - g.mean(0, keepdim=True)
+
+
+class Scale(torch.autograd.Function):
+    """``x * gamma`` with a per-model ``gamma``: the backward sums gamma's gradient over the batch, and reads a
+    number and a size computed in forward."""
+
+    @staticmethod
+    def forward(ctx, x, gamma, power):
+        ctx.save_for_backward(x, gamma)
+        ctx.power, ctx.rows = power, x.shape[0]
+        return x * gamma**power
+
+    @staticmethod
+    def backward(ctx, g):
+        x, gamma = ctx.saved_tensors
+        grad_gamma = (g * x).sum(0) * ctx.power * gamma ** (ctx.power - 1)
+        return g * gamma**ctx.power, grad_gamma * ctx.rows / x.shape[0], None
+
+
+class TwoOutputs(torch.autograd.Function):
+    """Two tensor outputs (one per-model: a mean over the samples) and a number; the gradients of both used."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return torch.tanh(x), x.mean(0), 7
+
+    @staticmethod
+    def backward(ctx, g, g_mean, _):
+        (x,) = ctx.saved_tensors
+        return g * (1 - torch.tanh(x) ** 2) + g_mean / x.shape[0]
+
+
+class MaskedDrop(torch.autograd.Function):
+    """Drops entries by a random mask drawn in forward, by ``bernoulli_`` (as transformers' sew_d XDropout) or
+    inside ``F.dropout``, its backward centred over the batch. ``given`` replaces the draw with a known mask
+    for the reference models; ``drawn`` collects the masks drawn."""
+
+    how = "bernoulli_"
+    given: Tensor | None = None
+    drawn: list[Tensor] = []
+
+    @staticmethod
+    def forward(ctx, x):
+        if MaskedDrop.given is not None:
+            out = x * MaskedDrop.given * 2
+        elif MaskedDrop.how == "bernoulli_":
+            out = x * torch.empty_like(x).bernoulli_(0.5) * 2
+        else:
+            out = torch.nn.functional.dropout(x, 0.5)
+        mask = (out != 0).to(x.dtype)  # (x has no zeros)
+        MaskedDrop.drawn.append(mask)
+        ctx.save_for_backward(mask)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        (mask,) = ctx.saved_tensors
+        h = g * mask * 2
+        return h - h.mean(0, keepdim=True)
+
+
+class Identity(torch.autograd.Function):
+    """Returns its argument as it is (torch makes the output a view of it); the backward centres over the batch."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g - g.mean(0, keepdim=True)
+
+
+class Mix(torch.autograd.Function):
+    """Takes a tensor every model shares (not a per-model value) and returns one made from it alone."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x * w, w * 2
+
+    @staticmethod
+    def backward(ctx, g, g_w):
+        x, w = ctx.saved_tensors
+        return g * w, (g * x).sum(0) + 2 * g_w
+
+
+SHARED = torch.rand(5, dtype=torch.float64, requires_grad=True)
+
+
+class Outer(torch.autograd.Function):
+    """A Function whose forward applies another (which, under the outer one, records no graph of its own)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return Center.apply(x) * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        h = 2 * g
+        return h - h.mean(0, keepdim=True)
+
+
+class _WithFunction(nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.a, self.b = nn.Linear(4, 5), nn.Linear(5, 2)
+        self.gamma = nn.Parameter(torch.rand(5) + 0.5)
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.kind == "center":
+            h = Center.apply(h)
+        elif self.kind == "setup_context":
+            h = CenterWithSetupContext.apply(h)
+        elif self.kind == "per-model argument":
+            h = Scale.apply(h, self.gamma, 2)
+        elif self.kind == "two outputs":
+            h, mean, _ = TwoOutputs.apply(h)
+            h = h * mean
+        elif self.kind == "twice":
+            h = Center.apply(torch.tanh(Center.apply(h)))
+        elif self.kind == "nested":
+            h = Outer.apply(h)
+        elif self.kind == "an argument returned":
+            h = Identity.apply(h)
+        elif self.kind == "a shared argument":
+            h, w = Mix.apply(h, SHARED)
+            h = h + w
+        elif self.kind == "random mask":
+            h = MaskedDrop.apply(h)
+        elif self.kind == "a parameter read from outside":
+            _ReadsFromOutside.holder = self
+            h = _ReadsFromOutside.apply(h)
+        elif self.kind == "an in-place write":
+            h = _InPlace.apply(h * 1)
+        elif self.kind.startswith("checkpointed"):
+            reentrant = self.kind == "checkpointed, reentrant"
+            h = torch.utils.checkpoint.checkpoint(Center.apply, h * 1, use_reentrant=reentrant)
+        elif self.kind == "rows picked by a mask":
+            h = h + Center.apply(h[h > 0]).sum()
+        return self.b(h) * self.gamma[:2]
+
+
+KINDS = [
+    "center",
+    "setup_context",
+    "per-model argument",
+    "two outputs",
+    "twice",
+    "nested",
+    "an argument returned",
+    "a shared argument",
+]
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["per_model", "shared"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_custom_function_gradients_are_each_models_own(kind: str, shared: bool) -> None:
+    factory = lambda: _WithFunction(kind)  # noqa: E731
+    compare_training(
+        stack([seeded(factory, i) for i in range(3)]),
+        [seeded(factory, i) for i in range(3)],
+        lambda lead: torch.randn(*lead, 4, dtype=torch.float64, requires_grad=True),
+        shared=shared,
+    )
+
+
+def test_a_shared_arguments_gradient_is_the_sum_of_the_models() -> None:
+    """A tensor that every model shares gets what the N original models give it together."""
+    factory = lambda: _WithFunction("a shared argument")  # noqa: E731
+    stacked, originals = stack([seeded(factory, i) for i in range(3)]), [seeded(factory, i) for i in range(3)]
+    x = torch.randn(3, 6, 4, dtype=torch.float64)
+    cotangent = torch.randn(3, 6, 2, dtype=torch.float64)
+    SHARED.grad = None
+    (stacked(x) * cotangent).sum().backward()
+    got, SHARED.grad = SHARED.grad, None
+    for i, m in enumerate(originals):
+        (m(x[i]) * cotangent[i]).sum().backward()
+    torch.testing.assert_close(got, SHARED.grad, rtol=1e-10, atol=1e-10)
+    SHARED.grad = None
+
+
+def _assert_same_gradients(
+    stacked: nn.Module, out: Tensor, originals: list[nn.Module], expected: list[Tensor], tolerance: float
+) -> None:
+    """Backward through the stacked output and through each original's for one cotangent (drawn from a
+    generator of its own: torch's default one is left as it is); the parameters' gradients must agree."""
+    cotangent = torch.randn(out.shape, generator=torch.Generator().manual_seed(0), dtype=out.dtype)
+    (out * cotangent).sum().backward()
+    for i, o in enumerate(expected):
+        (o * cotangent[i]).sum().backward()
+    for name, p in stacked.named_parameters():
+        reference = torch.stack([dict(m.named_parameters())[name].grad for m in originals])
+        torch.testing.assert_close(p.grad, reference, rtol=tolerance, atol=tolerance, msg=name)
+
+
+@pytest.mark.parametrize("how", ["bernoulli_", "F.dropout"])
+def test_random_values_drawn_in_forward_are_given_back_to_each_models_backward(how: str) -> None:
+    """The backward, recomputed per model, uses the mask the stacked forward drew: each model's part of it."""
+    factory = lambda: _WithFunction("random mask")  # noqa: E731
+    stacked, originals = stack([seeded(factory, i) for i in range(3)]), [seeded(factory, i) for i in range(3)]
+    x = torch.randn(3, 6, 4, dtype=torch.float64)
+    MaskedDrop.how, MaskedDrop.given, MaskedDrop.drawn = how, None, []
+    out = stacked(x)
+    (mask,) = MaskedDrop.drawn
+    assert mask.shape == (18, 5) and 0 < mask.sum() < mask.numel()
+    try:
+        expected = []
+        for i, m in enumerate(originals):
+            MaskedDrop.given = mask[6 * i : 6 * (i + 1)]
+            expected.append(m(x[i]))
+    finally:
+        MaskedDrop.given = None
+    torch.testing.assert_close(out, torch.stack(expected), rtol=1e-10, atol=1e-10)
+    state = torch.get_rng_state()
+    _assert_same_gradients(stacked, out, originals, expected, tolerance=1e-10)
+    assert torch.equal(torch.get_rng_state(), state), "the per-model backward moved torch's generator"
+
+
+class SquaredNorm(torch.autograd.Function):
+    """Each row's squared norm by a batched matmul (which CPU autocast runs in bfloat16); the backward reads the
+    saved result, so it differs unless the recomputation runs under autocast as the forward did."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = torch.matmul(x.unsqueeze(1), x.unsqueeze(2)).flatten(1)
+        ctx.save_for_backward(x, y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        x, y = ctx.saved_tensors
+        return g * y.to(g.dtype) * x - (g * x).mean(0, keepdim=True)
+
+
+class _Autocast(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gamma = nn.Parameter(torch.rand(4) + 0.5)
+        self.b = nn.Linear(1, 2)
+
+    def forward(self, x):
+        return self.b(SquaredNorm.apply(x * self.gamma).float())  # (a float32 argument, a bfloat16 result)
+
+
+def test_custom_function_recomputed_under_the_forwards_autocast() -> None:
+    stacked = stack([seeded(_Autocast, i).float() for i in range(2)])
+    originals = [seeded(_Autocast, i).float() for i in range(2)]
+    x = torch.randn(2, 3, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = stacked(x)
+        expected = [m(x[i]) for i, m in enumerate(originals)]
+    _assert_same_gradients(stacked, out, originals, expected, tolerance=1e-6)
+
+
+class _ReadsFromOutside(torch.autograd.Function):
+    holder: nn.Module | None = None
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * _ReadsFromOutside.holder.gamma  # type: ignore[union-attr]
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * _ReadsFromOutside.holder.gamma  # type: ignore[union-attr]
+
+
+class _InPlace(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.mark_dirty(x)
+        return x.mul_(2)
+
+    @staticmethod
+    def backward(ctx, g):
+        return 2 * g
+
+
+REFUSED: dict[str, str] = {
+    "a parameter read from outside": r"_ReadsFromOutside .*not among its arguments",
+    "an in-place write": r"_InPlace .*writes into one of its arguments",
+    "checkpointed, reentrant": r"Center runs inside torch.utils.checkpoint",
+    "checkpointed, non-reentrant": r"Center runs inside torch.utils.checkpoint",
+    "rows picked by a mask": r"Center .*is given a tensor made from the models' samples by indexing",
+}
+
+
+@pytest.mark.parametrize("kind", REFUSED)
+def test_custom_function_that_cannot_run_per_model_is_refused_in_forward(kind: str) -> None:
+    stacked = stack([seeded(lambda: _WithFunction(kind), i) for i in range(2)])
+    x = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(ValueError, match=REFUSED[kind]):
+        stacked(x)
+    assert torch.overrides._get_current_function_mode_stack() == []
+
+
+@pytest.mark.parametrize(
+    "backward",
+    [
+        lambda out, x: torch.autograd.grad(out.sum(), x, create_graph=True),
+    ],
+    ids=["create_graph"],
+)
+def test_double_backward_through_a_custom_function_is_refused(backward: Callable) -> None:
+    stacked = stack([seeded(lambda: _WithFunction("center"), i) for i in range(2)])
+    x = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
+    out = stacked(x)
+    with pytest.raises(ValueError, match=r"double backward .*Center"):
+        backward(out, x)
+
+
+def test_custom_function_without_gradients_runs_as_it_is() -> None:
+    """Without gradients recorded nothing is noted: the outputs are each original model's."""
+    originals = [seeded(lambda: _WithFunction("center"), i) for i in range(2)]
+    stacked = stack([seeded(lambda: _WithFunction("center"), i) for i in range(2)])
+    x = torch.randn(2, 3, 4, dtype=torch.float64)
+    with torch.no_grad():
+        out = stacked(x)
+        torch.testing.assert_close(out, torch.stack([m(x[i]) for i, m in enumerate(originals)]))
