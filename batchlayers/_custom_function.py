@@ -22,8 +22,9 @@ model's arguments it would still see every model's); an argument or a random dra
 cannot assign to the models (:class:`~batchlayers._provenance.Lost`); a write into an argument
 (``ctx.mark_dirty``); a Function under ``torch.utils.checkpoint``. Refused in backward: the gradient of an
 output that no op batchlayers saw made, or of a Lost one, and a double backward (``create_graph=True``).
-batchlayers' own Functions, which know the model dimension, and ``torch.utils.checkpoint``'s (see
-``Tracker.refuse_checkpointing``) are left alone. Under ``torch.compile`` nothing is noted.
+batchlayers' own Functions, which know the model dimension, and torch's (see :func:`_outermost_apply`) are
+left alone. Under ``torch.compile`` nothing is noted: a stacked model whose eager call noted a Function runs
+without compiling from then on (``FoldInputs.custom_function``).
 """
 
 from __future__ import annotations
@@ -262,10 +263,31 @@ class Calls:
     def __init__(self, num_models: int) -> None:
         self.num_models = num_models
         self.pending: list[_Call] = []
+        self.noted: str | None = None  # the name of the first Function noted
+        # the frame of the last call seen with grad mode off, and its Function.apply frame (see op; kept only
+        # while grad mode stays off, so that no finished frame, nor its locals, stays alive)
+        self.caller: FrameType | None = None
+        self.apply: FrameType | None = None
+
+    def grad_mode_on(self) -> None:
+        """A torch call with grad mode on (again): settle the noted call if its ``Function.apply`` has returned
+        (not for a call that torch's own ``apply`` makes after the forward, on its outputs)."""
+        self.caller = self.apply = None
+        if not self.pending:
+            return
+        frame: FrameType | None = sys._getframe(1)
+        while frame is not None:
+            if frame is self.pending[-1].frame:
+                return
+            frame = frame.f_back
+        self.settle()
 
     def op(self, tracker: Any, func: Callable, args: tuple, kwargs: dict, tagged: list[_In]) -> _Call | None:
         """Before ``func`` runs: the Function call it belongs to (None: not inside one)."""
-        frame = _outermost_apply(sys._getframe(2), tracker)
+        caller = sys._getframe(2)
+        if caller is not self.caller:  # (the frames above a running one stay as they are: one walk for its calls)
+            self.caller, self.apply = caller, _outermost_apply(caller, tracker)
+        frame = self.apply
         if self.pending and (frame is None or frame is not self.pending[-1].frame):
             self.settle()
         if frame is None:
@@ -329,17 +351,8 @@ class Calls:
         call.autocast_state = [_autocast_state(device_type) for device_type in ("cpu", "cuda")]
         call.node = _context(frame)
         self.pending.append(call)
+        self.noted = self.noted or call.cls.__qualname__
         return call
-
-    def returned(self) -> None:
-        """A torch call with grad mode on: settle the noted call if its ``Function.apply`` has returned (not a
-        call that torch's own ``apply`` makes after the forward, on its outputs)."""
-        frame: FrameType | None = sys._getframe(2)
-        while frame is not None:
-            if frame is self.pending[-1].frame:
-                return
-            frame = frame.f_back
-        self.settle()
 
     def settle(self) -> None:
         """The noted calls have returned: hook each one's backward node, with what its outputs hold."""
@@ -371,14 +384,16 @@ class Calls:
 
 
 def _outermost_apply(frame: FrameType | None, tracker: Any) -> FrameType | None:
-    """The frame of the outermost ``Function.apply`` of a Function that is not batchlayers' own nor
-    ``torch.utils.checkpoint``'s, among ``frame`` and its callers (None: not inside one)."""
+    """The frame of the outermost ``Function.apply`` of a Function that is not batchlayers' own nor torch's,
+    among ``frame`` and its callers (None: not inside one). torch's are left alone: ``torch.utils.checkpoint``'s
+    (see ``Tracker.refuse_checkpointing``), the graphs ``torch.compile`` runs as Functions, and the rest, whose
+    backward computes each row from its own (``torch.distributions``' Dirichlet draws)."""
     found = None
     while frame is not None:
         if frame.f_code is _APPLY:
             cls = frame.f_locals.get("cls")
             module = getattr(cls, "__module__", "") or ""
-            if module.startswith("batchlayers.") or module == "torch.utils.checkpoint":
+            if module.startswith(("batchlayers.", "torch.")):
                 if found is not None:
                     tracker.refuse_checkpointing(f"the custom autograd.Function {found.f_locals['cls'].__qualname__}")
             else:

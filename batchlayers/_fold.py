@@ -247,6 +247,9 @@ class FoldInputs:
         # batchlayers._provenance._each_models_values): torch.compile does not show the tracker the size reads,
         # so calls run without compiling from then on
         self.sizes_as_values = False
+        # a call that recorded gradients applied a custom autograd.Function (its name): batchlayers computes its
+        # backward per model only without compiling (see batchlayers._custom_function), so calls run so from then on
+        self.custom_function: str | None = None
 
     def __call__(self, root: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if runs_model_by_model(root):
@@ -275,7 +278,11 @@ class FoldInputs:
         _unwind_stale_calls(root)
         tracker = Tracker(num_models, [num_models * b for b in batches])
         name = f"stacked {type(root).__name__}"
-        tracker.eager_only = bool(getattr(self, "own_code", ())) or getattr(self, "sizes_as_values", False)
+        tracker.eager_only = (
+            bool(getattr(self, "own_code", ()))
+            or getattr(self, "sizes_as_values", False)
+            or getattr(self, "custom_function", None) is not None
+        )
         call = _Call(
             owner=id(root),
             num_models=num_models,
@@ -339,6 +346,12 @@ class FoldInputs:
                 f"stacked {type(root).__name__}: its own code computes with a batch size read from the samples "
                 "(h / x.size(0)), which is each model's own B only where batchlayers sees the size read; it runs "
                 "without compiling"
+            )
+        if compiling and getattr(self, "custom_function", None) is not None:
+            raise RuntimeError(
+                f"stacked {type(root).__name__}: its forward applies the custom autograd.Function "
+                f"{self.custom_function}, whose backward batchlayers computes for each model only without compiling; "
+                "it runs without compiling"
             )
         slots = []
         num_models = cast(int, root.num_models)
@@ -472,6 +485,9 @@ class UnfoldOutputs:
         call.tracker.__exit__(None, None, None)
         if call.tracker.own_numbers and call.fold_inputs is not None:
             call.fold_inputs.sizes_as_values = True
+        noted = call.tracker.functions.noted if call.tracker.functions is not None else None
+        if noted is not None and call.fold_inputs is not None:
+            call.fold_inputs.custom_function = noted
         failed = sys.exc_info()[1]  # (torch calls this hook from its except clause when forward raised)
         if failed is not None:
             _explain(failed, call)

@@ -400,15 +400,15 @@ class Tracker(TorchFunctionMode):
         # buffers stored once for all models, by storage address (see guard_shared_buffer)
         self.shared_buffers: dict[int, SharedBuffer] = {}
         # the custom autograd.Functions called, whose backward each model gets its own of (None: no gradients)
-        self.functions = (
-            Calls(num_models) if self.grad_enabled and num_models > 1 and not torch.compiler.is_compiling() else None
-        )
+        self.functions: Calls | None = None  # made at the first call seen inside one, never while compiling
 
     def __enter__(self):
         self.numbers = open_call()  # the sizes read in this call (batchlayers._numbers.Call)
         return super().__enter__()
 
     def __exit__(self, *exc_info):
+        if self.functions is not None:
+            self.functions.caller = self.functions.apply = None
         if self.functions is not None and self.functions.pending and sys.exc_info()[1] is None:
             try:
                 self.functions.settle()
@@ -432,12 +432,13 @@ class Tracker(TorchFunctionMode):
         shaped, numbers, deferred = False, None, None
         tagged = _tagged(args, kwargs)
         function = None
-        if self.functions is not None:
+        if self.grad_enabled and self.num_models > 1 and not torch.compiler.is_compiling():
             if not torch.is_grad_enabled():
-                if not torch.compiler.is_compiling():
-                    function = self.functions.op(self, func, args, kwargs, tagged)
-            elif self.functions.pending:
-                self.functions.returned()
+                if self.functions is None:
+                    self.functions = Calls(self.num_models)
+                function = self.functions.op(self, func, args, kwargs, tagged)
+            elif self.functions is not None and (self.functions.pending or self.functions.caller is not None):
+                self.functions.grad_mode_on()
         if self.num_models > 1 and not isinstance(func, torch._ops.OpOverload):  # (a compiled graph's ops)
             numbers = _numbers_that_differ(args, kwargs)
             if numbers and func in _VALUE_OPERANDS and _each_models_values(tagged, numbers):

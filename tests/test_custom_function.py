@@ -11,6 +11,7 @@ import torch
 from convert_harness import compare_training, seeded
 from torch import Tensor, nn
 
+import batchlayers as bl
 from batchlayers.convert import stack
 
 
@@ -363,3 +364,52 @@ def test_custom_function_without_gradients_runs_as_it_is() -> None:
     with torch.no_grad():
         out = stacked(x)
         torch.testing.assert_close(out, torch.stack([m(x[i]) for i, m in enumerate(originals)]))
+
+
+class CentredGradient(torch.autograd.Function):
+    """Elementwise in forward (which torch.compile could trace whole), centred over the batch in backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        h = 2 * g
+        return h - h.mean(0, keepdim=True)
+
+
+class _Centred(nn.Module):
+    """A Function in a module of its own (no per-model tensor in the architecture's code, which alone would
+    make a stacked model run without compiling)."""
+
+    def forward(self, x):
+        return CentredGradient.apply(x)
+
+
+# (as in test_compile.py: dynamo reads .grad of the stacked model's outputs while tracing the root's output hook;
+# dynamo's tracing of an autograd.Function instantiates it, which this torch deprecates)
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")
+@pytest.mark.filterwarnings("ignore:<class 'torch.autograd.function.Function'> should not be instantiated")
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_compiled_stacked_model_runs_its_custom_function_without_compiling(fullgraph: bool) -> None:
+    """torch.compile does not show batchlayers a Function's calls: the first compiled call's eager check finds
+    them, and the calls run without compiling from then on (exact); with ``fullgraph=True`` they raise."""
+    torch._dynamo.reset()
+    factory = lambda: nn.Sequential(nn.Linear(4, 5), _Centred(), nn.Linear(5, 2))  # noqa: E731
+    originals = [seeded(factory, i) for i in range(2)]
+    stacked = stack([seeded(factory, i) for i in range(2)])
+    compiled = torch.compile(stacked, backend="aot_eager", fullgraph=fullgraph)
+    x = torch.randn(2, 3, 4, dtype=torch.float64)
+    try:
+        if fullgraph:
+            bl.check_batched(stacked, x)
+            with pytest.raises(torch._dynamo.exc.Unsupported):
+                compiled(x)
+            return
+        out = compiled(x)
+        expected = [m(x[i]) for i, m in enumerate(originals)]
+        torch.testing.assert_close(out, torch.stack(expected), rtol=1e-10, atol=1e-10)
+        _assert_same_gradients(stacked, out, originals, expected, tolerance=1e-10)
+    finally:
+        torch._dynamo.reset()
