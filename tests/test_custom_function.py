@@ -8,7 +8,8 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from convert_harness import compare_training, seeded
+import torch.nn.functional as F
+from convert_harness import assert_exact_or_refused, compare_training, seeded
 from torch import Tensor, nn
 
 import batchlayers as bl
@@ -413,3 +414,51 @@ def test_compiled_stacked_model_runs_its_custom_function_without_compiling(fullg
         _assert_same_gradients(stacked, out, originals, expected, tolerance=1e-10)
     finally:
         torch._dynamo.reset()
+
+
+# Code in a Function's forward whose backward differentiates that code again with autograd (as checkpoint-like
+# Functions do): the result batchlayers gives, "exact" or "refused", and never a silent wrong gradient.
+AGAIN: dict[str, tuple[Callable[[Tensor], Tensor], str]] = {
+    "a mean over the batch": (lambda x: x - x.mean(0), "exact"),
+    "a softmax over the batch": (lambda x: torch.softmax(x, 0), "exact"),
+    "a std over the batch": (lambda x: x / (x.std(0) + 1), "exact"),
+    "a max over the batch": (lambda x: x * x.max(0).values, "exact"),
+    "a logsumexp over the batch": (lambda x: x - x.logsumexp(0), "exact"),
+    "a layer norm": (lambda x: F.layer_norm(x, x.shape[-1:]), "exact"),
+    "a reshape by the batch size": (lambda x: x.reshape(x.shape[0], -1) * 2, "exact"),
+    "a sort over the batch": (lambda x: x.sort(0).values, "refused"),
+    "a norm over the batch": (lambda x: F.normalize(x, dim=0), "refused"),
+}
+
+
+class DifferentiatedAgain(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, name):
+        ctx.save_for_backward(x)
+        ctx.name = name
+        return AGAIN[name][0](x)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        with torch.enable_grad():
+            x = x.detach().requires_grad_()
+            (grad,) = torch.autograd.grad(AGAIN[ctx.name][0](x), x, g)
+        return grad, None
+
+
+class _Again(nn.Module):
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+        self.a, self.b = nn.Linear(4, 5), nn.Linear(5, 2)
+
+    def forward(self, x):
+        return self.b(DifferentiatedAgain.apply(self.a(x), self.name))
+
+
+@pytest.mark.parametrize("batch", [3, 5])
+@pytest.mark.parametrize("name", AGAIN)
+def test_backward_that_differentiates_the_forward_again(name: str, batch: int) -> None:
+    make_input = lambda lead: torch.randn(*lead, 4, dtype=torch.float64)  # noqa: E731
+    assert assert_exact_or_refused(lambda: _Again(name), 2, make_input, batch) == AGAIN[name][1]
