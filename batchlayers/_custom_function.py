@@ -132,6 +132,20 @@ class _Call:
     def title(self) -> str:
         return f"the custom autograd.Function {self.cls.__qualname__}"
 
+    def refuse_from_outside(self, func: Callable, tagged: list[_In]) -> None:
+        """Refuse a call in the forward given a tensor of the samples or per-model values that is neither an
+        argument nor made in the forward (before the call runs)."""
+        for i in tagged:
+            if id(i.tensor) not in self.known:
+                raise ValueError(
+                    f"batchlayers: the forward of {self.title} in a stacked model uses a tensor that holds "
+                    + ("per-model values" if i.tag is PerModel else "the models' samples")
+                    + f" (shape {tuple(i.tensor.shape)}, in {_name(func)}) that is not among its arguments (a "
+                    "parameter or activation read from outside): batchlayers computes each model's backward by "
+                    "applying the Function to that model's arguments, which would still see every model's. "
+                    "Pass the tensor to apply(...), or stack with execution='model_by_model'"
+                )
+
     def own_arguments(self, model: int) -> tuple[tuple, dict]:
         """Model ``model``'s arguments: its part of every tensor (a new leaf where the original required
         gradients), each model's own number in place of one read from the samples' size."""
@@ -269,18 +283,21 @@ class Calls:
         self.caller: FrameType | None = None
         self.apply: FrameType | None = None
 
-    def grad_mode_on(self) -> None:
-        """A torch call with grad mode on (again): settle the noted call if its ``Function.apply`` has returned
-        (not for a call that torch's own ``apply`` makes after the forward, on its outputs)."""
+    def grad_mode_on(self, func: Callable, tagged: list[_In]) -> _Call | None:
+        """Before a torch call with grad mode on (again): settle the noted call if its ``Function.apply`` has
+        returned. Returns the call while it has not: ``func`` is part of it (its forward computes under
+        ``torch.enable_grad()``, or torch's own ``apply`` works on its outputs)."""
         self.caller = self.apply = None
         if not self.pending:
-            return
+            return None
         frame: FrameType | None = sys._getframe(1)
         while frame is not None:
             if frame is self.pending[-1].frame:
-                return
+                self.pending[-1].refuse_from_outside(func, tagged)
+                return self.pending[-1]
             frame = frame.f_back
         self.settle()
+        return None
 
     def op(self, tracker: Any, func: Callable, args: tuple, kwargs: dict, tagged: list[_In]) -> _Call | None:
         """Before ``func`` runs: the Function call it belongs to (None: not inside one)."""
@@ -293,16 +310,7 @@ class Calls:
         if frame is None:
             return None
         call = self.pending[-1] if self.pending else self._note(frame, tracker)
-        for i in tagged:
-            if id(i.tensor) not in call.known:
-                raise ValueError(
-                    f"batchlayers: the forward of {call.title} in a stacked model uses a tensor that holds "
-                    + ("per-model values" if i.tag is PerModel else "the models' samples")
-                    + f" (shape {tuple(i.tensor.shape)}, in {_name(func)}) that is not among its arguments (a "
-                    "parameter or activation read from outside): batchlayers computes each model's backward by "
-                    "applying the Function to that model's arguments, which would still see every model's. "
-                    "Pass the tensor to apply(...), or stack with execution='model_by_model'"
-                )
+        call.refuse_from_outside(func, tagged)
         return call
 
     def made(self, call: _Call, func: Callable, out: object) -> None:
@@ -383,6 +391,11 @@ class Calls:
             call.frame, call.made, call.known, call.versions = None, [], set(), []
 
 
+def _left_alone(cls: type) -> bool:
+    """batchlayers' own Functions and torch's, and a noted call's node (see :meth:`Calls.settle`)."""
+    return cls is _EachModels or (getattr(cls, "__module__", "") or "").startswith(("batchlayers.", "torch."))
+
+
 def _outermost_apply(frame: FrameType | None, tracker: Any) -> FrameType | None:
     """The frame of the outermost ``Function.apply`` of a Function that is not batchlayers' own nor torch's,
     among ``frame`` and its callers (None: not inside one). torch's are left alone: ``torch.utils.checkpoint``'s
@@ -392,8 +405,7 @@ def _outermost_apply(frame: FrameType | None, tracker: Any) -> FrameType | None:
     while frame is not None:
         if frame.f_code is _APPLY:
             cls = frame.f_locals.get("cls")
-            module = getattr(cls, "__module__", "") or ""
-            if module.startswith(("batchlayers.", "torch.")):
+            if _left_alone(cls):  # type: ignore[arg-type]
                 if found is not None:
                     tracker.refuse_checkpointing(f"the custom autograd.Function {found.f_locals['cls'].__qualname__}")
             else:

@@ -407,17 +407,15 @@ class Tracker(TorchFunctionMode):
         return super().__enter__()
 
     def __exit__(self, *exc_info):
-        if self.functions is not None:
-            self.functions.caller = self.functions.apply = None
-        if self.functions is not None and self.functions.pending and sys.exc_info()[1] is None:
-            try:
-                self.functions.settle()
-            except BaseException:
-                close_call(self.numbers)
-                super().__exit__(*exc_info)
-                raise
-        close_call(self.numbers)  # from here they are plain numbers (kept in caches, returned)
-        return super().__exit__(*exc_info)
+        try:
+            exited = super().__exit__(*exc_info)
+            if self.functions is not None:
+                self.functions.caller = self.functions.apply = None
+                if self.functions.pending and sys.exc_info()[1] is None:
+                    self.functions.settle()  # (off the mode stack: its reads of the outputs are not the forward's)
+        finally:
+            close_call(self.numbers)  # from here they are plain numbers (kept in caches, returned)
+        return exited
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
@@ -438,7 +436,7 @@ class Tracker(TorchFunctionMode):
                     self.functions = Calls(self.num_models)
                 function = self.functions.op(self, func, args, kwargs, tagged)
             elif self.functions is not None and (self.functions.pending or self.functions.caller is not None):
-                self.functions.grad_mode_on()
+                function = self.functions.grad_mode_on(func, tagged)
         if self.num_models > 1 and not isinstance(func, torch._ops.OpOverload):  # (a compiled graph's ops)
             numbers = _numbers_that_differ(args, kwargs)
             if numbers and func in _VALUE_OPERANDS and _each_models_values(tagged, numbers):

@@ -176,9 +176,11 @@ class _WithFunction(nn.Module):
             h = h + w
         elif self.kind == "random mask":
             h = MaskedDrop.apply(h)
-        elif self.kind == "a parameter read from outside":
-            _ReadsFromOutside.holder = self
+        elif self.kind.startswith("a parameter read from outside"):
+            _ReadsFromOutside.holder, _ReadsFromOutside.grad_enabled = self, self.kind.endswith("gradients on")
             h = _ReadsFromOutside.apply(h)
+        elif self.kind == "gradients enabled in forward":
+            h = GradientsOn.apply(h)
         elif self.kind == "an in-place write":
             h = _InPlace.apply(h * 1)
         elif self.kind.startswith("checkpointed"):
@@ -198,6 +200,7 @@ KINDS = [
     "nested",
     "an argument returned",
     "a shared argument",
+    "gradients enabled in forward",
 ]
 
 
@@ -303,14 +306,31 @@ def test_custom_function_recomputed_under_the_forwards_autocast() -> None:
 
 class _ReadsFromOutside(torch.autograd.Function):
     holder: nn.Module | None = None
+    grad_enabled = False
 
     @staticmethod
     def forward(ctx, x):
-        return x * _ReadsFromOutside.holder.gamma  # type: ignore[union-attr]
+        with torch.set_grad_enabled(_ReadsFromOutside.grad_enabled):
+            return x * _ReadsFromOutside.holder.gamma  # type: ignore[union-attr]
 
     @staticmethod
     def backward(ctx, g):
         return g * _ReadsFromOutside.holder.gamma  # type: ignore[union-attr]
+
+
+class GradientsOn(torch.autograd.Function):
+    """Its forward computes with gradients enabled (as checkpoint-like code may); its backward centres over the
+    batch."""
+
+    @staticmethod
+    def forward(ctx, x):
+        with torch.enable_grad():
+            return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        h = 2 * g
+        return h - h.mean(0, keepdim=True)
 
 
 class _InPlace(torch.autograd.Function):
@@ -326,6 +346,7 @@ class _InPlace(torch.autograd.Function):
 
 REFUSED: dict[str, str] = {
     "a parameter read from outside": r"_ReadsFromOutside .*not among its arguments",
+    "a parameter read from outside, gradients on": r"_ReadsFromOutside .*not among its arguments",
     "an in-place write": r"_InPlace .*writes into one of its arguments",
     "checkpointed, reentrant": r"Center runs inside torch.utils.checkpoint",
     "checkpointed, non-reentrant": r"Center runs inside torch.utils.checkpoint",
