@@ -270,9 +270,10 @@ class _GiveBack(TorchFunctionMode):
 class Calls:
     """The custom Functions of one stacked call that records gradients (see the module docstring).
 
-    The tracker calls :meth:`op` for every torch call it sees while grad mode is off in a call that began with
-    it on (inside a Function's forward, or a ``torch.no_grad()`` block), and :meth:`settle` at the first call
-    with grad mode on again and when the stacked call ends."""
+    The tracker calls :meth:`op` before every torch call it sees while grad mode is off in a call that began
+    with it on (inside a Function's forward, or a ``torch.no_grad()`` block), :meth:`grad_mode_on` before a call
+    with grad mode on again while a Function is noted, :meth:`made` after a call that belongs to one, and
+    :meth:`settle` when the stacked call ends."""
 
     def __init__(self, num_models: int) -> None:
         self.num_models = num_models
