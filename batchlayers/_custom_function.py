@@ -21,7 +21,8 @@ per-model values that is not among its arguments (a parameter read from a closur
 model's arguments it would still see every model's); an argument or a random draw whose rows batchlayers
 cannot assign to the models (:class:`~batchlayers._provenance.Lost`); a write into an argument
 (``ctx.mark_dirty``); a Function under ``torch.utils.checkpoint``. Refused in backward: the gradient of an
-output that no op batchlayers saw made, or of a Lost one, and a double backward (``create_graph=True``).
+output that no op batchlayers saw made, or of a Lost one. Under ``create_graph=True`` the gradients are
+computed in the arguments' graph (a double backward reaches the parameters).
 batchlayers' own Functions, which know the model dimension, and torch's (see :func:`_outermost_apply`) are
 left alone. Under ``torch.compile`` nothing is noted: a stacked model whose eager call noted a Function runs
 without compiling from then on (``FoldInputs.custom_function``).
@@ -146,14 +147,17 @@ class _Call:
                     "Pass the tensor to apply(...), or stack with execution='model_by_model'"
                 )
 
-    def own_arguments(self, model: int) -> tuple[tuple, dict]:
+    def own_arguments(self, model: int, graph: bool) -> tuple[tuple, dict]:
         """Model ``model``'s arguments: its part of every tensor (a new leaf where the original required
-        gradients), each model's own number in place of one read from the samples' size."""
+        gradients; ``graph``: a view of the original, in its graph), each model's own number in place of one
+        read from the samples' size."""
 
         def own(a: object, top: bool) -> object:
             if isinstance(a, Tensor):
-                part = _own(a, self.tags.get(id(a)), model, self.num_models).detach()
-                return part.requires_grad_(a.requires_grad) if top else part
+                part = _own(a, self.tags.get(id(a)), model, self.num_models)
+                if graph:
+                    return part
+                return part.detach().requires_grad_(a.requires_grad) if top else part.detach()
             if type(a) in _MARKED and differs(a):
                 return a.own  # type: ignore[attr-defined]
             if isinstance(a, (list, tuple)) and not hasattr(a, "_fields"):
@@ -163,13 +167,10 @@ class _Call:
         return tuple(own(a, True) for a in self.args), {k: own(v, True) for k, v in self.kwargs.items()}
 
     def backward(self, needs_input_grad: tuple[bool, ...], grad_outputs: tuple) -> tuple:
-        """The gradients of the Function's arguments (its ``backward``'s result), each model's own, joined."""
-        if torch.is_grad_enabled():
-            raise ValueError(
-                f"batchlayers: a double backward (create_graph=True) through {self.title} in a stacked model: "
-                "batchlayers computes each model's gradient of it model by model, without a graph. Stack with "
-                "execution='model_by_model' for higher-order gradients"
-            )
+        """The gradients of the Function's arguments (its ``backward``'s result), each model's own, joined. Under
+        ``create_graph=True`` (grad mode on in backward) they are computed in the arguments' graph, so that a
+        double backward reaches what they were made from."""
+        graph = torch.is_grad_enabled()
         for i, g in enumerate(grad_outputs):
             if g is None:
                 continue
@@ -189,7 +190,7 @@ class _Call:
         wanted = [j for j, a in enumerate(self.args) if isinstance(a, Tensor) and needs_input_grad[j]]
         parts: list[list[Tensor]] = [[] for _ in wanted]
         for model in range(self.num_models):
-            args, kwargs = self.own_arguments(model)
+            args, kwargs = self.own_arguments(model, graph)
             # (the draws made again leave the generators as they were: the user's random stream goes on as is)
             with torch.enable_grad(), torch.random.fork_rng(self.devices), self.autocast(), _GiveBack(self, model):
                 out = self.cls.apply(*args, **kwargs)  # type: ignore[attr-defined]
@@ -206,7 +207,9 @@ class _Call:
             ]
             leaves = [args[j] for j in wanted]
             grads = (
-                torch.autograd.grad([o for o, _ in pairs], leaves, [g for _, g in pairs], allow_unused=True)
+                torch.autograd.grad(
+                    [o for o, _ in pairs], leaves, [g for _, g in pairs], allow_unused=True, create_graph=graph
+                )
                 if pairs
                 else (None,) * len(leaves)
             )

@@ -363,19 +363,30 @@ def test_custom_function_that_cannot_run_per_model_is_refused_in_forward(kind: s
     assert torch.overrides._get_current_function_mode_stack() == []
 
 
-@pytest.mark.parametrize(
-    "backward",
-    [
-        lambda out, x: torch.autograd.grad(out.sum(), x, create_graph=True),
-    ],
-    ids=["create_graph"],
-)
-def test_double_backward_through_a_custom_function_is_refused(backward: Callable) -> None:
-    stacked = stack([seeded(lambda: _WithFunction("center"), i) for i in range(2)])
-    x = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
-    out = stacked(x)
-    with pytest.raises(ValueError, match=r"double backward .*Center"):
-        backward(out, x)
+@pytest.mark.parametrize("kind", ["center", "per-model argument", "two outputs"])
+def test_gradient_penalty_through_a_custom_function(kind: str) -> None:
+    """A double backward (``create_graph=True``, a gradient penalty on the input): each model's Function is
+    differentiated in its arguments' graph, so the penalty's gradients reach each model's parameters."""
+    factory = lambda: _WithFunction(kind)  # noqa: E731
+    stacked, originals = stack([seeded(factory, i) for i in range(2)]), [seeded(factory, i) for i in range(2)]
+    x = torch.randn(2, 3, 4, dtype=torch.float64)
+    cotangent = torch.randn(2, 3, 2, dtype=torch.float64)
+
+    def penalty(model: nn.Module, inputs: Tensor, weights: Tensor) -> tuple[Tensor, Tensor]:
+        inputs = inputs.clone().requires_grad_()
+        (grad,) = torch.autograd.grad((model(inputs) * weights).sum(), inputs, create_graph=True)
+        return grad, grad.pow(2).sum()
+
+    grad, total = penalty(stacked, x, cotangent)
+    total.backward()
+    expected = [penalty(m, x[i], cotangent[i]) for i, m in enumerate(originals)]
+    for _, own in expected:
+        own.backward()
+    torch.testing.assert_close(grad, torch.stack([g for g, _ in expected]), rtol=1e-10, atol=1e-10)
+    zero_if_none = lambda p: torch.zeros_like(p) if p.grad is None else p.grad  # noqa: E731  (the last bias's)
+    for name, p in stacked.named_parameters():
+        reference = torch.stack([zero_if_none(dict(m.named_parameters())[name]) for m in originals])
+        torch.testing.assert_close(zero_if_none(p), reference, rtol=1e-10, atol=1e-10, msg=name)
 
 
 def test_custom_function_without_gradients_runs_as_it_is() -> None:
