@@ -19,8 +19,9 @@ and backward of it per model (torch's generators are left as they were).
 Refused in forward, naming the Function: a forward that uses a tensor holding the models' samples or
 per-model values that is not among its arguments (a parameter read from a closure: applied again to one
 model's arguments it would still see every model's); an argument or a random draw whose rows batchlayers
-cannot assign to the models (:class:`~batchlayers._provenance.Lost`); a write into an argument
-(``ctx.mark_dirty``); a Function under ``torch.utils.checkpoint``. Refused in backward: the gradient of an
+cannot assign to the models (:class:`~batchlayers._provenance.Lost`); a write into an argument that
+requires gradients (``ctx.mark_dirty``; one without, a running statistic, is recomputed from its value
+before the write, on a copy); a Function under ``torch.utils.checkpoint``. Refused in backward: the gradient of an
 output that no op batchlayers saw made, or of a Lost one. Under ``create_graph=True`` the gradients are
 computed in the arguments' graph (a double backward reaches the parameters).
 batchlayers' own Functions, which know the model dimension, and torch's (see :func:`_outermost_apply`) are
@@ -42,7 +43,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from ._numbers import FoldedInt, FoldedSize, FoldedValue, differs
-from ._provenance import Lost, PerModel, _In, _outputs, get_tag
+from ._provenance import Lost, PerModel, _In, _outputs, _storage_address, get_tag, written_tensors
 
 __all__ = ["Calls"]
 
@@ -111,6 +112,9 @@ class _Call:
     kwargs: dict
     tags: dict[int, object]  # id of a tensor among the arguments -> its tag then
     versions: list[tuple[Tensor, int]]  # the tensor arguments and their versions then
+    # id of an argument without gradients that the forward writes in place (a running statistic) -> its value
+    # before the first write, which each model's recomputation starts from (on a copy: the write is not redone)
+    before: dict[int, Tensor] = field(default_factory=dict)
     node: Any = None  # the backward node (the forward's ctx), once known
     made: list[Tensor] = field(default_factory=list)  # tensors made by ops of the forward (kept until settled)
     known: set[int] = field(default_factory=set)  # ids of the arguments' tensors and of those made
@@ -147,6 +151,15 @@ class _Call:
                     "Pass the tensor to apply(...), or stack with execution='model_by_model'"
                 )
 
+    def keep_before_writes(self, func: Callable, args: tuple, kwargs: dict) -> None:
+        """Before a call of the forward that writes in place: keep the value of each argument without gradients
+        whose memory it writes, the first time (see ``before``)."""
+        for written in written_tensors(func, args, kwargs):
+            address = _storage_address(written)
+            for t, _ in self.versions:
+                if address and _storage_address(t) == address and id(t) not in self.before and not t.requires_grad:
+                    self.before[id(t)] = t.detach().clone()
+
     def own_arguments(self, model: int, graph: bool) -> tuple[tuple, dict]:
         """Model ``model``'s arguments: its part of every tensor (a new leaf where the original required
         gradients; ``graph``: a view of the original, in its graph), each model's own number in place of one
@@ -154,6 +167,8 @@ class _Call:
 
         def own(a: object, top: bool) -> object:
             if isinstance(a, Tensor):
+                if id(a) in self.before:
+                    return _own(self.before[id(a)], self.tags.get(id(a)), model, self.num_models).clone()
                 part = _own(a, self.tags.get(id(a)), model, self.num_models)
                 if graph:
                     return part
@@ -315,6 +330,7 @@ class Calls:
             return None
         call = self.pending[-1] if self.pending else self._note(frame, tracker)
         call.refuse_from_outside(func, tagged)
+        call.keep_before_writes(func, args, kwargs)
         return call
 
     def made(self, call: _Call, func: Callable, out: object) -> None:
@@ -370,11 +386,12 @@ class Calls:
         """The noted calls have returned: hook each one's backward node, with what its outputs hold."""
         pending, self.pending = self.pending, []
         for call in pending:
-            if any(t._version != v for t, v in call.versions):
+            if any(t._version != v and id(t) not in call.before for t, v in call.versions):
                 raise ValueError(
-                    f"batchlayers: the forward of {call.title} in a stacked model writes into one of its arguments "
-                    "in place (ctx.mark_dirty), which batchlayers, recomputing the Function per model in backward, "
-                    "cannot undo. Write into a copy, or stack with execution='model_by_model'"
+                    f"batchlayers: the forward of {call.title} in a stacked model writes in place into one of its "
+                    "arguments that requires gradients (ctx.mark_dirty), or by code batchlayers does not see; "
+                    "batchlayers, recomputing the Function per model in backward, cannot undo that. Write into a "
+                    "copy, or stack with execution='model_by_model'"
                 )
             for t in call.made:
                 node = t.grad_fn
