@@ -382,26 +382,34 @@ def test_custom_function_that_cannot_run_per_model_is_refused_in_forward(kind: s
     assert torch.overrides._get_current_function_mode_stack() == []
 
 
-@pytest.mark.parametrize("kind", ["center", "per-model argument", "two outputs"])
+@pytest.mark.parametrize("kind", ["center", "per-model argument", "two outputs", "a shared argument"])
 def test_gradient_penalty_through_a_custom_function(kind: str) -> None:
-    """A double backward (``create_graph=True``, a gradient penalty on the input): each model's Function is
-    differentiated in its arguments' graph, so the penalty's gradients reach each model's parameters."""
+    """A double backward (``create_graph=True``, a gradient penalty on the input, and on the shared tensor's
+    gradient where the model uses one): each model's Function is differentiated in its arguments' graph, so
+    the penalty's gradients reach each model's parameters."""
     factory = lambda: _WithFunction(kind)  # noqa: E731
     stacked, originals = stack([seeded(factory, i) for i in range(2)]), [seeded(factory, i) for i in range(2)]
     x = torch.randn(2, 3, 4, dtype=torch.float64)
     cotangent = torch.randn(2, 3, 2, dtype=torch.float64)
+    shared = kind == "a shared argument"
 
-    def penalty(model: nn.Module, inputs: Tensor, weights: Tensor) -> tuple[Tensor, Tensor]:
+    def gradients(model: nn.Module, inputs: Tensor, weights: Tensor) -> tuple[Tensor, ...]:
         inputs = inputs.clone().requires_grad_()
-        (grad,) = torch.autograd.grad((model(inputs) * weights).sum(), inputs, create_graph=True)
-        return grad, grad.pow(2).sum()
+        wrt = [inputs, SHARED] if shared else [inputs]
+        return torch.autograd.grad((model(inputs) * weights).sum(), wrt, create_graph=True)
 
-    grad, total = penalty(stacked, x, cotangent)
-    total.backward()
-    expected = [penalty(m, x[i], cotangent[i]) for i, m in enumerate(originals)]
-    for _, own in expected:
-        own.backward()
-    torch.testing.assert_close(grad, torch.stack([g for g, _ in expected]), rtol=1e-10, atol=1e-10)
+    SHARED.grad = None
+    grads = gradients(stacked, x, cotangent)
+    sum(g.pow(2).sum() for g in grads).backward()
+    shared_grad, SHARED.grad = SHARED.grad, None
+    expected = [gradients(m, x[i], cotangent[i]) for i, m in enumerate(originals)]
+    # (the shared tensor's gradient is the sum of the originals', as the stacked model's is)
+    references = [torch.stack([own[0] for own in expected]), *([sum(own[1] for own in expected)] if shared else [])]
+    sum(g.pow(2).sum() for g in references).backward()
+    for got, reference in zip(grads, references, strict=True):
+        torch.testing.assert_close(got, reference, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(shared_grad, SHARED.grad, rtol=1e-10, atol=1e-10)  # (None where not used)
+    SHARED.grad = None
     zero_if_none = lambda p: torch.zeros_like(p) if p.grad is None else p.grad  # noqa: E731  (the last bias's)
     for name, p in stacked.named_parameters():
         reference = torch.stack([zero_if_none(dict(m.named_parameters())[name]) for m in originals])
