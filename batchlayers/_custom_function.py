@@ -42,14 +42,13 @@ import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-from ._numbers import FoldedInt, FoldedSize, FoldedValue, differs
-from ._provenance import Lost, PerModel, _In, _outputs, _storage_address, get_tag, written_tensors
+from ._numbers import differs
+from ._provenance import _MARKED, Lost, PerModel, _In, _outputs, _storage_address, get_tag, written_tensors
 
 __all__ = ["Calls"]
 
 _APPLY = torch.autograd.function.Function.apply.__func__.__code__  # type: ignore[attr-defined]
 _NODE = torch.autograd.function.BackwardCFunction
-_MARKED = (FoldedSize, FoldedInt, FoldedValue)
 
 # Functions of torch.nn.functional, written in Python, that draw random values inside (the ops they call run
 # unseen, inside the tracker's handling of the call). The others are known from aten's tag (see _draws).
@@ -322,7 +321,7 @@ class Calls:
         """Before ``func`` runs: the Function call it belongs to (None: not inside one)."""
         caller = sys._getframe(2)
         if caller is not self.caller:  # (the frames above a running one stay as they are: one walk for its calls)
-            self.caller, self.apply = caller, _outermost_apply(caller, tracker)
+            self.caller, self.apply = caller, _outermost_apply(caller)
         frame = self.apply
         if self.pending and (frame is None or frame is not self.pending[-1].frame):
             self.settle()
@@ -417,7 +416,7 @@ def _left_alone(cls: type) -> bool:
     return cls is _EachModels or (getattr(cls, "__module__", "") or "").startswith(("batchlayers.", "torch."))
 
 
-def _outermost_apply(frame: FrameType | None, tracker: Any) -> FrameType | None:
+def _outermost_apply(frame: FrameType | None) -> FrameType | None:
     """The frame of the outermost ``Function.apply`` of a Function that is not batchlayers' own nor torch's,
     among ``frame`` and its callers (None: not inside one). torch's are left alone: ``torch.utils.checkpoint``'s
     (see ``Tracker.refuse_checkpointing``), the graphs ``torch.compile`` runs as Functions, and the rest, whose
@@ -425,11 +424,7 @@ def _outermost_apply(frame: FrameType | None, tracker: Any) -> FrameType | None:
     found = None
     while frame is not None:
         if frame.f_code is _APPLY:
-            cls = frame.f_locals.get("cls")
-            if _left_alone(cls):  # type: ignore[arg-type]
-                if found is not None:
-                    tracker.refuse_checkpointing(f"the custom autograd.Function {found.f_locals['cls'].__qualname__}")
-            else:
+            if not _left_alone(frame.f_locals.get("cls")):  # type: ignore[arg-type]
                 found = frame
         frame = frame.f_back
     return found

@@ -521,3 +521,29 @@ class _Again(nn.Module):
 def test_backward_that_differentiates_the_forward_again(name: str, batch: int) -> None:
     make_input = lambda lead: torch.randn(*lead, 4, dtype=torch.float64)  # noqa: E731
     assert assert_exact_or_refused(lambda: _Again(name), 2, make_input, batch) == AGAIN[name][1]
+
+
+class _Coinciding(nn.Module):
+    """Widths equal to the folded batch (M * B = 2 * 3 = 6 features), a Function on the samples' dimension and one
+    on a transposed batch (the samples on dimension 1): sizes cannot tell the dimensions apart, the tags do."""
+
+    def __init__(self, transposed: bool) -> None:
+        super().__init__()
+        self.transposed = transposed
+        self.a, self.b = nn.Linear(4, 6), nn.Linear(6, 2)
+
+    def forward(self, x):
+        h = self.a(x)
+        h = Center.apply(h.t()).t() if self.transposed else Center.apply(h)
+        return self.b(h * Center.apply(h).sum(0))
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["samples first", "transposed"])
+def test_custom_function_where_the_folded_batch_equals_a_width(transposed: bool) -> None:
+    factory = lambda: _Coinciding(transposed)  # noqa: E731
+    compare_training(
+        stack([seeded(factory, i) for i in range(2)]),
+        [seeded(factory, i) for i in range(2)],
+        lambda lead: torch.randn(*lead, 4, dtype=torch.float64, requires_grad=True),
+        batch=3,
+    )
