@@ -472,7 +472,7 @@ class Tracker(TorchFunctionMode):
                 own = getattr(args[0], _POSITIONS, None)  # (torch.arange(B).clone(), .long(), .to(device))
                 if own is not None:
                     out._batchlayers_positions = own  # (syntax: see set_tag)
-            if isinstance(out, Tensor) and out.grad_fn is not None:
+            if isinstance(out, Tensor) and out.grad_fn is not None and not _untracked_among(args, kwargs):
                 out._batchlayers_seen = True  # from a shared trainable tensor (see untracked)
         else:
             named = _torch_names(kwargs) if "axis" in kwargs or "keepdims" in kwargs else kwargs
@@ -2567,6 +2567,16 @@ def untracked(t: Tensor) -> bool:
         and t.grad_fn is not None
         and not getattr(t, "_batchlayers_seen", False)  # computed here from a trainable tensor all models share
     )
+
+
+def _untracked_among(args: Sequence, kwargs: dict) -> bool:
+    """Whether an argument (or a tensor in a list or tuple argument) is :func:`untracked`: what an op makes from
+    it is untracked too, not a value all models share that the tracker saw made."""
+    for a in (*args, *kwargs.values()):
+        for b in a if isinstance(a, (list, tuple)) else (a,):
+            if isinstance(b, Tensor) and untracked(b):
+                return True
+    return False
 
 
 class Parts(tuple):

@@ -27,9 +27,14 @@ def _mean(h: torch.Tensor) -> torch.Tensor:
     return h.mean(0)
 
 
+def _centred(h: torch.Tensor) -> torch.Tensor:
+    return h - h.mean(0)
+
+
 with warnings.catch_warnings():  # (deprecated in torch 2.13, still in timm and transformers)
     warnings.simplefilter("ignore", DeprecationWarning)
     _scripted_swish, _scripted_mean = torch.jit.script(_swish), torch.jit.script(_mean)
+    _scripted_centred = torch.jit.script(_centred)
 
 
 class _Hunted(nn.Module):
@@ -85,6 +90,9 @@ PATTERNS = {
     "torch.vmap(torch.tanh), then a layer": lambda m, h: m.out(torch.vmap(torch.tanh)(h)),
     "h.as_subclass(Tensor), then a layer": lambda m, h: m.out(h.as_subclass(torch.Tensor)),
     "h.as_subclass(Tensor) as the output": lambda m, h: h.as_subclass(torch.Tensor),
+    # ... then through ops the tracker does see, on nothing else: still not a value every model shares
+    "a TorchScript centring, then .t().t() and a layer": lambda m, h: m.out(_scripted_centred(h).t().t()),
+    "(h.as_subclass(Tensor) * 1).clone() as the output": lambda m, h: (h.as_subclass(torch.Tensor) * 1).clone(),
     # writes into per-model values
     "buf.mul_(2).sqrt_().add_(1)": lambda m, h: h * m.buf.mul_(2).sqrt_().add_(1),
     "buf.sqrt_().mul_(3)": lambda m, h: h + m.buf.sqrt_().mul_(3),
