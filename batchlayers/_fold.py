@@ -687,6 +687,7 @@ class UnfoldLeafInputs:
             return None  # called on its own: an ordinary batched layer taking (M, B, *)
         _refuse_compiling(call, layer)
         call.tracker.refuse_checkpointing(layer_name(layer))
+        call.tracker.refuse_inside_transform(layer_name(layer))
         call.tracker.pause()  # from here to the end of FoldLeafOutput: batchlayers' own code, not tracked
         try:
             return self._unfold(layer, args, kwargs, call)

@@ -44,6 +44,13 @@ length equal to ``M * B``), so batchlayers follows where every tensor came from:
 - **Custom autograd Functions.** Their forward is followed op by op; their backward, which autograd would run on
   every model's gradient at once, is computed model by model (``batchlayers._custom_function``).
 
+- **Code the mode does not see.** A tensor with an autograd history but no tag, made by code the mode never saw
+  (TorchScript, ``as_subclass``), is refused where it reaches a layer, an output or the samples, and so is what
+  ops make from it alone (:func:`untracked`). Inside a torch.func transform entered in forward the mode sees
+  the ops, on the transform's wrapped tensors, but not what the transform returns: a transform over a tensor
+  holding the samples or a per-model value, and a batched layer called inside one, are refused
+  (:func:`_refuse_inside_transform`).
+
 - **Sizes.** ``B = x.size(0)`` is ``M * B``, returned as a :class:`FoldedSize` (an int that knows it counts
   the samples: a reshape by it, or by ``B * T``, is known, a literal is not). What Python computes from it
   carries each original model's value too (``batchlayers._numbers``): torch is given a number that differs
@@ -401,6 +408,9 @@ class Tracker(TorchFunctionMode):
         self.shared_buffers: dict[int, SharedBuffer] = {}
         # the custom autograd.Functions called, whose backward each model gets its own of (None: no gradients)
         self.functions: Calls | None = None  # made at the first call seen inside one, never while compiling
+        # the torch.func transform level the call runs at (None: none); ops deeper run inside a transform entered
+        # in forward (see _refuse_inside_transform)
+        self.transform_level = _transform_level()
 
     def __enter__(self):
         self.numbers = open_call()  # the sizes read in this call (batchlayers._numbers.Call)
@@ -427,6 +437,8 @@ class Tracker(TorchFunctionMode):
                 "batchlayers: this stacked model's own code uses per-model tensors, whose sizes torch.compile "
                 "would read as the stored (M, *) ones; it runs without compiling (torch.compile falls back)"
             )
+        if self.num_models > 1 and _transform_level() != self.transform_level and not torch.compiler.is_compiling():
+            _refuse_inside_transform(func, args, kwargs)
         shaped, numbers, deferred = False, None, None
         tagged = _tagged(args, kwargs)
         function = None
@@ -778,6 +790,12 @@ class Tracker(TorchFunctionMode):
                 "(x.mean(0), or x.sum(0) / x.size(0): a reduction over the samples is each model's own, and so "
                 "is a size given with it), or stack with execution='model_by_model'"
             )
+
+    def refuse_inside_transform(self, what: str) -> None:
+        """Raise if a batched layer (``what``) is called inside a torch.func transform entered in forward: it
+        would take the transform's wrapped tensors for the folded samples."""
+        if self.num_models > 1 and _transform_level() != self.transform_level and not torch.compiler.is_compiling():
+            raise ValueError(f"{what} is called {INSIDE_TRANSFORM}. {TRANSFORM_HELP}")
 
     def folded_text(self) -> str:
         """``M * B`` of the call, as ``2 * 3`` (``2 * 3 or 2 * 5`` for inputs with different numbers of samples)."""
@@ -2577,6 +2595,42 @@ def _untracked_among(args: Sequence, kwargs: dict) -> bool:
             if isinstance(b, Tensor) and untracked(b):
                 return True
     return False
+
+
+_transform_level = torch._C._functorch.maybe_current_level  # the innermost torch.func transform's level, or None
+
+
+def _refuse_inside_transform(func: Callable, args: Sequence, kwargs: dict) -> None:
+    """Raise if ``func`` runs inside a torch.func transform (``torch.vmap``, ``torch.func.grad``, ``jacrev``,
+    ``vjp``, ...) entered in a stacked forward, on a tensor that holds the models' samples or a per-model value
+    (seen through the transform's wrappers). The tracker sees the ops inside, on the transform's wrapped tensors,
+    but not the transform: it cannot tell what its results hold. ``torch.vmap`` over the folded samples' features
+    would reduce over every model's samples at once, over a per-model weight it would map over the models, and
+    the results come back untagged, looking like values all models share."""
+    for a in (*args, *kwargs.values()):
+        for b in a if isinstance(a, (list, tuple)) else (a,):
+            if not isinstance(b, Tensor) or not torch._C._functorch.is_functorch_wrapped_tensor(b):
+                continue  # (a tensor the function reads from outside: its ops follow their rules, see below)
+            while torch._C._functorch.is_functorch_wrapped_tensor(b):
+                b = torch._C._functorch.get_unwrapped(b)
+            tag = get_tag(b)
+            if tag is None and not untracked(b):
+                continue
+            held = "a per-model value" if tag is PerModel else "the models' samples"
+            raise ValueError(
+                f"batchlayers: {_name(func)} runs {INSIDE_TRANSFORM}, on a tensor that holds {held} (shape "
+                f"{tuple(b.shape)}). {TRANSFORM_HELP}"
+            )
+
+
+INSIDE_TRANSFORM = (
+    "inside a torch.func transform (torch.vmap, torch.func.grad, jacrev, vjp, ...) entered in a stacked model's forward"
+)
+TRANSFORM_HELP = (
+    "batchlayers does not follow tensors through a transform: mapped over the folded samples' features it would "
+    "reduce over every model's samples at once, mapped over a per-model value over the models. Call the transform "
+    "outside the stacked model, or stack with execution='model_by_model'"
+)
 
 
 class Parts(tuple):

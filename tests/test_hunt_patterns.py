@@ -81,6 +81,22 @@ def _old_drop_path(m, h, keep=1.0):
     return h.div(keep) * mask
 
 
+# torch.func transforms entered in forward over the samples or a per-model value (refused without gradients too)
+TRANSFORMS = {
+    "torch.vmap over the features (centred over the batch), then a layer": lambda m, h: m.out(
+        torch.vmap(lambda column: column - column.mean())(h.t()).t()
+    ),
+    "torch.vmap(torch.func.jacrev(torch.tanh)) per sample, summed": lambda m, h: m.out(
+        torch.vmap(torch.func.jacrev(torch.tanh))(h).sum(-1)
+    ),
+    "torch.func.grad of an energy coupling the samples": lambda m, h: m.out(
+        torch.func.grad(lambda z: z.sum(0).pow(2).sum())(h)
+    ),
+    "torch.vmap(layer) over the samples": lambda m, h: torch.vmap(m.out)(h),
+    "torch.vmap over a per-model weight's rows": lambda m, h: h[:, :5] * torch.vmap(torch.sum)(m.w),
+}
+
+
 PATTERNS = {
     # code the tracker never sees (while gradients are recorded)
     "a TorchScript activation, then a layer": lambda m, h: (
@@ -93,6 +109,16 @@ PATTERNS = {
     # ... then through ops the tracker does see, on nothing else: still not a value every model shares
     "a TorchScript centring, then .t().t() and a layer": lambda m, h: m.out(_scripted_centred(h).t().t()),
     "(h.as_subclass(Tensor) * 1).clone() as the output": lambda m, h: (h.as_subclass(torch.Tensor) * 1).clone(),
+    # torch.func transforms entered in forward
+    **TRANSFORMS,
+    # a transformed function reading the samples from outside (refused while gradients are recorded only)
+    "torch.vmap(lambda k: h[0, k]) over the features": lambda m, h: (
+        h * torch.vmap(lambda k: h[0, k])(torch.arange(h.shape[1]))
+    ),
+    # transformers' mask functions: each mapped index picks its own sample's row, a mask that differs by sample
+    "torch.vmap(lambda b: mask[b]) over the samples": lambda m, h: (
+        h * torch.vmap(lambda b: (h[:, 0] > 0)[b])(torch.arange(h.shape[0])).unsqueeze(1)
+    ),
     # writes into per-model values
     "buf.mul_(2).sqrt_().add_(1)": lambda m, h: h * m.buf.mul_(2).sqrt_().add_(1),
     "buf.sqrt_().mul_(3)": lambda m, h: h + m.buf.sqrt_().mul_(3),
@@ -148,6 +174,50 @@ def test_hunted_pattern_is_exact_model_by_model(pattern: str) -> None:
         # stacked ones: torch warns that a non-leaf's .grad is read (it is not used)
         warnings.filterwarnings("ignore", "The .grad attribute of a Tensor that is not a leaf")
         assert_close(stacked(x), torch.stack([m(x[i]) for i, m in enumerate(models)]), msg=pattern)
+
+
+@pytest.mark.parametrize("pattern", list(TRANSFORMS))
+def test_transforms_in_forward_without_gradients_are_refused(pattern: str) -> None:
+    """Without gradients the transforms' results have no autograd history to show the tracker missed them:
+    refused all the same, naming the transform's op, where a plain stacked call would be silently wrong."""
+    models = [seeded(lambda: _Hunted(pattern), i) for i in range(2)]
+    stacked = stack([seeded(lambda: _Hunted(pattern), i) for i in range(2)])
+    x = rows((2, 3))
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="inside a torch.func transform"):
+            stacked(x)
+        assert torch.overrides._get_current_function_mode_stack() == []
+        expected = torch.stack([m(x[i]) for i, m in enumerate(models)])
+        assert_close(stack(models, execution="model_by_model")(x), expected, msg=pattern)
+
+
+class _CentresHidden(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 6)
+        self.out = nn.Linear(6, 5)
+
+    def forward(self, x):
+        h = torch.tanh(self.fc(x))
+        return self.out(h - h.mean(0))
+
+
+def test_the_stacked_model_runs_under_torch_func_transforms() -> None:
+    """Transforms entered outside the stacked model are not refused: torch.func.grad through
+    functional_call gives each model's gradients, and torch.vmap over the samples runs each one as a
+    batch of its own (one sample a model)."""
+    models = [seeded(_CentresHidden, i) for i in range(2)]
+    stacked = stack([seeded(_CentresHidden, i) for i in range(2)])
+    x = rows((2, 3))
+    params = {k: v.detach() for k, v in stacked.named_parameters()}
+    grads = torch.func.grad(lambda p: torch.func.functional_call(stacked, p, (x,)).pow(2).sum())(params)
+    for m, model in enumerate(models):
+        model(x[m]).pow(2).sum().backward()
+        for k, p in model.named_parameters():
+            assert_close(grads[k][m], p.grad, msg=f"model {m}'s {k}")
+    per_sample = torch.vmap(lambda xj: stacked(xj.unsqueeze(1)).squeeze(1), in_dims=1, out_dims=1)(x)
+    expected = [torch.cat([m(x[i, j : j + 1]) for j in range(3)]) for i, m in enumerate(models)]
+    assert_close(per_sample, torch.stack(expected), msg="one sample a model")
 
 
 class _Counts(nn.Module):
