@@ -3521,7 +3521,9 @@ _ESCAPES: dict[Callable, bool] = dict.fromkeys(
      torch.Tensor.__index__, torch.Tensor.__complex__, torch.Tensor.numpy, torch.Tensor.__array__,
      torch.Tensor.__contains__, torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook,
      torch.allclose, torch.Tensor.allclose, torch.equal, torch.Tensor.equal, torch.is_nonzero,
-     torch.Tensor.is_nonzero),
+     torch.Tensor.is_nonzero,
+     # the storage: a tensor made from it (``torch.empty(0).set_(storage)``) holds the samples untagged
+     torch.Tensor.untyped_storage, torch.Tensor.storage, torch.Tensor._typed_storage),
     True,
 )  # fmt: skip
 for _escape in _ESCAPES:

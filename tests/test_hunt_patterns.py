@@ -119,6 +119,10 @@ PATTERNS = {
     "torch.vmap(lambda b: mask[b]) over the samples": lambda m, h: (
         h * torch.vmap(lambda b: (h[:, 0] > 0)[b])(torch.arange(h.shape[0])).unsqueeze(1)
     ),
+    # a tensor that shares the samples' storage, made from the storage alone
+    "torch.empty(0).set_(h's untyped storage)": lambda m, h: m.out(
+        torch.empty(0, dtype=h.dtype).set_(h.detach().untyped_storage(), 0, h.shape, h.stride()) * 1
+    ),
     # writes into per-model values
     "buf.mul_(2).sqrt_().add_(1)": lambda m, h: h * m.buf.mul_(2).sqrt_().add_(1),
     "buf.sqrt_().mul_(3)": lambda m, h: h + m.buf.sqrt_().mul_(3),
