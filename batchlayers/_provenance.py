@@ -3209,7 +3209,13 @@ def _check_sized(func: Callable, sized: list[tuple[int, int]], out: object) -> N
 
 def _new_creator(ctx, name, args, kwargs, out, tagged) -> None:
     """``x.new_zeros(size)`` and friends: a new tensor, not x's samples (batch-sized ones as above; not
-    ``new_tensor(data)``, whose values may be per-sample: ``x.new_tensor(range(B))``)."""
+    ``new_tensor(data)``, whose values may be per-sample: ``x.new_tensor(range(B))``). ``x.new_tensor(data)`` of
+    data that holds the samples is a copy of them: tagged as a tensor ``data`` is, Lost from a list of them."""
+    data = (args[1] if len(args) > 1 else kwargs.get("data")) if name.endswith("new_tensor") else None
+    if data is not None and _tagged((data,), {}):
+        given = Lost(f"{name} of a list of tensors that hold the models' samples")
+        set_tag(out, get_tag(data) if isinstance(data, Tensor) else given)
+        return
     set_tag(out, None)
     if ctx.size_read and not name.endswith("new_tensor"):
         _uniform_creator(ctx, out)

@@ -74,6 +74,12 @@ def _to_its_own_dtype(m, h):
     return m.out(h)
 
 
+def _new_tensor(h, data):
+    with warnings.catch_warnings():  # (torch recommends clone() for a tensor)
+        warnings.simplefilter("ignore", UserWarning)
+        return h.new_tensor(data)
+
+
 def _old_drop_path(m, h, keep=1.0):
     """timm's DropPath before ``bernoulli_`` (kept 1.0 here, so that it is deterministic)."""
     mask = keep + torch.rand((h.shape[0],) + (1,) * (h.ndim - 1), dtype=h.dtype)
@@ -123,6 +129,9 @@ PATTERNS = {
     "torch.empty(0).set_(h's untyped storage)": lambda m, h: m.out(
         torch.empty(0, dtype=h.dtype).set_(h.detach().untyped_storage(), 0, h.shape, h.stride()) * 1
     ),
+    # a copy by new_tensor (torch warns to use clone) keeps the samples
+    "h.new_tensor(h.detach()), then a layer": lambda m, h: m.out(_new_tensor(h, h.detach()) * 1),
+    "h * h.new_tensor([row[0] for row in h])": lambda m, h: h * _new_tensor(h, [r[0] for r in h.detach()])[:, None],
     # writes into per-model values
     "buf.mul_(2).sqrt_().add_(1)": lambda m, h: h * m.buf.mul_(2).sqrt_().add_(1),
     "buf.sqrt_().mul_(3)": lambda m, h: h + m.buf.sqrt_().mul_(3),
@@ -161,7 +170,7 @@ def test_hunted_pattern_is_exact_or_refused(pattern: str, num_models: int, batch
     ["F.linear(h, w, F.normalize(b, dim=0))", "cosine head F.linear(F.normalize(h), F.normalize(w))",
      "h * torch.norm(w)", "buf.mul_(2).sqrt_().add_(1)", "timm's old DropPath: (keep + rand(B, 1)).floor_()",
      "cross_entropy(h @ h.T, arange(B).clone())", "~(w > 0), and rows of w iterated",
-     "self.out = self.out.to(h.dtype)"],
+     "self.out = self.out.to(h.dtype)", "h.new_tensor(h.detach()), then a layer"],
 )  # fmt: skip
 def test_per_model_functions_and_in_place_chains_are_exact(pattern: str) -> None:
     """Not only not silent: these compute each model's own."""
