@@ -2610,7 +2610,7 @@ def _refuse_inside_transform(func: Callable, args: Sequence, kwargs: dict) -> No
     for a in (*args, *kwargs.values()):
         for b in a if isinstance(a, (list, tuple)) else (a,):
             if not isinstance(b, Tensor) or not torch._C._functorch.is_functorch_wrapped_tensor(b):
-                continue  # (a tensor the function reads from outside: its ops follow their rules, see below)
+                continue  # (a tensor the transformed function reads from outside: the op's own rule follows it)
             while torch._C._functorch.is_functorch_wrapped_tensor(b):
                 b = torch._C._functorch.get_unwrapped(b)
             tag = get_tag(b)
@@ -3213,8 +3213,8 @@ def _new_creator(ctx, name, args, kwargs, out, tagged) -> None:
     data that holds the samples is a copy of them: tagged as a tensor ``data`` is, Lost from a list of them."""
     data = (args[1] if len(args) > 1 else kwargs.get("data")) if name.endswith("new_tensor") else None
     if data is not None and _tagged((data,), {}):
-        given = Lost(f"{name} of a list of tensors that hold the models' samples")
-        set_tag(out, get_tag(data) if isinstance(data, Tensor) else given)
+        from_list = Lost(f"{name} of a list of tensors that hold the models' samples")
+        set_tag(out, get_tag(data) if isinstance(data, Tensor) else from_list)
         return
     set_tag(out, None)
     if ctx.size_read and not name.endswith("new_tensor"):
