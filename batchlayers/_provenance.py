@@ -2606,21 +2606,38 @@ def _refuse_inside_transform(func: Callable, args: Sequence, kwargs: dict) -> No
     (seen through the transform's wrappers). The tracker sees the ops inside, on the transform's wrapped tensors,
     but not the transform: it cannot tell what its results hold. ``torch.vmap`` over the folded samples' features
     would reduce over every model's samples at once, over a per-model weight it would map over the models, and
-    the results come back untagged, looking like values all models share."""
+    the results come back untagged, looking like values all models share.
+
+    A tensor holding them that the transformed function reads from outside (not wrapped) is refused too:
+    ``torch.vmap(lambda k: h[0, k])`` reads model 0's first sample for every model, and even transformers' mask
+    functions' read, ``mask[b]`` mapped over ``b = torch.arange(B)``, which picks each sample's own row, returns
+    the rows untagged, where a reduction over them (``.sum()``) would add every model's."""
     for a in (*args, *kwargs.values()):
         for b in a if isinstance(a, (list, tuple)) else (a,):
-            if not isinstance(b, Tensor) or not torch._C._functorch.is_functorch_wrapped_tensor(b):
-                continue  # (a tensor the transformed function reads from outside: the op's own rule follows it)
-            while torch._C._functorch.is_functorch_wrapped_tensor(b):
-                b = torch._C._functorch.get_unwrapped(b)
+            if not isinstance(b, Tensor):
+                continue
+            read_from_outside = not _wrapped(b)
+            b = _unwrapped(b)
             tag = get_tag(b)
-            if tag is None and not untracked(b):
+            if tag is None and (read_from_outside or not untracked(b)):
                 continue
             held = "a per-model value" if tag is PerModel else "the models' samples"
+            how = "that it reads from outside the transform " if read_from_outside else ""
             raise ValueError(
-                f"batchlayers: {_name(func)} runs {INSIDE_TRANSFORM}, on a tensor that holds {held} (shape "
+                f"batchlayers: {_name(func)} runs {INSIDE_TRANSFORM}, on a tensor {how}that holds {held} (shape "
                 f"{tuple(b.shape)}). {TRANSFORM_HELP}"
             )
+
+
+def _wrapped(t: Tensor) -> bool:
+    return torch._C._functorch.is_functorch_wrapped_tensor(t)
+
+
+def _unwrapped(t: Tensor) -> Tensor:
+    """The tensor a torch.func transform's wrappers (any number of levels) wrap."""
+    while torch._C._functorch.is_functorch_wrapped_tensor(t):
+        t = torch._C._functorch.get_unwrapped(t)
+    return t
 
 
 INSIDE_TRANSFORM = (

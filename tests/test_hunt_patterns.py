@@ -6,6 +6,7 @@ forward. Model by model, every pattern is exact."""
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import einops
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from convert_harness import assert_exact_or_refused, rows, seeded
 from harness import assert_close
 from torch import nn
+from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
 
 from batchlayers.convert import stack
 
@@ -100,7 +102,26 @@ TRANSFORMS = {
     ),
     "torch.vmap(layer) over the samples": lambda m, h: torch.vmap(m.out)(h),
     "torch.vmap over a per-model weight's rows": lambda m, h: h[:, :5] * torch.vmap(torch.sum)(m.w),
+    # a transformed function reading the samples from outside: model 0's first sample for every model
+    "torch.vmap(lambda k: h[0, k]) over the features": lambda m, h: (
+        h * torch.vmap(lambda k: h[0, k])(torch.arange(h.shape[1]))
+    ),
+    # ... and transformers' mask read, mask[b] over b = torch.arange(B), each sample's own row, then summed
+    "torch.vmap(lambda b: column[b]) over the samples, summed": lambda m, h: (
+        h * _mask_read_by_rows(h, h[:, 0], by_mod_index=False).sum()
+    ),
+    "torch.vmap(lambda b: column[b]) as ModIndex over the samples, summed": lambda m, h: (
+        h * _mask_read_by_rows(h, h[:, 0], by_mod_index=True).sum()
+    ),
 }
+
+
+def _mask_read_by_rows(h: torch.Tensor, mask: torch.Tensor, by_mod_index: bool) -> torch.Tensor:
+    """transformers' mask functions: ``mask[b]`` under ``torch.vmap`` over ``b = torch.arange(B)``, through
+    ``TransformGetItemToIndex`` (as transformers calls it) or as a plain index."""
+    rows = torch.arange(h.shape[0])
+    with TransformGetItemToIndex() if by_mod_index else contextlib.nullcontext():
+        return torch.vmap(lambda b: mask[b])(rows).to(h.dtype)
 
 
 PATTERNS = {
@@ -117,14 +138,17 @@ PATTERNS = {
     "(h.as_subclass(Tensor) * 1).clone() as the output": lambda m, h: (h.as_subclass(torch.Tensor) * 1).clone(),
     # torch.func transforms entered in forward
     **TRANSFORMS,
-    # a transformed function reading the samples from outside (refused while gradients are recorded only)
-    "torch.vmap(lambda k: h[0, k]) over the features": lambda m, h: (
-        h * torch.vmap(lambda k: h[0, k])(torch.arange(h.shape[1]))
-    ),
-    # transformers' mask functions: each mapped index picks its own sample's row, a mask that differs by sample
-    "torch.vmap(lambda b: mask[b]) over the samples": lambda m, h: (
-        h * torch.vmap(lambda b: (h[:, 0] > 0)[b])(torch.arange(h.shape[0])).unsqueeze(1)
-    ),
+    # transformers' mask functions, each mapped index picking its own sample's row: refused, with or without
+    # padding (the mask the same for every sample, or not)
+    **{
+        f"h * torch.vmap(lambda b: mask[b]) over the samples{how}, {which}": (
+            lambda m, h, mod_index=mod_index, same=same: (
+                h * _mask_read_by_rows(h, h[:, 0] > (-1e9 if same else 0), mod_index).unsqueeze(1)
+            )
+        )
+        for how, mod_index in [("", False), (" as ModIndex", True)]
+        for which, same in [("the same mask", True), ("a mask per sample", False)]
+    },
     # a tensor that shares the samples' storage, made from the storage alone
     "torch.empty(0).set_(h's untyped storage)": lambda m, h: m.out(
         torch.empty(0, dtype=h.dtype).set_(h.detach().untyped_storage(), 0, h.shape, h.stride()) * 1
