@@ -47,9 +47,9 @@ length equal to ``M * B``), so batchlayers follows where every tensor came from:
 - **Code the mode does not see.** A tensor with an autograd history but no tag, made by code the mode never saw
   (TorchScript, ``as_subclass``), is refused where it reaches a layer, an output or the samples, and so is what
   ops make from it alone (:func:`untracked`). Inside a torch.func transform entered in forward the mode sees
-  the ops, on the transform's wrapped tensors, but not what the transform returns: a transform over a tensor
-  holding the samples or a per-model value, and a batched layer called inside one, are refused
-  (:func:`_refuse_inside_transform`).
+  the ops, on the transform's wrapped tensors, but not what the transform returns: an op inside one on a tensor
+  holding the samples or a per-model value (mapped over, or read from outside), and a batched layer called
+  inside one, are refused (:func:`_refuse_inside_transform`).
 
 - **Sizes.** ``B = x.size(0)`` is ``M * B``, returned as a :class:`FoldedSize` (an int that knows it counts
   the samples: a reshape by it, or by ``B * T``, is known, a literal is not). What Python computes from it
