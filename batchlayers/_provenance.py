@@ -2635,7 +2635,7 @@ def _wrapped(t: Tensor) -> bool:
 
 def _unwrapped(t: Tensor) -> Tensor:
     """The tensor a torch.func transform's wrappers (any number of levels) wrap."""
-    while torch._C._functorch.is_functorch_wrapped_tensor(t):
+    while _wrapped(t):
         t = torch._C._functorch.get_unwrapped(t)
     return t
 
@@ -2644,9 +2644,10 @@ INSIDE_TRANSFORM = (
     "inside a torch.func transform (torch.vmap, torch.func.grad, jacrev, vjp, ...) entered in a stacked model's forward"
 )
 TRANSFORM_HELP = (
-    "batchlayers does not follow tensors through a transform: mapped over the folded samples' features it would "
-    "reduce over every model's samples at once, mapped over a per-model value over the models. Call the transform "
-    "outside the stacked model, or stack with execution='model_by_model'"
+    "batchlayers does not follow tensors through a transform: what it returns would pass for a value all models "
+    "share (mapped over the folded samples' features it would reduce over every model's samples at once, mapped "
+    "over a per-model value over the models). Call the transform outside the stacked model, or stack with "
+    "execution='model_by_model'"
 )
 
 

@@ -113,6 +113,17 @@ TRANSFORMS = {
     "torch.vmap(lambda b: column[b]) as ModIndex over the samples, summed": lambda m, h: (
         h * _mask_read_by_rows(h, h[:, 0], by_mod_index=True).sum()
     ),
+    # transformers' mask functions, each mapped index picking its own sample's row: refused, with or without
+    # padding (the mask the same for every sample, or not)
+    **{
+        f"h * torch.vmap(lambda b: mask[b]) over the samples{how}, {which}": (
+            lambda m, h, mod_index=mod_index, same=same: (
+                h * _mask_read_by_rows(h, h[:, 0] > (-1e9 if same else 0), mod_index).unsqueeze(1)
+            )
+        )
+        for how, mod_index in [("", False), (" as ModIndex", True)]
+        for which, same in [("the same mask", True), ("a mask per sample", False)]
+    },
 }
 
 
@@ -138,17 +149,6 @@ PATTERNS = {
     "(h.as_subclass(Tensor) * 1).clone() as the output": lambda m, h: (h.as_subclass(torch.Tensor) * 1).clone(),
     # torch.func transforms entered in forward
     **TRANSFORMS,
-    # transformers' mask functions, each mapped index picking its own sample's row: refused, with or without
-    # padding (the mask the same for every sample, or not)
-    **{
-        f"h * torch.vmap(lambda b: mask[b]) over the samples{how}, {which}": (
-            lambda m, h, mod_index=mod_index, same=same: (
-                h * _mask_read_by_rows(h, h[:, 0] > (-1e9 if same else 0), mod_index).unsqueeze(1)
-            )
-        )
-        for how, mod_index in [("", False), (" as ModIndex", True)]
-        for which, same in [("the same mask", True), ("a mask per sample", False)]
-    },
     # a tensor that shares the samples' storage, made from the storage alone
     "torch.empty(0).set_(h's untyped storage)": lambda m, h: m.out(
         torch.empty(0, dtype=h.dtype).set_(h.detach().untyped_storage(), 0, h.shape, h.stride()) * 1
