@@ -2587,14 +2587,18 @@ def untracked(t: Tensor) -> bool:
     )
 
 
-def _untracked_among(args: Sequence, kwargs: dict) -> bool:
-    """Whether an argument (or a tensor in a list or tuple argument) is :func:`untracked`: what an op makes from
-    it is untracked too, not a value all models share that the tracker saw made."""
+def _tensors_among(args: Sequence, kwargs: dict) -> Iterable[Tensor]:
+    """The tensors among the arguments, and those in a list or tuple argument (``torch.cat([a, b])``)."""
     for a in (*args, *kwargs.values()):
         for b in a if isinstance(a, (list, tuple)) else (a,):
-            if isinstance(b, Tensor) and untracked(b):
-                return True
-    return False
+            if isinstance(b, Tensor):
+                yield b
+
+
+def _untracked_among(args: Sequence, kwargs: dict) -> bool:
+    """Whether a tensor among the arguments is :func:`untracked`: what an op makes from it is untracked too, not
+    a value all models share that the tracker saw made."""
+    return any(untracked(t) for t in _tensors_among(args, kwargs))
 
 
 _transform_level = torch._C._functorch.maybe_current_level  # the innermost torch.func transform's level, or None
@@ -2612,21 +2616,18 @@ def _refuse_inside_transform(func: Callable, args: Sequence, kwargs: dict) -> No
     ``torch.vmap(lambda k: h[0, k])`` reads model 0's first sample for every model, and even transformers' mask
     functions' read, ``mask[b]`` mapped over ``b = torch.arange(B)``, which picks each sample's own row, returns
     the rows untagged, where a reduction over them (``.sum()``) would add every model's."""
-    for a in (*args, *kwargs.values()):
-        for b in a if isinstance(a, (list, tuple)) else (a,):
-            if not isinstance(b, Tensor):
-                continue
-            read_from_outside = not _wrapped(b)
-            b = _unwrapped(b)
-            tag = get_tag(b)
-            if tag is None and (read_from_outside or not untracked(b)):
-                continue
-            held = "a per-model value" if tag is PerModel else "the models' samples"
-            how = "that it reads from outside the transform " if read_from_outside else ""
-            raise ValueError(
-                f"batchlayers: {_name(func)} runs {INSIDE_TRANSFORM}, on a tensor {how}that holds {held} (shape "
-                f"{tuple(b.shape)}). {TRANSFORM_HELP}"
-            )
+    for t in _tensors_among(args, kwargs):
+        read_from_outside = not _wrapped(t)
+        t = _unwrapped(t)
+        tag = get_tag(t)
+        if tag is None and (read_from_outside or not untracked(t)):
+            continue
+        held = "a per-model value" if tag is PerModel else "the models' samples"
+        how = "that it reads from outside the transform " if read_from_outside else ""
+        raise ValueError(
+            f"batchlayers: {_name(func)} runs {INSIDE_TRANSFORM}, on a tensor {how}that holds {held} (shape "
+            f"{tuple(t.shape)}). {TRANSFORM_HELP}"
+        )
 
 
 def _wrapped(t: Tensor) -> bool:
@@ -2677,11 +2678,7 @@ def from_size_alone(args: Sequence, kwargs: dict) -> Tensor | None:
     """The first tensor among the arguments made from a size read from the samples without any tensor that holds
     them (``torch.arange(B).mean()``): the same for every model, where each original model computes its own
     from its own ``B``; None if there is none."""
-    for a in (*args, *kwargs.values()):
-        for b in a if isinstance(a, (list, tuple)) else (a,):
-            if isinstance(b, Tensor) and getattr(b, _FROM_SIZE, False) and get_tag(b) is None:
-                return b
-    return None
+    return next((t for t in _tensors_among(args, kwargs) if getattr(t, _FROM_SIZE, False) and get_tag(t) is None), None)
 
 
 def from_size_message(what: str, t: Tensor) -> str:
