@@ -196,3 +196,25 @@ def test_optimizer_targets_come_from_the_optimizer_benchmark(tmp_path) -> None:
         ratio = by_name[f"batchlayers {lr} lr fused"]["vs_torch_fused"]
         line = f"| Adam fused=True, {lr} lr, mlp-tiny-64: <= 1x torch's fused Adam | {ratio:.3g} |"
         assert line in table, table
+
+
+# (inductor's first compile in a process imports torch code that calls the deprecated torch.jit.script_method)
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")
+def test_compiled_stacked_contender_is_one_graph_and_matches_the_loop():
+    """``--compile`` checks a stacked model once and compiles a function that calls it, so the root's folding
+    hooks and its forward are one graph (torch compiles a module's hooks as frames of their own under
+    ``model.compile()``); its training steps are the loop's."""
+    from benchmarks.contenders import build_runner
+
+    workload = WORKLOADS["cnn"]
+    models = [workload.make_model() for _ in range(2)]
+    x, y = workload.make_data((2, 3), torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = build_runner("batchlayers", workload, models, x, y, train=True, compile=True)
+    loop = build_runner("loop", workload, models, x, y, train=True)
+    for _ in range(2):
+        torch.testing.assert_close(compiled.step(), torch.stack(loop.step()), rtol=1e-4, atol=1e-5)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert not torch._dynamo.utils.counters["graph_break"]
