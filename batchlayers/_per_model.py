@@ -928,7 +928,11 @@ def _part(obj: object, i: int, m: int) -> object:
     if isinstance(obj, Tensor):
         tag = get_tag(obj)
         if tag is PerModel:
-            return obj[i]
+            part = obj[i]
+            # model i's own value, made here: to the rule that tags the call's result (the call is model i's
+            # alone), a value the tracker saw, not code it never saw (see batchlayers._provenance.untracked)
+            part._batchlayers_seen = True  # (syntax: see set_tag)
+            return part
         if isinstance(tag, int):
             n = obj.shape[tag] // m
             block = obj.narrow(tag, i * n, n)

@@ -1533,6 +1533,27 @@ def _reduction(ctx, name, args, kwargs, out, tagged) -> None:
     _tag_all(out, d if keepdim else d - sum(r < d for r in reduced))
 
 
+def _paired_reduction(dim_of: Callable[[Sequence, dict], int]) -> Callable:
+    """Two operands broadcast together and reduced along one dimension of the result, ``dim_of(args,
+    kwargs)``: ``cosine_similarity`` (its ``dim``) and ``pairwise_distance`` (the last, ``keepdim``)."""
+
+    def rule(ctx, name, args, kwargs, out, tagged) -> None:
+        outs = _outputs(out)
+        if not outs:
+            return
+        tensors = [t for t in (_arg(args, kwargs, 0, "x1"), _arg(args, kwargs, 1, "x2")) if isinstance(t, Tensor)]
+        shape = torch.broadcast_shapes(*(t.shape for t in tensors))
+        tag = _broadcast_tag(ctx, name, tensors, shape)
+        if not isinstance(tag, int):
+            return _tag_all(out, tag)
+        reduced = _norm(dim_of(args, kwargs), len(shape))
+        if reduced == tag:
+            return _tag_all(out, Lost(f"{name} over the models' samples"))
+        _tag_all(out, tag if outs[0].dim() == len(shape) else tag - (reduced < tag))
+
+    return rule
+
+
 def _trailing(count: Callable[[Sequence, dict], int]) -> Callable:
     """Ops on the last ``count`` dimensions of ``args[0]`` (layer_norm, linear, pad, ...), the others kept as
     batch dimensions; other tensor arguments (weights) must not carry samples."""
@@ -3342,6 +3363,8 @@ _add(_dim_rule(2, "dims", None), "roll")
 _add(_dim_rule(1, "dimension", None), "unfold", torch_=False, functional=False)  # sliding windows: a new last dim
 _add(_dim_rule(4, "dim", -1), "gumbel_softmax")
 _add(_trailing(lambda a, k: 1), "linear")
+_add(_paired_reduction(lambda a, k: _arg(a, k, 2, "dim", 1)), "cosine_similarity", method=False)
+_add(_paired_reduction(lambda a, k: -1), "pairwise_distance", method=False)
 _add(_trailing(lambda a, k: len(_arg(a, k, 1, "normalized_shape"))), "layer_norm rms_norm")
 _add(_trailing(lambda a, k: 2), "triu tril triu_ tril_")
 _add(_pad, "pad")

@@ -180,6 +180,20 @@ PATTERNS = {
     "cosine head F.linear(F.normalize(h), F.normalize(w))": lambda m, h: F.linear(F.normalize(h), F.normalize(m.w)),
     "h * torch.norm(w)": lambda m, h: h * torch.norm(m.w),
     "torch.tensordot(h, w, dims=([1], [1]))": lambda m, h: torch.tensordot(h, m.w, dims=([1], [1])),
+    # similarities and distances of rows (siamese and cosine heads); over the samples they must be refused
+    "F.cosine_similarity(h, h.flip(-1))": lambda m, h: F.cosine_similarity(h, h.flip(-1))[:, None] * h,
+    "F.cosine_similarity(h[:, None], w, dim=-1)": lambda m, h: F.cosine_similarity(h[:, None], m.w, dim=-1),
+    "F.cosine_similarity(h, buf, dim=1)": lambda m, h: F.cosine_similarity(h, m.buf, dim=1)[:, None] * h,
+    "F.cosine_similarity(h, h.flip(-1), dim=0)": lambda m, h: F.cosine_similarity(h, h.flip(-1), dim=0) * h,
+    "F.pairwise_distance(h, h.roll(1, -1), keepdim=True)": lambda m, h: (
+        F.pairwise_distance(h, h.roll(1, -1), keepdim=True) * h
+    ),
+    "torch.pairwise_distance(h[:, 0], h[:, 1]) (1-D: over the samples)": lambda m, h: (
+        h * torch.pairwise_distance(h[:, 0], h[:, 1])
+    ),
+    "nn.CosineSimilarity()(h, h.flip(-1)), nn.PairwiseDistance()(h, 2 * h)": lambda m, h: (
+        h * (nn.CosineSimilarity()(h, h.flip(-1)) + nn.PairwiseDistance()(h, 2 * h))[:, None]
+    ),
 }
 
 
@@ -194,7 +208,11 @@ def test_hunted_pattern_is_exact_or_refused(pattern: str, num_models: int, batch
     ["F.linear(h, w, F.normalize(b, dim=0))", "cosine head F.linear(F.normalize(h), F.normalize(w))",
      "h * torch.norm(w)", "buf.mul_(2).sqrt_().add_(1)", "timm's old DropPath: (keep + rand(B, 1)).floor_()",
      "cross_entropy(h @ h.T, arange(B).clone())", "~(w > 0), and rows of w iterated",
-     "self.out = self.out.to(h.dtype)", "h.new_tensor(h.detach()), then a layer"],
+     "self.out = self.out.to(h.dtype)", "h.new_tensor(h.detach()), then a layer",
+     "F.cosine_similarity(h, h.flip(-1))", "F.cosine_similarity(h, buf, dim=1)",
+     "F.cosine_similarity(h[:, None], w, dim=-1)",
+     "F.pairwise_distance(h, h.roll(1, -1), keepdim=True)",
+     "nn.CosineSimilarity()(h, h.flip(-1)), nn.PairwiseDistance()(h, 2 * h)"],
 )  # fmt: skip
 def test_per_model_functions_and_in_place_chains_are_exact(pattern: str) -> None:
     """Not only not silent: these compute each model's own."""
