@@ -931,7 +931,7 @@ def _part(obj: object, i: int, m: int) -> object:
             part = obj[i]
             # model i's own value, made here: to the rule that tags the call's result (the call is model i's
             # alone), a value the tracker saw, not code it never saw (see batchlayers._provenance.untracked)
-            part._batchlayers_seen = True  # (syntax: see set_tag)
+            part._batchlayers_seen = True  # type: ignore[attr-defined]  # (syntax: see set_tag)
             return part
         if isinstance(tag, int):
             n = obj.shape[tag] // m
