@@ -41,6 +41,8 @@ from typing import cast
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils import prune
+from torch.nn.utils.weight_norm import WeightNorm
 
 from . import _fold, _per_model
 from ._architecture import (
@@ -294,6 +296,21 @@ def _non_leaf_attributes(model: nn.Module) -> list[str]:
     ]
 
 
+def _recomputed_attributes(module: nn.Module) -> list[str]:
+    """The plain tensor attributes of ``module`` that a forward pre-hook of torch's own computes again before
+    every call, from the module's parameters and buffers: the pruned tensors of ``torch.nn.utils.prune`` (from
+    ``<name>_orig`` and ``<name>_mask``) and the weight of the deprecated ``torch.nn.utils.weight_norm`` (from
+    ``<name>_g`` and ``<name>_v``). They hold an autograd history from the start, which cannot be copied; the
+    stacked model holds each model's value, detached, until its first call computes them again."""
+    names = []
+    for hook in module._forward_pre_hooks.values():
+        if isinstance(hook, prune.BasePruningMethod):
+            names.append(hook._tensor_name)
+        elif isinstance(hook, WeightNorm):
+            names.append(hook.name)
+    return names
+
+
 def _skeleton(template: nn.Module, num_models: int, differing: frozenset[str] = frozenset()) -> _Stacked:
     """The stacked architecture with empty ``(M, *)`` tensors, from one instance of it (``differing``: names
     of buffers that are not equal in all models)."""
@@ -306,6 +323,12 @@ def _skeleton(template: nn.Module, num_models: int, differing: frozenset[str] = 
     for _, tensors in own_tensors:
         for t in tensors.values():
             memo[id(t)] = t
+    # (copied without their history: stack() then stores them per model where the models' values differ)
+    for module in template.modules():
+        for name in _recomputed_attributes(module):
+            value = vars(module).get(name)
+            if isinstance(value, Tensor):
+                memo[id(value)] = value.detach().clone()
     try:
         root = copy.deepcopy(template, memo)
     except RuntimeError as exc:
@@ -476,11 +499,16 @@ def _stack_tensor_attributes(stacked: nn.Module, models: Sequence[nn.Module]) ->
                     f"stack: the tensor attribute '{name}' is {_described(v)} in model {i} but {_described(first)} "
                     "in model 0; per-model values need one shape and dtype"
                 )
-        path, _, attr = name.rpartition(".")
-        tensors = cast("list[Tensor]", values)  # none is None: refused above
-        per_model = torch.stack([v.detach().to(tensors[0].device) for v in tensors])
-        set_tag(per_model, PerModel)
-        stacked.get_submodule(path).__dict__[attr] = per_model
+        _store_per_model(stacked, name, cast("list[Tensor]", values))  # (none is None: refused above)
+
+
+def _store_per_model(stacked: nn.Module, name: str, values: Sequence[Tensor]) -> None:
+    """The plain tensor attribute ``name`` (a path) of ``stacked``: the models' ``values`` as one per-model
+    ``(M, *)`` tensor."""
+    path, _, attr = name.rpartition(".")
+    per_model = torch.stack([v.detach().to(values[0].device) for v in values])
+    set_tag(per_model, PerModel)
+    stacked.get_submodule(path).__dict__[attr] = per_model
 
 
 def _described(t: Tensor | None) -> str:
@@ -503,17 +531,28 @@ def replicate(factory: Callable[[], nn.Module], num_models: int) -> nn.Module:
     result = _skeleton(first, num_models)
     result.fill(0, tensor_table(first), "model 0")
     first_attributes = tensor_attributes(first)
+    # pruned weights and the like (see _recomputed_attributes): each model's own, kept per model
+    recomputed = {
+        where: [first_attributes[where].detach()]
+        for path, module in first.named_modules()
+        for where in (_join(path, name) for name in _recomputed_attributes(module))
+        if where in first_attributes
+    }
     for i in range(1, num_models):
         model = _made(factory, i)
         check_same_architecture([first, model], "replicate")
         result.fill(i, tensor_table(model), f"model {i}")
         for name, value in tensor_attributes(model).items():
-            if name not in first_attributes or not same(first_attributes[name], value):
+            if name in recomputed:
+                recomputed[name].append(value.detach())
+            elif name not in first_attributes or not same(first_attributes[name], value):
                 raise ValueError(
                     f"replicate: the tensor attribute '{name}' differs between model {i} and model 0; replicate "
                     "keeps one value for all models. Build the models and call stack(models), which stores it per "
                     "model"
                 )
+    for name, values in recomputed.items():
+        _store_per_model(result.module, name, values)
     return result.module
 
 

@@ -5,11 +5,12 @@ look-alikes calling torch functions on their own weights, parametrizations. Each
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.utils import parametrizations, spectral_norm
+from torch.nn.utils import parametrizations, prune, spectral_norm, weight_norm
 
 
 class TinyViT(nn.Module):
@@ -191,6 +192,23 @@ class Parametrized(nn.Module):
         self.a = parametrizations.weight_norm(nn.Linear(4, 5))
         self.b = parametrizations.orthogonal(nn.Linear(5, 5))
         self.c = spectral_norm(nn.Linear(5, 3))
+
+    def forward(self, x):
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
+class Pruned(nn.Module):
+    """torch.nn.utils.prune (a mask buffer, the weight recomputed by a forward pre-hook before every call; pruned
+    twice, a PruningContainer) and the deprecated hook-based torch.nn.utils.weight_norm, whose weights are
+    plain attributes with an autograd history from the start."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = prune.random_unstructured(nn.Linear(4, 5), "weight", amount=0.4)
+        self.b = prune.l1_unstructured(prune.ln_structured(nn.Linear(5, 5), "weight", 0.4, n=2, dim=0), "bias", 1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # (deprecated for parametrizations.weight_norm)
+            self.c = weight_norm(nn.Linear(5, 3))
 
     def forward(self, x):
         return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))

@@ -63,6 +63,7 @@ CASES = {
     "ConvNeXt: std conv, BN+act, LayerNorm2d": (la.ConvNeXtish, lambda lead: torch.randn(*lead, 3, 6, 6)),
     "LM: Conv1D addmm, RMSNorm, scaled/offset embeddings": (la.TinyLM, lambda lead: torch.randint(0, 13, (*lead, 5))),
     "weight_norm, orthogonal, spectral_norm": (la.Parametrized, lambda lead: torch.randn(*lead, 4)),
+    "pruned, the old weight_norm": (la.Pruned, lambda lead: torch.randn(*lead, 4)),
     "DeBERTa: relative keys repeated to the batch": (
         la.RelativePositionAttention,
         lambda lead: torch.randn(*lead, 6, 4),
@@ -257,3 +258,21 @@ def test_plain_tensor_attributes_of_another_shape_are_refused() -> None:
 def test_replicate_refuses_plain_tensor_attributes_that_differ() -> None:
     with pytest.raises(ValueError, match=r"replicate: the tensor attribute 'offset' differs.*stack\(models\)"):
         replicate(_Attributes, 2)
+
+
+def test_replicate_keeps_each_models_pruned_weights() -> None:
+    """Pruned weights are plain attributes that differ between models, recomputed before every call: replicate
+    keeps each model's (it refuses other differing attributes, above)."""
+    made: list[nn.Module] = []
+
+    def factory() -> nn.Module:
+        made.append(seeded(la.Pruned, len(made)))
+        return made[-1]
+
+    batched = replicate(factory, M)
+    for name in ("a.weight", "b.weight", "b.bias", "c.weight"):
+        path, _, attr = name.rpartition(".")
+        expected = torch.stack([getattr(m.get_submodule(path), attr) for m in made]).detach()
+        assert_close(getattr(batched.get_submodule(path), attr), expected, msg=name)
+    x = torch.randn(M, 3, 4, dtype=torch.float64)
+    assert_close(batched(x), torch.stack([m(x[i]) for i, m in enumerate(made)]), msg="output")
