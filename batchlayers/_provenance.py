@@ -451,6 +451,8 @@ class Tracker(TorchFunctionMode):
                 function = self.functions.grad_mode_on(func, tagged)
         if self.num_models > 1 and not isinstance(func, torch._ops.OpOverload):  # (a compiled graph's ops)
             numbers = _numbers_that_differ(args, kwargs)
+            if numbers and func in _BATCH_LED_SIZES:
+                numbers = _without_leading_batch(func, args, kwargs, numbers)
             if numbers and func in _VALUE_OPERANDS and _each_models_values(tagged, numbers):
                 args, kwargs, numbers = _each_models_numbers(args), _each_models_numbers(kwargs), None
                 self.own_numbers = True
@@ -882,6 +884,26 @@ def _numbers_that_differ(args: Sequence, kwargs: dict) -> list[tuple[Any, object
 
 
 _MARKED = frozenset({FoldedSize, FoldedInt, FoldedValue})
+
+# Functions taking the whole size of a batch-first tensor they make, batch size first, beside a tensor that
+# holds the samples on its first dimension (a spatial transformer's ``F.affine_grid(theta, img.size())``):
+# (position, keyword) of that size.
+_BATCH_LED_SIZES: dict[Callable, tuple[int, str]] = {F.affine_grid: (1, "size")}
+
+
+def _without_leading_batch(
+    func: Callable, args: Sequence, kwargs: dict, numbers: list[tuple[Any, object, bool]]
+) -> list[tuple[Any, object, bool]]:
+    """``numbers`` (see :func:`_numbers_that_differ`) less the first entry of ``func``'s size (see
+    :data:`_BATCH_LED_SIZES`) where that is the folded batch read from the samples: the size of the samples'
+    dimension, as each original model gives its own ``B``. Read anywhere else in the size, it stays."""
+    position, key = _BATCH_LED_SIZES[func]
+    size = _arg(args, kwargs, position, key)
+    if not isinstance(size, (list, tuple)) or not size or type(size[0]) is not FoldedSize:
+        return numbers
+    if any(type(d) in _MARKED for d in size[1:]):
+        return numbers  # (B read as another of its sizes too: refused)
+    return [n for n in numbers if not (n[0] is size[0] and n[1] in (position, key))]
 
 
 def _each_models_values(tagged: list[_In], numbers: list[tuple[Any, object, bool]]) -> bool:

@@ -55,6 +55,12 @@ class _Hunted(nn.Module):
         return PATTERNS[self.pattern](self, self.fc(x))
 
 
+def _transformed(h, size):
+    img = h[:, :4].reshape(-1, 1, 2, 2)
+    grid = F.affine_grid(torch.tanh(h).reshape(-1, 2, 3), size(img), align_corners=False)
+    return F.grid_sample(img, grid, align_corners=False).flatten(1)
+
+
 def _chained(m, h):
     r = m.buf.exp_()
     r += 1
@@ -191,6 +197,11 @@ PATTERNS = {
     "torch.pairwise_distance(h[:, 0], h[:, 1]) (1-D: over the samples)": lambda m, h: (
         h * torch.pairwise_distance(h[:, 0], h[:, 1])
     ),
+    # a spatial transformer: the grid's size is the image's, batch included; a read B anywhere else is refused
+    "F.affine_grid(theta, img.size()), grid_sample": lambda m, h: _transformed(h, lambda img: img.size()),
+    "F.affine_grid(theta, (B, 1, 2, B)) (B as a width)": lambda m, h: _transformed(
+        h, lambda img: (img.shape[0], 1, 2, img.shape[0])
+    ),
     "nn.CosineSimilarity()(h, h.flip(-1)), nn.PairwiseDistance()(h, 2 * h)": lambda m, h: (
         h * (nn.CosineSimilarity()(h, h.flip(-1)) + nn.PairwiseDistance()(h, 2 * h))[:, None]
     ),
@@ -211,6 +222,7 @@ def test_hunted_pattern_is_exact_or_refused(pattern: str, num_models: int, batch
      "self.out = self.out.to(h.dtype)", "h.new_tensor(h.detach()), then a layer",
      "F.cosine_similarity(h, h.flip(-1))", "F.cosine_similarity(h, buf, dim=1)",
      "F.cosine_similarity(h[:, None], w, dim=-1)",
+     "F.affine_grid(theta, img.size()), grid_sample",
      "F.pairwise_distance(h, h.roll(1, -1), keepdim=True)",
      "nn.CosineSimilarity()(h, h.flip(-1)), nn.PairwiseDistance()(h, 2 * h)"],
 )  # fmt: skip
