@@ -1576,6 +1576,19 @@ def _paired_reduction(dim_of: Callable[[Sequence, dict], int]) -> Callable:
     return rule
 
 
+def _packed(ctx, name, args, kwargs, out, tagged) -> None:
+    """``pack_padded_sequence`` (and ``pack_sequence``): a PackedSequence's rows interleave the samples time step by
+    time step, sorted by length over the folded batch, so no row is known to be one model's."""
+    _tag_all(
+        out,
+        Lost(
+            "torch.nn.utils.rnn.pack_padded_sequence, which sorts every model's samples together by length into "
+            "one PackedSequence (pass the padded sequences, with their lengths as a mask, or stack with "
+            "execution='model_by_model', which runs each model's PackedSequence exactly)"
+        ),
+    )
+
+
 def _trailing(count: Callable[[Sequence, dict], int]) -> Callable:
     """Ops on the last ``count`` dimensions of ``args[0]`` (layer_norm, linear, pad, ...), the others kept as
     batch dimensions; other tensor arguments (weights) must not carry samples."""
@@ -3445,6 +3458,7 @@ for _fft in ("fftshift", "ifftshift"):
 _add(_sdpa, "scaled_dot_product_attention")
 _RULES[torch.einsum] = _Rule(_einsum, "torch.einsum", _einsum_over_samples, _einsum_pairs)
 _RULES[torch.cdist] = _Rule(_cdist, "torch.cdist", compute=_cdist_per_model)
+_RULES[torch._pack_padded_sequence] = _Rule(_packed, "torch.nn.utils.rnn.pack_padded_sequence")
 _RULES[F.ctc_loss] = _Rule(_ctc_loss, "F.ctc_loss", compute=_ctc_loss_per_model)
 _add(_reshape, "view reshape flatten unflatten view_as reshape_as squeeze unsqueeze squeeze_ unsqueeze_ ravel")
 _add(_permutation(_transpose_perm), "transpose swapaxes swapdims transpose_")

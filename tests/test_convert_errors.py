@@ -161,6 +161,30 @@ def test_a_cache_with_an_autograd_history_is_named() -> None:
         stack(models)
 
 
+class _PackedLSTM(nn.Module):
+    """An LSTM over variable-length sequences, packed: pack_padded_sequence sorts the batch by length."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.rnn = {"LSTM": nn.LSTM, "GRU": nn.GRU, "RNN": nn.RNN}[mode](2, 3, batch_first=True)
+
+    def forward(self, x):
+        lengths = (x[:, 0] > 0).long().cpu() + 1
+        packed = nn.utils.rnn.pack_padded_sequence(x.view(-1, 2, 2), lengths, batch_first=True, enforce_sorted=False)
+        out, _ = self.rnn(packed)
+        return nn.utils.rnn.pad_packed_sequence(out, batch_first=True, total_length=2)[0].flatten(1)
+
+
+@pytest.mark.parametrize("mode", ["LSTM", "GRU", "RNN"])
+def test_packed_sequences_are_refused_pointing_to_model_by_model(mode: str) -> None:
+    models = [seeded(lambda: _PackedLSTM(mode), i) for i in range(3)]
+    x = torch.randn(3, 5, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"PackedSequence.*execution='model_by_model'"):
+        stack(models)(x)
+    by_model = stack(models, execution="model_by_model")
+    assert_close(by_model(x), torch.stack([m(x[i]) for i, m in enumerate(models)]), msg="model by model")
+
+
 def test_mixed_dtypes_and_devices() -> None:
     with pytest.raises(ValueError, match=r"'fc1.weight' is torch.float64 on cpu in model 1 but torch.float32"):
         stack([zoo.MLP(), zoo.MLP().double()])
