@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.parameter import is_lazy
 
 __all__ = [
     "check_models",
@@ -222,7 +223,20 @@ def check_models(models: object, what: str) -> list[nn.Module]:
     for i, m in enumerate(models):
         if not isinstance(m, nn.Module):
             raise TypeError(f"{what}: item {i} is a {type(m).__name__}, not an nn.Module")
-    return [uncompiled(m) for m in models]
+    models = [uncompiled(m) for m in models]
+    for i, m in enumerate(models):
+        check_materialised(m, i, what)
+    return models
+
+
+def check_materialised(model: nn.Module, index: int, what: str) -> None:
+    """Refuse a model holding an uninitialized parameter or buffer of a lazy module (``nn.LazyLinear``)."""
+    lazy = next((n for n, t in (*model.named_parameters(), *model.named_buffers()) if is_lazy(t)), None)
+    if lazy is not None:
+        raise ValueError(
+            f"{what}: '{lazy}' of model {index} is an uninitialized parameter of a lazy module, whose shape torch "
+            f"sets on its first call: call each model once on an input, then {what}"
+        )
 
 
 def uncompiled(module: nn.Module) -> nn.Module:

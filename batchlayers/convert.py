@@ -48,6 +48,7 @@ from . import _fold, _per_model
 from ._architecture import (
     _MODULE_INTERNALS,
     _param_names,
+    check_materialised,
     check_models,
     check_same_architecture,
     first_difference,
@@ -560,6 +561,7 @@ def _made(factory: Callable[[], nn.Module], i: int) -> nn.Module:
     model = factory()
     if not isinstance(model, nn.Module):
         raise TypeError(f"replicate: factory() must return an nn.Module, call {i} returned a {type(model).__name__}")
+    check_materialised(model, i, "replicate")
     return model
 
 

@@ -185,6 +185,29 @@ def test_packed_sequences_are_refused_pointing_to_model_by_model(mode: str) -> N
     assert_close(by_model(x), torch.stack([m(x[i]) for i, m in enumerate(models)]), msg="model by model")
 
 
+class _Lazy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.LazyLinear(3)
+        self.norm = nn.LazyBatchNorm1d()
+
+    def forward(self, x):
+        return self.norm(self.fc(x))
+
+
+def test_lazy_modules_are_stacked_once_materialised() -> None:
+    models = [seeded(_Lazy, i) for i in range(2)]
+    with pytest.raises(ValueError, match=r"stack: 'fc.weight' of model 0 is an uninitialized parameter.*call each"):
+        stack(models)
+    with pytest.raises(ValueError, match=r"replicate: 'fc.weight' of model 0 is an uninitialized parameter"):
+        convert.replicate(_Lazy, 2)
+    x = torch.randn(2, 5, 4, dtype=torch.float64)
+    for i, m in enumerate(models):
+        m(x[i])  # (torch materialises the parameters and makes each a Linear and a BatchNorm1d)
+    stacked = stack(models)
+    assert_close(stacked(x), torch.stack([m(x[i]) for i, m in enumerate(models)]), msg="materialised")
+
+
 def test_mixed_dtypes_and_devices() -> None:
     with pytest.raises(ValueError, match=r"'fc1.weight' is torch.float64 on cpu in model 1 but torch.float32"):
         stack([zoo.MLP(), zoo.MLP().double()])
