@@ -14,6 +14,8 @@ from harness import LayerCase, RecordOps, assert_close, check_init_matches_torch
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence
 
+import batchlayers as bl
+from batchlayers import _workspace
 from batchlayers.functional import _recurrent
 from batchlayers.functional._recurrent import rnn
 from batchlayers.recurrent import (
@@ -604,3 +606,111 @@ def test_bad_input_raises(row):
 def test_bad_arguments_raise(make, pattern):
     with pytest.raises(ValueError, match=pattern):
         make()
+
+
+@pytest.fixture
+def kept_workspace(monkeypatch):
+    """The recurrent kernels' buffers kept between calls whatever their size (see batchlayers._workspace), an
+    empty pool before and after."""
+    monkeypatch.setattr(_workspace, "MIN_BYTES", 0)
+    _workspace.release()
+    yield _workspace._pool()
+    _workspace.release()
+
+
+@pytest.mark.parametrize("kind", NETWORKS)
+def test_kept_buffers_are_reused_and_written_whole(kept_workspace, kind):
+    """A second training step takes the first one's kept buffers, poisoned with NaN in between: every element
+    they hold is written before it is read, so the step is exact against torch.nn."""
+    torch.manual_seed(0)
+    batched, make_torch = build(kind, 3, num_layers=2, bidirectional=True)
+    modules = unbatch(batched, make_torch)
+    compare(batched, modules, network_input(3, False), None, shared=False, where="first step")
+    kept = [id(t) for t in kept_workspace]
+    assert kept
+    for buffer in kept_workspace:
+        buffer.fill_(math.nan)
+    del buffer  # (a name holding a buffer keeps it from being reused)
+    batched.zero_grad()
+    for m in modules:
+        m.zero_grad()
+    compare(batched, modules, network_input(3, False), None, shared=False, where="second step")
+    assert sorted(id(t) for t in kept_workspace) == sorted(kept)  # nothing new allocated
+
+
+@pytest.mark.parametrize("kind", ["LSTM_PROJ", "GRU", "RNN_TANH"])
+def test_a_buffer_held_by_a_pending_backward_is_not_reused(kept_workspace, kind):
+    """Two calls of one layer before one backward (the second call's buffers must be new ones), then a call
+    without gradients while the first backward's buffers are free again."""
+    torch.manual_seed(0)
+    batched, make_torch = build(kind, 3)
+    modules = unbatch(batched, make_torch)
+    x1, x2 = network_input(3, False), network_input(3, False)
+    out = batched(x1)[0] * batched(x2)[0]
+    ref = torch.stack([m(x1[i])[0] * m(x2[i])[0] for i, m in enumerate(modules)])
+    assert_close(out, ref, msg="output")
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    ref.backward(grad)
+    for name, p in batched.named_parameters():
+        assert_close(p.grad, torch.stack([dict(m.named_parameters())[name].grad for m in modules]), msg=name)
+    with torch.no_grad():
+        assert_close(batched(x2)[0], torch.stack([m(x2[i])[0] for i, m in enumerate(modules)]), msg="no grad")
+
+
+def test_reuse_workspace_can_be_turned_off(kept_workspace, monkeypatch):
+    monkeypatch.setattr(_workspace, "enabled", True)  # (restored after the test)
+    batched, _ = build("LSTM", 2)
+    batched(network_input(2, False))
+    assert kept_workspace
+    bl.backends.cpu.reuse_workspace = False
+    assert not kept_workspace and not bl.backends.cpu.reuse_workspace  # turning it off frees the buffers
+    batched(network_input(2, False))
+    assert not kept_workspace
+    with pytest.raises(TypeError, match="reuse_workspace must be True or False"):
+        bl.backends.cpu.reuse_workspace = 1
+
+
+def test_threads_keep_buffers_of_their_own(kept_workspace):
+    """Two threads training at once each take buffers from their own pool: exact in both."""
+    import threading
+
+    torch.manual_seed(0)
+    work = []
+    for _ in range(2):
+        batched, make_torch = build("LSTM", 3)
+        work.append((batched, unbatch(batched, make_torch), [network_input(3, False) for _ in range(20)]))
+    errors: list[BaseException] = []
+
+    def train(batched, modules, inputs) -> None:
+        try:
+            for x in inputs:
+                compare(batched, modules, x, None, shared=False)
+        except BaseException as error:  # (reported by the main thread)
+            errors.append(error)
+
+    threads = [threading.Thread(target=train, args=w) for w in work]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
+@pytest.mark.parametrize("holder", ["a backward's saved tensor", "a view", "another tensor on its storage", "a name"])
+def test_a_kept_buffer_is_handed_out_only_when_nothing_holds_it(kept_workspace, holder):
+    like = torch.empty(0, dtype=F64)
+    buffer = _workspace.empty(like, 4, 5)
+    if holder == "a backward's saved tensor":
+        held = torch.ones(4, 5, dtype=F64, requires_grad=True) * buffer  # (autograd saves it in C++, no name)
+    elif holder == "a view":
+        held = buffer[1:]
+    elif holder == "another tensor on its storage":
+        held = torch.empty(0, dtype=F64).set_(buffer.untyped_storage(), 0, (20,), (1,))
+    else:
+        held = buffer
+    first = id(buffer)
+    del buffer
+    assert id(_workspace.empty(like, 4, 5)) != first  # held: a new buffer
+    del held
+    assert id(_workspace.empty(like, 4, 5)) == first  # free again: handed out

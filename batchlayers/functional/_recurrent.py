@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from .. import _workspace
 from .._utils import autocast_enabled, check_call_input, check_parameter, check_weight, is_shared
 
 __all__ = ["rnn"]
@@ -539,7 +540,7 @@ class _RNNSteps(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_hs: Tensor, grad_last: Tensor):
         h0, w_rec, hs = ctx.saved_tensors
-        grad_pre = torch.empty_like(hs)
+        grad_pre = _workspace.empty(hs, *hs.shape)
         grad_h = grad_last
         for grad_h_t, h, d in reversed(list(zip(grad_hs.unbind(1), hs.unbind(1), grad_pre.unbind(1)))):
             grad = grad_h_t + grad_h
@@ -570,13 +571,13 @@ class _LSTMSteps(torch.autograd.Function):
         b = None if bias is None else bias.unsqueeze(1)
         w_rec_t = w_rec.transpose(1, 2).contiguous()
         w_proj_t = None if w_proj is None else w_proj.transpose(1, 2).contiguous()
-        acts = inputs.new_empty(steps, n, batch, gates)  # sigmoid of every gate pre-activation: i, f, (g), o
-        g_acts = inputs.new_empty(steps, n, batch, hidden)  # tanh of g's pre-activation
-        cs = inputs.new_empty(steps + 1, n, batch, hidden)  # cs[0] = c0, then every step's c
-        tanh_cs = inputs.new_empty(steps, n, batch, hidden)
-        hs = inputs.new_empty(n, steps, batch, out_size)
+        acts = _workspace.empty(inputs, steps, n, batch, gates)  # sigmoid of every gate pre-activation: i, f, (g), o
+        g_acts = _workspace.empty(inputs, steps, n, batch, hidden)  # tanh of g's pre-activation
+        cs = _workspace.empty(inputs, steps + 1, n, batch, hidden)  # cs[0] = c0, then every step's c
+        tanh_cs = _workspace.empty(inputs, steps, n, batch, hidden)
+        hs = inputs.new_empty(n, steps, batch, out_size)  # (returned: never a kept buffer)
         # o * tanh(c) before the projection, kept for the projection's gradient
-        rs = inputs.new_empty(n, steps, batch, hidden) if w_proj is not None else None
+        rs = _workspace.empty(inputs, n, steps, batch, hidden) if w_proj is not None else None
         cs[0] = c0
         # Every step's views, made up front: indexing inside the loop costs more than some of its ops.
         i_, f_, g_pre, o_ = acts.view(steps, n, batch, 4, hidden).unbind(3)
@@ -606,8 +607,8 @@ class _LSTMSteps(torch.autograd.Function):
         h0, w_rec, w_proj, acts, g_acts, cs, tanh_cs, hs, rs = ctx.saved_tensors
         steps, n, batch, gates = acts.shape
         hidden = gates // 4
-        grad_pre = acts.new_empty(n, steps, batch, gates)
-        grad_out = acts.new_empty(hs.shape) if w_proj is not None else None  # of h_t, all paths
+        grad_pre = _workspace.empty(acts, n, steps, batch, gates)
+        grad_out = _workspace.empty(acts, *hs.shape) if w_proj is not None else None  # of h_t, all paths
         # The gradients of the activated i, f, (g), o: one sigmoid backward for all four slots; g's slot stays
         # zero and its result is overwritten by tanh's backward.
         grad_act = acts.new_zeros(n, batch, 4, hidden)
@@ -651,10 +652,10 @@ class _GRUSteps(torch.autograd.Function):
         hidden = gates // 3
         w_rec_t = w_rec.transpose(1, 2).contiguous()
         b = None if b_rec is None else b_rec.unsqueeze(1)
-        ghs = inputs.new_empty(steps, n, batch, gates)  # h_{t-1} W_hh^T + b_hh
-        rzs = inputs.new_empty(steps, n, batch, 2 * hidden)  # the activated r, z
-        news = inputs.new_empty(steps, n, batch, hidden)  # n
-        hs = inputs.new_empty(n, steps, batch, hidden)
+        ghs = _workspace.empty(inputs, steps, n, batch, gates)  # h_{t-1} W_hh^T + b_hh
+        rzs = _workspace.empty(inputs, steps, n, batch, 2 * hidden)  # the activated r, z
+        news = _workspace.empty(inputs, steps, n, batch, hidden)  # n
+        hs = inputs.new_empty(n, steps, batch, hidden)  # (returned: never a kept buffer)
         x_rz, x_n = inputs.split([2 * hidden, hidden], 3)
         gh_rz, gh_n = ghs.split([2 * hidden, hidden], 3)
         r_, z_ = rzs.split(hidden, 3)
@@ -678,8 +679,8 @@ class _GRUSteps(torch.autograd.Function):
         h0, w_rec, ghs, rzs, news, hs = ctx.saved_tensors
         steps, n, batch, gates = ghs.shape
         hidden = gates // 3
-        grad_in = ghs.new_empty(n, steps, batch, gates)  # of x_t W_ih^T + b_ih: r, z, n
-        grad_rec = ghs.new_empty(n, steps, batch, gates)  # of h_{t-1} W_hh^T + b_hh: r, z, r * n
+        grad_in = _workspace.empty(ghs, n, steps, batch, gates)  # of x_t W_ih^T + b_ih: r, z, n
+        grad_rec = _workspace.empty(ghs, n, steps, batch, gates)  # of h_{t-1} W_hh^T + b_hh: r, z, r * n
         grad_rz = ghs.new_empty(n, batch, 2 * hidden)  # of the activated r and z
         grad_in_rz, grad_in_n = grad_in.split([2 * hidden, hidden], 3)
         grad_rec_rz, grad_rec_n = grad_rec.split([2 * hidden, hidden], 3)
