@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import math
 import pickle
+import weakref
 
 import pytest
 import torch
@@ -626,7 +627,7 @@ def test_kept_buffers_are_reused_and_written_whole(kept_workspace, kind):
     batched, make_torch = build(kind, 3, num_layers=2, bidirectional=True)
     modules = unbatch(batched, make_torch)
     compare(batched, modules, network_input(3, False), None, shared=False, where="first step")
-    kept = [id(t) for t in kept_workspace]
+    kept = [weakref.ref(t) for t in kept_workspace]  # (a weak reference does not hold a buffer)
     assert kept
     for buffer in kept_workspace:
         buffer.fill_(math.nan)
@@ -635,7 +636,7 @@ def test_kept_buffers_are_reused_and_written_whole(kept_workspace, kind):
     for m in modules:
         m.zero_grad()
     compare(batched, modules, network_input(3, False), None, shared=False, where="second step")
-    assert sorted(id(t) for t in kept_workspace) == sorted(kept)  # nothing new allocated
+    assert sorted(id(t) for t in kept_workspace) == sorted(id(r()) for r in kept)  # the same buffers: nothing new
 
 
 @pytest.mark.parametrize("kind", ["LSTM_PROJ", "GRU", "RNN_TANH"])
@@ -714,3 +715,15 @@ def test_a_kept_buffer_is_handed_out_only_when_nothing_holds_it(kept_workspace, 
     assert id(_workspace.empty(like, 4, 5)) != first  # held: a new buffer
     del held
     assert id(_workspace.empty(like, 4, 5)) == first  # free again: handed out
+
+
+def test_changing_sequence_lengths_keep_about_one_steps_buffers(kept_workspace):
+    """Each length needs buffers of its own: the free ones of earlier lengths are dropped, so the pool holds no
+    more than about one step's buffers beyond those in use (the most ever in use at once)."""
+    batched, _ = build("LSTM", 3)
+    for steps in range(2, 14):
+        x = torch.randn(steps, 3, B, I, dtype=F64).transpose(0, 1)  # (M, T, B, I) time-major per model
+        batched(x.contiguous())[0].sum().backward()
+    held = sum(t.nbytes for t in kept_workspace)
+    assert 0 < held <= 2 * _workspace._local.peak, (held, _workspace._local.peak)
+    assert len(kept_workspace) < 12 * 5  # (five buffers a length: most lengths' are gone)

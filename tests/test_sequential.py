@@ -4,6 +4,7 @@ loop of the torch.nn models holding the same slices, and against nn.Sequential w
 from __future__ import annotations
 
 import copy
+import weakref
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from harness import RecordOps, assert_close
 from torch import nn
 
 import batchlayers.functional._mlp as mlp_module
+from batchlayers import _workspace
 from batchlayers.container import BatchedSequential, Folded
 from batchlayers.convert import select as bl_select
 from batchlayers.convert import stack as bl_stack
@@ -548,3 +550,27 @@ def test_bias_after_bmm_matches_loop_on_both_sides_of_its_limit(limit, no_grad, 
         assert_close(y, torch.stack([loops[m](x[m]) for m in range(M)]), msg="no_grad output")
     else:
         _compare(model, loops, x, False, True)
+
+
+@pytest.mark.parametrize("structure", list(STRUCTURES))
+def test_kept_buffers_are_written_whole(monkeypatch, structure):
+    """The chain's hidden activations and their gradients go into buffers kept between calls
+    (batchlayers._workspace; every size here): poisoned with NaN after a training step, the next training step
+    and an inference call are still the loop's, and take the kept buffers."""
+    monkeypatch.setattr(_workspace, "MIN_BYTES", 0)
+    _workspace.release()
+    model, loops = _build(STRUCTURES[structure])
+    _compare(model, loops, _input(structure, (M, 4)), False, True)
+    kept = [weakref.ref(t) for t in _workspace._pool()]  # (a weak reference does not hold a buffer)
+    assert kept
+    for buffer in _workspace._pool():
+        buffer.fill_(float("nan"))
+    del buffer  # (a name holding a buffer keeps it from being reused)
+    for p in [*model.parameters(), *(q for loop in loops for q in loop.parameters())]:
+        p.grad = None
+    _compare(model, loops, _input(structure, (M, 4)), False, True)
+    assert sorted(id(t) for t in _workspace._pool()) == sorted(id(r()) for r in kept)  # the same buffers: nothing new
+    x = _input(structure, (M, 4))
+    with torch.no_grad():
+        assert_close(model(x), torch.stack([loops[m](x[m]) for m in range(M)]), msg="inference")
+    _workspace.release()

@@ -22,6 +22,7 @@ import torch.autograd.forward_ad as forward_ad
 import torch.nn.functional as F
 from torch import Tensor
 
+from .. import _workspace
 from ._linear import _affine
 
 __all__ = ["ACTIVATIONS", "CHAIN_MIN_MACS", "chain_fuses", "fusable_context", "fused_linear_chain"]
@@ -102,7 +103,7 @@ def _forward(
 SHORT_SIDE = 32
 
 
-def _product(a: Tensor, b: Tensor, like: Tensor | None = None) -> Tensor:
+def _product(a: Tensor, b: Tensor, like: Tensor | None = None, *, kept: bool = False) -> Tensor:
     """``a @ b`` for ``(M, r, k)`` and ``(M, k, c)``, computed as ``(b^T @ a^T)^T`` when ``c`` is short
     (:data:`SHORT_SIDE`) and ``r`` longer: a CPU GEMM runs much faster with the long side of its result last.
     The result is then a transposed view.
@@ -117,16 +118,28 @@ def _product(a: Tensor, b: Tensor, like: Tensor | None = None) -> Tensor:
     product was as fast or faster (the same MLP's 256 x 784 weight gradient 52 ms against 107 ms with its
     transpose copied), and so it was where both sides are long (GPT-mini's 256 x 64 weight gradients
     summed over 512 tokens, M=8: 1.55-1.59 ms either way, the copy of the transpose added). Other devices
-    take the direct product (unmeasured: no GPU was available)."""
+    take the direct product (unmeasured: no GPU was available).
+
+    With ``kept``, the result is written into a buffer kept between calls (``batchlayers._workspace``): for
+    results that the chain holds itself (hidden activations, their gradients), never for one it returns."""
     if like is not None:
         transposed = not like.is_contiguous()
     else:
         transposed = SHORT_SIDE > b.shape[2] and a.shape[1] > b.shape[2] and a.device.type == "cpu"
     if transposed:
+        if kept:
+            return _kept_bmm(b.transpose(1, 2), a.transpose(1, 2)).transpose(1, 2)
         return torch.bmm(b.transpose(1, 2), a.transpose(1, 2)).transpose(1, 2)
     if _two_rows_transposed(a, b):
         a = a.contiguous()
-    return torch.bmm(a, b)
+    return _kept_bmm(a, b) if kept else torch.bmm(a, b)
+
+
+def _kept_bmm(a: Tensor, b: Tensor) -> Tensor:
+    shape = (a.shape[0], a.shape[1], b.shape[2])
+    if not _workspace.applies(a, *shape):
+        return torch.bmm(a, b)  # (allocating: out= costs more on small products)
+    return torch.bmm(a, b, out=_workspace.empty(a, *shape))
 
 
 def _two_rows_transposed(a: Tensor, b: Tensor) -> bool:
@@ -164,7 +177,7 @@ def _unrecorded_affine(x: Tensor, w: Tensor, b: Tensor | None, *, contiguous: bo
     :func:`_product`; ``contiguous`` asks for a contiguous result (the bias is then added in the copy)."""
     if x.device.type != "cpu" or x.shape[1] * w.shape[1] > PRODUCT_THEN_BIAS_MAX_OUTPUTS:
         return _affine(x, w, b)  # a new (b)addbmm result: contiguous
-    y = _product(x, w.transpose(1, 2))
+    y = _product(x, w.transpose(1, 2), kept=not contiguous)  # (a hidden layer's: the chain's own)
     if contiguous and not y.is_contiguous():
         out = torch.empty(y.shape, dtype=y.dtype, device=y.device)
         return torch.add(y, b.unsqueeze(1), out=out) if b is not None else out.copy_(y)
@@ -233,7 +246,7 @@ class _LinearChain(torch.autograd.Function):
             if i:
                 # The activation's backward overwrites the product it reads: one buffer, not two.
                 # in the layout of the activation's saved tensors, which its backward reads beside it
-                grad = _product(grad, weights[i], like=hidden[i - 1])
+                grad = _product(grad, weights[i], like=hidden[i - 1], kept=True)
                 name, argument = ctx.activations[i - 1]
                 _activation_backward_(grad, name, argument, hidden[i - 1], pre[i - 1])
             elif needs[1]:
