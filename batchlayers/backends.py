@@ -287,8 +287,9 @@ class CpuSettings:
         (:meth:`release_workspace` frees them). Unlike :meth:`keep_freed_memory`, no allocator setting changes.
         Measured on the benchmark's LSTM policies (M=32, 2-core CPU, three processes each, alternating):
         14.8-18.1 ms a training step with 2,500-4,100 page faults without it, 11.5-12.0 ms with 290-870; the
-        10-20-2 MLP at M=1024: 8.4-9.2x one model's step without, 8.2-8.7x with (at M=64, below 1 MiB a
-        buffer, unchanged).
+        10-20-2 MLP at M=1024: 8.4-9.2x one model's step without, 8.2-8.7x with in a two-contender script,
+        where the quick benchmark's fresh processes measured no difference (3.31-3.39 against 3.28-3.36 ms a
+        step; at M=64, below 1 MiB a buffer, nothing is kept).
         """
         return _workspace.enabled
 
