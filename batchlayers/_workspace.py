@@ -30,7 +30,8 @@ __all__ = ["MAX_KEPT", "MIN_BYTES", "applies", "empty", "release"]
 # Smaller buffers are allocated as usual: glibc reuses blocks this small from its heap (its mmap threshold
 # starts at 128 KiB and rises to the largest block freed), so keeping them saves no page faults and costs the
 # check. Measured (interleaved medians, 2-core CPU): the 10-20-2 MLP's hidden layer at M=64 (327 KB a buffer)
-# trained 2-3% slower kept; at M=1024 (5.2 MB) 5-10% faster; the LSTM policies' (1-4 MB) 20-30% faster.
+# trained 2-3% slower kept; at M=1024 (5.2 MB) 5-10% faster in a two-contender script (no difference in the
+# quick benchmark's processes); the LSTM policies' (1-4 MB) 20-30% faster.
 MIN_BYTES = 1 << 20
 # Buffers kept per thread at most: the recurrent kernels take up to seven a layer, forward and backward together.
 MAX_KEPT = 32
@@ -68,8 +69,15 @@ def _free(pool: list[Tensor], i: int) -> bool:
 
 
 def applies(like: Tensor, *shape: int) -> bool:
-    """Whether :func:`empty` keeps a buffer of ``shape`` like ``like`` (else it is ``like.new_empty(shape)``)."""
-    return enabled and like.device.type == "cpu" and math.prod(shape) * like.element_size() >= MIN_BYTES
+    """Whether :func:`empty` keeps a buffer of ``shape`` like ``like`` (else it is ``like.new_empty(shape)``): a
+    plain CPU tensor (no subclass: a fake tensor of a tracer, a transform's wrapper) of at least
+    :data:`MIN_BYTES`."""
+    return (
+        enabled
+        and type(like) is Tensor
+        and like.device.type == "cpu"
+        and math.prod(shape) * like.element_size() >= MIN_BYTES
+    )
 
 
 def empty(like: Tensor, *shape: int) -> Tensor:
@@ -77,8 +85,14 @@ def empty(like: Tensor, *shape: int) -> Tensor:
     if not applies(like, *shape):
         return like.new_empty(shape)
     pool = _pool()
+    inference = torch.is_inference_mode_enabled()  # (a buffer made under inference mode is written only there)
     for i in range(len(pool)):
-        if pool[i].shape == shape and pool[i].dtype == like.dtype and _free(pool, i):
+        if (
+            pool[i].shape == shape
+            and pool[i].dtype == like.dtype
+            and (inference or not pool[i].is_inference())
+            and _free(pool, i)
+        ):
             pool.append(pool.pop(i))  # (most recently used last)
             return pool[-1]
     # A miss: the first calls, more buffers in use at once than before, or other shapes (another sequence

@@ -727,3 +727,15 @@ def test_changing_sequence_lengths_keep_about_one_steps_buffers(kept_workspace):
     held = sum(t.nbytes for t in kept_workspace)
     assert 0 < held <= 2 * _workspace._local.peak, (held, _workspace._local.peak)
     assert len(kept_workspace) < 12 * 5  # (five buffers a length: most lengths' are gone)
+
+
+def test_buffers_kept_under_inference_mode_are_not_written_outside_it(kept_workspace):
+    """An evaluation under torch.inference_mode() keeps inference tensors, which torch lets no one write outside
+    it: the training step after it takes buffers of its own, and is exact."""
+    torch.manual_seed(0)
+    batched, make_torch = build("LSTM", 3)
+    modules = unbatch(batched, make_torch)
+    with torch.inference_mode():
+        batched(network_input(3, False))
+    assert kept_workspace and all(t.is_inference() for t in kept_workspace)
+    compare(batched, modules, network_input(3, False), None, shared=False)
