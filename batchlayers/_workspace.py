@@ -25,7 +25,7 @@ import threading
 import torch
 from torch import Tensor
 
-__all__ = ["MAX_KEPT", "MIN_BYTES", "applies", "empty", "release"]
+__all__ = ["AVAILABLE", "MAX_KEPT", "MIN_BYTES", "applies", "empty", "release"]
 
 # Smaller buffers are allocated as usual: glibc reuses blocks this small from its heap (its mmap threshold
 # starts at 128 KiB and rises to the largest block freed), so keeping them saves no page faults and costs the
@@ -37,7 +37,9 @@ MIN_BYTES = 1 << 20
 MAX_KEPT = 32
 
 _local = threading.local()
-enabled = True
+# Whether this torch has the reference counts that tell a free buffer (both torch's own, private); off if not.
+AVAILABLE = hasattr(Tensor, "_use_count") and hasattr(torch._C, "_storage_Use_Count")
+enabled = AVAILABLE
 
 
 def _pool() -> list[Tensor]:

@@ -297,7 +297,7 @@ class CpuSettings:
     def reuse_workspace(self, value: bool) -> None:
         if not isinstance(value, bool):
             raise TypeError(f"backends.cpu.reuse_workspace must be True or False, got {value!r}")
-        _workspace.enabled = value
+        _workspace.enabled = value and _workspace.AVAILABLE  # (a torch without the counts it needs: stays off)
         if not value:
             _workspace.release()
 
