@@ -25,7 +25,7 @@ import threading
 import torch
 from torch import Tensor
 
-__all__ = ["AVAILABLE", "MAX_KEPT", "MIN_BYTES", "applies", "empty", "release"]
+__all__ = ["AVAILABLE", "MAX_KEPT", "MIN_BYTES", "applies", "empty", "release", "take"]
 
 # Smaller buffers are allocated as usual: glibc reuses blocks this small from its heap (its mmap threshold
 # starts at 128 KiB and rises to the largest block freed), so keeping them saves no page faults and costs the
@@ -84,8 +84,11 @@ def applies(like: Tensor, *shape: int) -> bool:
 
 def empty(like: Tensor, *shape: int) -> Tensor:
     """``like.new_empty(shape)``, a kept buffer where one is free (see the module docstring)."""
-    if not applies(like, *shape):
-        return like.new_empty(shape)
+    return take(like, *shape) if applies(like, *shape) else like.new_empty(shape)
+
+
+def take(like: Tensor, *shape: int) -> Tensor:
+    """A kept buffer of ``shape`` like ``like``, one that is free or a new one, where :func:`applies` holds."""
     pool = _pool()
     inference = torch.is_inference_mode_enabled()  # (a buffer made under inference mode is written only there)
     for i in range(len(pool)):
@@ -103,9 +106,9 @@ def empty(like: Tensor, *shape: int) -> Tensor:
     # worth beyond those in use.
     t = like.new_empty(shape)
     free = [i for i in range(len(pool)) if _free(pool, i)]
-    in_use = sum(u.nbytes for u in pool) - sum(pool[i].nbytes for i in free) + t.nbytes
-    _local.peak = max(_local.peak, in_use)
-    excess = sum(pool[i].nbytes for i in free) - _local.peak
+    free_bytes = sum(pool[i].nbytes for i in free)
+    _local.peak = max(_local.peak, sum(u.nbytes for u in pool) - free_bytes + t.nbytes)  # (in use now)
+    excess = free_bytes - _local.peak
     dropped = set()
     for i in free:
         if excess <= 0:

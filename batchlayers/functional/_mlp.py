@@ -139,7 +139,7 @@ def _kept_bmm(a: Tensor, b: Tensor) -> Tensor:
     shape = (a.shape[0], a.shape[1], b.shape[2])
     if not _workspace.applies(a, *shape):
         return torch.bmm(a, b)  # (allocating: out= costs more on small products)
-    return torch.bmm(a, b, out=_workspace.empty(a, *shape))
+    return torch.bmm(a, b, out=_workspace.take(a, *shape))
 
 
 def _two_rows_transposed(a: Tensor, b: Tensor) -> bool:
