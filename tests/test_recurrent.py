@@ -619,14 +619,16 @@ def kept_workspace(monkeypatch):
     _workspace.release()
 
 
+# (unidirectional with M = T: the step-major forward buffers and the model-major gradients have one shape)
+@pytest.mark.parametrize("num_models,bidirectional", [(3, True), (T, False)], ids=["bi", "M=T"])
 @pytest.mark.parametrize("kind", NETWORKS)
-def test_kept_buffers_are_reused_and_written_whole(kept_workspace, kind):
+def test_kept_buffers_are_reused_and_written_whole(kept_workspace, kind, num_models, bidirectional):
     """A second training step takes the first one's kept buffers, poisoned with NaN in between: every element
     they hold is written before it is read, so the step is exact against torch.nn."""
     torch.manual_seed(0)
-    batched, make_torch = build(kind, 3, num_layers=2, bidirectional=True)
+    batched, make_torch = build(kind, num_models, num_layers=2, bidirectional=bidirectional)
     modules = unbatch(batched, make_torch)
-    compare(batched, modules, network_input(3, False), None, shared=False, where="first step")
+    compare(batched, modules, network_input(num_models, False), None, shared=False, where="first step")
     kept = [weakref.ref(t) for t in kept_workspace]  # (a weak reference does not hold a buffer)
     assert kept
     for buffer in kept_workspace:
@@ -635,7 +637,7 @@ def test_kept_buffers_are_reused_and_written_whole(kept_workspace, kind):
     batched.zero_grad()
     for m in modules:
         m.zero_grad()
-    compare(batched, modules, network_input(3, False), None, shared=False, where="second step")
+    compare(batched, modules, network_input(num_models, False), None, shared=False, where="second step")
     assert sorted(id(t) for t in kept_workspace) == sorted(id(r()) for r in kept)  # the same buffers: nothing new
 
 
