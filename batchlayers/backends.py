@@ -306,6 +306,38 @@ class CpuSettings:
         _workspace.release()
 
     @property
+    def native_optimizers(self) -> bool:
+        """Whether ``batchlayers.optim.Adam`` and ``AdamW`` with ``fused=True`` may step float32 CPU parameters
+        with batchlayers' own C kernel where torch's fused kernel does not serve (an ``(M,)`` hyperparameter,
+        models at different steps): one pass over each parameter, every model with its own values (default
+        ``True``). The kernel is compiled with the system's C compiler on first use (under a second), into
+        ``$BATCHLAYERS_CACHE_DIR`` (default ``~/.cache/batchlayers``); where that fails the optimizers take
+        their other kernels (:meth:`check_native_optimizers` says why). Measured against torch's fused Adam
+        with one float learning rate, one thread (``python -m benchmarks.optimizers``): with an ``(M,)`` learning
+        rate 1.04-1.14x its time on the benchmark's small parameter sets, where the kernels used before took
+        1.15-1.41x (docs/training.md).
+        """
+        from .optim import _native
+
+        return _native.enabled
+
+    @native_optimizers.setter
+    def native_optimizers(self, value: bool) -> None:
+        from .optim import _native
+
+        if not isinstance(value, bool):
+            raise TypeError(f"backends.cpu.native_optimizers must be True or False, got {value!r}")
+        _native.enabled = value
+
+    def check_native_optimizers(self) -> None:
+        """Compile and load the kernel of :attr:`native_optimizers` now, if it is not yet; raise ``RuntimeError``
+        with the compiler's message where that fails."""
+        from .optim import _native
+
+        if _native.library() is None:
+            raise RuntimeError(f"batchlayers' native optimizer kernel is unavailable: {_native.unavailable_reason()}")
+
+    @property
     def keeps_freed_memory(self) -> bool:
         """Whether :meth:`keep_freed_memory` was applied in this process."""
         return self._keeps_freed_memory

@@ -13,11 +13,12 @@ from harness import assert_close
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from batchlayers import backends
 from batchlayers import losses as BL
 from batchlayers import optim as _base_optim
 from batchlayers.clip_grad import clip_grad_norm_, nonfinite_models
 from batchlayers.linear import BatchedLinear
-from batchlayers.optim import SGD, Adam, AdamW, PerModelValue, RMSprop, _base
+from batchlayers.optim import SGD, Adam, AdamW, PerModelValue, RMSprop, _base, _native
 
 SHAPES = [(4, 3), (3,), ()]  # one model's parameter shapes: a weight, a bias, a per-model scalar
 M = 3
@@ -465,6 +466,7 @@ def test_fused_float32_differs_from_foreach_only_by_the_square_root(config, exac
     with torch's sqrt the kernel equals the foreach path bit for bit, with its own a few elements per step
     differ by a few ulps (from the same state). SGD takes no square root: bit for bit either way."""
     monkeypatch.setattr(_base, "TORCH_FUSED_DTYPES", frozenset())  # the compiled kernel also with float values
+    monkeypatch.setattr(_native, "enabled", False)
     if exact_sqrt:
         monkeypatch.setattr(_base, "EXACT_SQRT_DTYPES", frozenset({torch.float64, torch.float32}))
     torch.manual_seed(0)
@@ -503,15 +505,17 @@ TORCH_FUSED_CONFIGS = [
 
 
 @pytest.mark.parametrize("config", TORCH_FUSED_CONFIGS, ids=config_id)
-def test_fused_with_float_values_is_torchs_fused_step(config) -> None:
+def test_fused_with_float_values_is_torchs_fused_step(config, monkeypatch) -> None:
     """In float32 with float hyperparameters and every model at one step, ``fused=True`` is torch's own fused
     kernel over the stacked tensors, bit for bit, and nothing is compiled. Each model's slice is then within
     a few ulps of its own ``torch.optim`` step with ``fused=True``: torch's kernel rounds some elements
     differently in its vectorised loop and in its tail, and which elements fall in the tail depends on where
-    the slice starts. Once ``active`` leaves the models at different steps the compiled kernel takes over,
-    also within a few ulps (measured over these configurations and five steps: at most 5.5 ulps of the
-    parameter; a wrong formula moves parameters by far more)."""
+    the slice starts. Once ``active`` leaves the models at different steps the native kernel (Adam, AdamW)
+    or the compiled one (SGD) takes over, also within a few ulps (measured over these configurations and
+    five steps: at most 5.5 ulps of the parameter; a wrong formula moves parameters by far more)."""
     batched_cls, torch_cls, kwargs = config
+    native_calls = count_native_calls(monkeypatch)
+    native = batched_cls in (Adam, AdamW)
     torch.manual_seed(0)
     shapes = [(13, 7), (13,), ()]
     pair = Pair(
@@ -530,9 +534,10 @@ def test_fused_with_float_values_is_torchs_fused_step(config) -> None:
         grads = [torch.randn_like(p) for p in pair.params]
         pair.step(grads, active=None if mask is None else torch.tensor(mask))
         counted = any("step" in state for state in pair.opt.state.values())  # (not SGD without momentum)
-        assert ("_compiled_kernels" in pair.opt.__dict__) == (counted and step >= 4), (
-            f"step {step}: the other kernel ran"
+        assert ("_compiled_kernels" in pair.opt.__dict__) == (counted and step >= 4 and not native), (
+            f"step {step}: the compiled kernel ran, or did not"
         )
+        assert len(native_calls) == (native and step >= 4), f"step {step}: the native kernel ran, or did not"
         if step < 3:
             for p, g in zip(whole, grads):
                 p.grad = g.clone()
@@ -571,18 +576,44 @@ UNIT_RATE_CONFIGS = [
 ]
 
 
-@pytest.mark.parametrize("unit_rate", [True, False], ids=["unit_rate", "compiled"])
-@pytest.mark.parametrize("config", UNIT_RATE_CONFIGS, ids=config_id)
-def test_fused_with_per_model_rates_steps_at_a_unit_rate(config, unit_rate, monkeypatch) -> None:
+def count_native_calls(monkeypatch) -> list[None]:
+    """A list that grows by one at every call of the native kernel."""
+    calls: list[None] = []
+    kernel = _native.adam_f32
+
+    def counted(*args, **kwargs):
+        calls.append(None)
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(_native, "adam_f32", counted)
+    return calls
+
+
+PER_MODEL_RATE_KERNELS = [
+    (config, kernel)
+    for config in UNIT_RATE_CONFIGS
+    for kernel in (["native"] if config[0] in (Adam, AdamW) else []) + ["unit_rate", "compiled"]
+]
+
+
+@pytest.mark.parametrize(
+    ("config", "kernel"), PER_MODEL_RATE_KERNELS, ids=lambda v: v if isinstance(v, str) else config_id(v)
+)
+def test_fused_with_per_model_rates(config, kernel, monkeypatch) -> None:
     """In float32, a per-model learning rate or weight decay (the other values floats, every model at one
-    step) runs torch's fused kernel at a unit rate on scratch tensors, added to the parameters scaled by
-    each model's rate, on parameter lists up to ``UNIT_RATE_MAX_NUMEL`` elements (beyond: the compiled
-    kernel). From the same values, each model's step is within a few ulps of its own torch.optim step (of
-    the larger of the parameter and the update), also when one model's gradient is NaN, when a scheduler
-    changes the rates in place or new rates replace them, and once ``active`` leaves the models at
-    different steps (the compiled kernel takes over); nothing is compiled before that."""
-    if not unit_rate:
+    step) runs the native kernel (Adam, AdamW: ``batchlayers.optim._native``), or (SGD) torch's fused kernel
+    at a unit rate on scratch tensors, added to the parameters scaled by each model's rate, on parameter
+    lists up to ``UNIT_RATE_MAX_NUMEL`` elements (beyond: the compiled kernel). From the same values, each
+    model's step is within a few ulps of its own torch.optim step (of the larger of the parameter and the
+    update), also when one model's gradient is NaN, when a scheduler changes the rates in place or new
+    rates replace them, and once ``active`` leaves the models at different steps (the native kernel goes
+    on; the unit rate gives way to the compiled kernel); nothing is compiled before that."""
+    unit_rate = kernel == "unit_rate"
+    if kernel != "native":
+        monkeypatch.setattr(_native, "enabled", False)
+    if kernel == "compiled":
         monkeypatch.setattr(_base, "UNIT_RATE_MAX_NUMEL", 0)
+    native_calls = count_native_calls(monkeypatch)
     batched_cls, torch_cls, kwargs = config
     torch.manual_seed(0)
     shapes = [(13, 7), (13,), ()]
@@ -602,8 +633,10 @@ def test_fused_with_per_model_rates_steps_at_a_unit_rate(config, unit_rate, monk
         for scheduler in schedulers:
             scheduler.step()
         compiled = "_compiled_kernels" in pair.opt.__dict__
-        assert compiled == (not unit_rate or step >= 5), f"step {step}: the compiled kernel ran: {compiled}"
+        expect_compiled = kernel == "compiled" or (unit_rate and step >= 5)
+        assert compiled == expect_compiled, f"step {step}: the compiled kernel ran: {compiled}"
         assert ("_unit_rate_scratch" in pair.opt.__dict__) == unit_rate, f"step {step}"
+        assert len(native_calls) == (step + 1 if kernel == "native" else 0), f"step {step}: native kernel calls"
         for i, (p, before) in enumerate(zip(pair.params, befores)):
             expected = torch.stack([pair.ref_params[m][i].detach() for m in range(pair.num_models)])
             nan = expected.isnan()
@@ -621,6 +654,140 @@ def sync_references(pair: Pair) -> None:
                 q.copy_(p[m])
                 for key, value in ref_opt.state[q].items():
                     value.copy_(pair.opt.state[p][key][m])
+
+
+# -- the native kernel (batchlayers.optim._native) -------------------------------------------------------------
+
+NATIVE_CONFIGS = [c for c in FUSED_CONFIGS + UNIT_RATE_CONFIGS + TORCH_FUSED_CONFIGS if c[0] in (Adam, AdamW)]
+
+
+def config_num_models(kwargs: dict) -> int:
+    for value in kwargs.values():
+        for v in value if isinstance(value, tuple) else (value,):
+            if isinstance(v, torch.Tensor):
+                return len(v)
+    return M
+
+
+@pytest.mark.parametrize("config", NATIVE_CONFIGS, ids=config_id)
+def test_native_adam_equals_foreach_where_torchs_sqrt_is_correctly_rounded(config, monkeypatch) -> None:
+    """The native kernel computes the foreach path's numbers op for op: its moments equal the foreach path's
+    bit for bit, and so does every parameter element whose square root torch's CPU ``sqrt`` rounds correctly
+    (the kernel's ``sqrtf`` always does; torch's is 1 ulp off for under 1% of inputs), also with per-model
+    betas and eps, float or per-model values, and models at different steps after ``active`` masks. Each
+    step starts from the foreach path's values, so that a difference cannot grow."""
+    monkeypatch.setattr(_base, "TORCH_FUSED_DTYPES", frozenset())  # the native kernel also with float values
+    native_calls = count_native_calls(monkeypatch)
+    batched_cls, torch_cls, kwargs = config
+    num_models = config_num_models(kwargs)
+    torch.manual_seed(0)
+    shapes = [(64, 33), (5,), ()]
+    foreach = Pair(batched_cls, torch_cls, kwargs, num_models=num_models, dtype=torch.float32, shapes=shapes)
+    native = Pair(batched_cls, torch_cls, kwargs, num_models=num_models, dtype=torch.float32, shapes=shapes, fused=True)
+    masks = [None, [m > 0 for m in range(num_models)], None, [m % 2 == 0 for m in range(num_models)], None]
+    differing = 0
+    for step, mask in enumerate(masks):
+        with torch.no_grad():
+            for p, q in zip(native.params, foreach.params):
+                p.copy_(q)
+        native.opt.load_state_dict(copy.deepcopy(foreach.opt.state_dict()))
+        before = [p.detach().clone() for p in foreach.params]
+        grads = [torch.randn_like(p) for p in foreach.params]
+        active = None if mask is None else torch.tensor(mask)
+        foreach.step(grads, active=active)
+        native.step(grads, active=active)
+        foreach.check(f"foreach, step {step}")  # (the reference: each model's torch.optim step, bit for bit)
+        assert len(native_calls) == step + 1, f"step {step}: the native kernel did not run"
+        for i, (a, b, old) in enumerate(zip(native.params, foreach.params, before)):
+            state, expected_state = native.opt.state[a], foreach.opt.state[b]
+            for key in expected_state:
+                assert_equal(state[key], expected_state[key], f"step {step}: state {key} of parameter {i}")
+            second = expected_state["max_exp_avg_sq" if kwargs.get("amsgrad") else "exp_avg_sq"]
+            torch_root_exact = torch.sqrt(second) == second.double().sqrt().float()  # (float64: correctly rounded)
+            assert_equal(a.detach()[torch_root_exact], b.detach()[torch_root_exact], f"step {step}, parameter {i}")
+            ulps = ulps_of_parameter(a.detach(), b.detach(), old)
+            assert ulps.max() <= 64, f"step {step}, parameter {i}: {ulps.max()} ulps"
+            differing += int((a.detach() != b.detach()).sum())
+    assert differing < 0.01 * sum(p.numel() for p in foreach.params) * len(masks)
+
+
+def test_native_kernel_splits_elements_between_threads_exactly(monkeypatch) -> None:
+    """Above ``THREADS_MIN_NUMEL`` elements the native kernel splits them between threads at any element,
+    mid-slice included: the same numbers as one thread, bit for bit."""
+    torch.manual_seed(0)
+    shapes = [(7, 11), (13,), ()]
+    kwargs = {"lr": tensor(1e-2, 1e-3, 3e-2, 0.1, 3e-3), "weight_decay": 0.1, "amsgrad": True}
+    pairs = [Pair(AdamW, torch.optim.AdamW, kwargs, num_models=5, dtype=torch.float32, shapes=shapes, fused=True)]
+    pairs.append(copy.deepcopy(pairs[0]))
+    threads = torch.get_num_threads()
+    try:
+        for step in range(3):
+            grads = [torch.randn_like(p) for p in pairs[0].params]
+            for pair, (min_numel, num_threads) in zip(pairs, [(1 << 30, 1), (0, 3)]):
+                monkeypatch.setattr(_native, "THREADS_MIN_NUMEL", min_numel)
+                torch.set_num_threads(num_threads)
+                pair.step(grads)
+            for i, (a, b) in enumerate(zip(*(pair.params for pair in pairs))):
+                assert_equal(b.detach(), a.detach(), f"step {step}, parameter {i}")
+    finally:
+        torch.set_num_threads(threads)
+    pairs[1].check("three threads", exact=False)
+
+
+def test_without_a_compiler_fused_adam_takes_its_other_kernels(monkeypatch, tmp_path) -> None:
+    """Where the native kernel cannot be compiled, ``fused=True`` steps as before (the unit rate), the
+    reason is kept, and nothing is left in the cache directory."""
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("BATCHLAYERS_CACHE_DIR", str(tmp_path / "cache"))
+    _native._load.cache_clear()
+    try:
+        assert _native.library() is None
+        assert "no-such-compiler" in _native.unavailable_reason()
+        with pytest.raises(RuntimeError, match="native optimizer kernel is unavailable.*no-such-compiler"):
+            backends.cpu.check_native_optimizers()
+        native_calls = count_native_calls(monkeypatch)
+        pair = Pair(*UNIT_RATE_CONFIGS[0], num_models=5, dtype=torch.float32, fused=True)
+        for step in range(2):
+            pair.step()
+            pair.check(f"step {step}", exact=False)
+        assert not native_calls and "_unit_rate_scratch" in pair.opt.__dict__
+        assert not list((tmp_path / "cache").glob("*"))
+    finally:
+        _native._load.cache_clear()  # (the next use loads the real library again)
+
+
+def test_native_optimizers_setting(monkeypatch) -> None:
+    """``backends.cpu.native_optimizers`` turns the native kernel off and on (a bool only), and
+    ``check_native_optimizers`` passes where it is built."""
+    monkeypatch.setattr(_native, "enabled", _native.enabled)  # (restored afterwards)
+    native_calls = count_native_calls(monkeypatch)
+    backends.cpu.check_native_optimizers()
+    for setting in (False, True):
+        backends.cpu.native_optimizers = setting
+        assert backends.cpu.native_optimizers is setting
+        pair = Pair(*UNIT_RATE_CONFIGS[0], num_models=5, dtype=torch.float32, fused=True)
+        pair.step()
+        pair.check(f"native_optimizers={setting}", exact=False)
+        assert len(native_calls) == setting
+        native_calls.clear()
+    with pytest.raises(TypeError, match="native_optimizers must be True or False"):
+        backends.cpu.native_optimizers = 1
+
+
+def test_native_kernel_is_compiled_once_into_the_cache_directory(monkeypatch, tmp_path) -> None:
+    """The library is compiled into ``$BATCHLAYERS_CACHE_DIR`` and loaded from there by the next process."""
+    monkeypatch.setenv("BATCHLAYERS_CACHE_DIR", str(tmp_path))
+    _native._load.cache_clear()
+    try:
+        assert _native.library() is not None, _native.unavailable_reason()
+        built = list(tmp_path.glob("native-*.so"))
+        assert len(built) == 1
+        stamp = built[0].stat().st_mtime_ns
+        _native._load.cache_clear()
+        assert _native.library() is not None
+        assert list(tmp_path.glob("*")) == built and built[0].stat().st_mtime_ns == stamp
+    finally:
+        _native._load.cache_clear()
 
 
 def test_fused_compiles_for_noncontiguous_parameters() -> None:

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from . import _native
 from ._base import (
     BatchedOptimizer,
     Hyperparameter,
@@ -162,6 +163,24 @@ class Adam(BatchedOptimizer):
         tensors = [params, grads, exp_avgs, exp_avg_sqs, *([max_exp_avg_sqs] if max_exp_avg_sqs else [])]
         name = "adamw" if decoupled else "adam"
         kernel = torch_fused_kernel(name, tensors, lr, beta1, beta2, eps, weight_decay, step)
+        pointers = _native.tensor_pointers(tensors) if kernel is None else None
+        if pointers is not None:  # a per-model value, or models at different steps
+            device = params[0].device
+            bias_correction1 = 1 - power(beta1, step, device)
+            bias_correction2_sqrt = power(1 - power(beta2, step, device), 0.5, device)
+            values = [lr, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2_sqrt]
+            self._increment_steps(steps)
+            decay_kind = _native.DECAY_DECOUPLED if decoupled else _native.DECAY_L2
+            _native.adam_f32(
+                params,
+                pointers,
+                values,
+                maximize=bool(group["maximize"]),
+                decay=_native.DECAY_NONE if is_zero(weight_decay) else decay_kind,
+                amsgrad=bool(max_exp_avg_sqs),
+            )
+            self._counted(steps, step)
+            return
         unit_rate = None if kernel is not None else unit_rate_kernel("adam", tensors, beta1, beta2, eps, step)
         if unit_rate is not None:  # a per-model lr or weight decay
             maximize = bool(group["maximize"])
