@@ -756,6 +756,27 @@ def test_without_a_compiler_fused_adam_takes_its_other_kernels(monkeypatch, tmp_
         _native._load.cache_clear()  # (the next use loads the real library again)
 
 
+@pytest.mark.parametrize("fused", [None, True], ids=["foreach", "native"])
+def test_a_step_before_backward_is_caught_as_torch_catches_it(fused, monkeypatch) -> None:
+    """The native kernel writes through raw pointers, and counts its writes as torch's in-place ops do: a
+    step between a forward and its backward makes the backward raise, as with torch.optim, instead of giving
+    gradients of parameters that have changed."""
+    native_calls = count_native_calls(monkeypatch)
+    weight = torch.nn.Parameter(torch.randn(5, 3, 4))
+    weight.grad = torch.randn_like(weight)
+    opt = Adam([weight], lr=tensor(1e-2, 1e-3, 3e-2, 0.1, 3e-3), fused=fused)
+    loss = (weight * weight).sum()
+    opt.step()
+    assert len(native_calls) == bool(fused)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    state = opt.state[weight]
+    versions = {key: state[key]._version for key in ("exp_avg", "exp_avg_sq")}
+    weight.grad = torch.randn_like(weight)
+    opt.step()
+    assert all(state[key]._version > version for key, version in versions.items())
+
+
 def test_native_optimizers_setting(monkeypatch) -> None:
     """``backends.cpu.native_optimizers`` turns the native kernel off and on (a bool only), and
     ``check_native_optimizers`` passes where it is built."""

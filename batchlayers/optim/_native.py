@@ -30,6 +30,7 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor
+from torch.autograd.graph import increment_version
 
 __all__ = ["ADAM_VALUES", "DECAY_DECOUPLED", "DECAY_L2", "DECAY_NONE", "adam_f32", "library", "tensor_pointers"]
 
@@ -170,22 +171,24 @@ def _layout(params: Sequence[Tensor]) -> tuple[ctypes.Array, int]:
 
 
 def adam_f32(
-    params: Sequence[Tensor],
+    tensor_lists: Sequence[Sequence[Tensor]],
     pointers: ctypes.Array,
     values: Sequence[float | Tensor],
     *,
     maximize: bool,
     decay: int,
-    amsgrad: bool,
 ) -> None:
-    """One Adam step in place: ``pointers`` from :func:`tensor_pointers` of the parameters, gradients,
-    ``exp_avg``, ``exp_avg_sq`` and with ``amsgrad`` ``max_exp_avg_sq`` lists; ``values`` the
-    :data:`ADAM_VALUES` values of ``_native.c`` in its order, each a float, an ``(M,)`` tensor or a
-    ``(len(params), M)`` one; ``decay`` :data:`DECAY_NONE`, :data:`DECAY_L2` or :data:`DECAY_DECOUPLED`."""
+    """One Adam step in place over the parameters, gradients, ``exp_avg``, ``exp_avg_sq`` and (amsgrad)
+    ``max_exp_avg_sq`` lists ``tensor_lists``, ``pointers`` being theirs from :func:`tensor_pointers`;
+    ``values`` the :data:`ADAM_VALUES` values of ``_native.c`` in its order, each a float, an ``(M,)`` tensor
+    or a ``(len(params), M)`` one; ``decay`` :data:`DECAY_NONE`, :data:`DECAY_L2` or :data:`DECAY_DECOUPLED`.
+    The tensors written count the write as torch's in-place ops do (their version counters), so that autograd
+    refuses a backward through a parameter the step changed, as after a torch.optim step."""
     lib = library()
     assert lib is not None  # (tensor_pointers() said so)
-    count, num_models = len(params), params[0].shape[0]
-    assert len(pointers) == (5 if amsgrad else 4) * count
+    params = tensor_lists[0]
+    count, num_models, amsgrad = len(params), params[0].shape[0], len(tensor_lists) == 5
+    assert len(pointers) == len(tensor_lists) * count
     scalars = (ctypes.c_double * ADAM_VALUES)()
     value_pointers = (ctypes.c_void_p * ADAM_VALUES)()
     strides = (ctypes.c_int64 * (2 * ADAM_VALUES))()
@@ -207,3 +210,4 @@ def adam_f32(
     lib.batchlayers_adam_f32(
         count, num_models, pointers, row_numel, value_pointers, strides, int(maximize), decay, int(amsgrad), threads
     )
+    increment_version([t for i, tensors in enumerate(tensor_lists) if i != 1 for t in tensors])  # (not the gradients)

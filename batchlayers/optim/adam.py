@@ -172,12 +172,11 @@ class Adam(BatchedOptimizer):
             self._increment_steps(steps)
             decay_kind = _native.DECAY_DECOUPLED if decoupled else _native.DECAY_L2
             _native.adam_f32(
-                params,
+                tensors,
                 pointers,
                 values,
                 maximize=bool(group["maximize"]),
                 decay=_native.DECAY_NONE if is_zero(weight_decay) else decay_kind,
-                amsgrad=bool(max_exp_avg_sqs),
             )
             self._counted(steps, step)
             return
