@@ -19,6 +19,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import itertools
+import math
 import os
 import pathlib
 import platform
@@ -27,12 +29,14 @@ import subprocess
 import tempfile
 import threading
 from collections.abc import Sequence
+from operator import attrgetter
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 from torch.autograd.graph import increment_version
 
-__all__ = ["ADAM_VALUES", "DECAY_DECOUPLED", "DECAY_L2", "DECAY_NONE", "adam_f32", "library", "tensor_pointers"]
+__all__ = ["ADAM_VALUES", "DECAY_DECOUPLED", "DECAY_L2", "DECAY_NONE", "Operands", "adam_f32", "library", "operands"]
 
 SOURCE = pathlib.Path(__file__).with_name("_native.c")
 # -ffp-contract=off: no product fused into an add but the source's own fmaf (torch's rounding, op for op);
@@ -118,36 +122,54 @@ def unavailable_reason() -> str:
     return _reason
 
 
-_PLAIN = (Tensor, torch.nn.Parameter)
+_PLAIN = frozenset({Tensor, torch.nn.Parameter})
+_type_of, _dtype_of, _shape_of = type, attrgetter("dtype"), attrgetter("shape")
+_on_cpu, _is_contiguous, _data_ptr = attrgetter("is_cpu"), Tensor.is_contiguous, Tensor.data_ptr
 
 
-def tensor_pointers(tensor_lists: Sequence[Sequence[Tensor]]) -> ctypes.Array | None:
-    """The data pointers of the tensors in these lists (parameters first, then gradients and states, each
-    tensor the parameter's shape), in order, for :func:`adam_f32`, or ``None`` where the kernel does not
-    serve them: it takes plain, contiguous float32 CPU tensors shaped ``(M, *)``, outside a ``torch.compile``
-    trace, once the library is built. (Every step, as tensors may change: about 0.5 us a tensor.)"""
+class Operands(NamedTuple):
+    """What :func:`adam_f32` passes the kernel for a step's tensors (from :func:`operands`)."""
+
+    tensor_lists: Sequence[Sequence[Tensor]]
+    pointers: ctypes.Array  # every tensor's data, list after list
+    row_numel: ctypes.Array  # the elements of one model's slice of each parameter
+    numel: int  # the elements of all parameters
+
+
+def operands(tensor_lists: Sequence[Sequence[Tensor]]) -> Operands | None:
+    """The kernel's operands for these lists (parameters first, then gradients and states, each tensor the
+    parameter's shape), or ``None`` where it does not serve them: it takes plain, contiguous float32 CPU
+    tensors shaped ``(M, *)``, outside a ``torch.compile`` trace, once the library is built. Checked every
+    step, as tensors may change, with C-level loops over the tensors (about 0.4 us a tensor on the 2-core VM
+    against 0.6-0.9 us for a Python loop over the same checks; a non-strided tensor's data pointer raises)."""
     if not enabled or torch.compiler.is_compiling():
         return None
-    shapes = [p.shape for p in tensor_lists[0]]
-    if len(shapes[0]) == 0 or any(len(shape) == 0 or shape[0] != shapes[0][0] for shape in shapes):
+    shapes = list(map(_shape_of, tensor_lists[0]))
+    if not shapes[0] or any(not shape or shape[0] != shapes[0][0] for shape in shapes):
         return None
-    float32, strided = torch.float32, torch.strided
-    pointers = []
-    for tensors in tensor_lists:
-        for t, shape in zip(tensors, shapes):
-            if (
-                type(t) not in _PLAIN
-                or t.dtype is not float32
-                or not t.is_cpu
-                or t.layout is not strided
-                or not t.is_contiguous()
-                or t.shape != shape
-            ):
-                return None
-            pointers.append(t.data_ptr())
+    tensors = list(itertools.chain.from_iterable(tensor_lists))
+    try:
+        if (
+            not set(map(_type_of, tensors)) <= _PLAIN
+            or set(map(_dtype_of, tensors)) != {torch.float32}
+            or not all(map(_on_cpu, tensors))
+            or not all(map(_is_contiguous, tensors))
+            or list(map(_shape_of, tensors)) != shapes * len(tensor_lists)
+        ):
+            return None
+        pointers = list(map(_data_ptr, tensors))
+    except RuntimeError:  # (sparse and mkldnn tensors have no data pointer; CSR ones no contiguity)
+        return None
     if library() is None:
         return None
-    return (ctypes.c_void_p * len(pointers))(*pointers)
+    layout = _layouts.get(tuple(shapes))
+    if layout is None:
+        numel = [math.prod(shape) for shape in shapes]
+        if len(_layouts) >= 64:
+            _layouts.clear()
+        row_numel = (ctypes.c_int64 * len(shapes))(*[n // shapes[0][0] for n in numel])
+        layout = _layouts[tuple(shapes)] = (row_numel, sum(numel))
+    return Operands(tensor_lists, (ctypes.c_void_p * len(pointers))(*pointers), *layout)
 
 
 # From this many elements in all, the step's elements are split between torch.get_num_threads() threads,
@@ -158,56 +180,52 @@ THREADS_MIN_NUMEL = 1 << 20
 _layouts: dict[tuple, tuple[ctypes.Array, int]] = {}
 
 
-def _layout(params: Sequence[Tensor]) -> tuple[ctypes.Array, int]:
-    """The elements of one model's slice of each parameter, as the kernel takes them, and their total."""
-    shapes = tuple(p.shape for p in params)
-    known = _layouts.get(shapes)
-    if known is None:
-        numel = [p.numel() for p in params]
-        if len(_layouts) >= 64:
-            _layouts.clear()
-        known = _layouts[shapes] = ((ctypes.c_int64 * len(params))(*[n // shapes[0][0] for n in numel]), sum(numel))
-    return known
-
-
-def adam_f32(
-    tensor_lists: Sequence[Sequence[Tensor]],
-    pointers: ctypes.Array,
-    values: Sequence[float | Tensor],
-    *,
-    maximize: bool,
-    decay: int,
-) -> None:
+def adam_f32(operands: Operands, values: Sequence[float | Tensor], *, maximize: bool, decay: int) -> None:
     """One Adam step in place over the parameters, gradients, ``exp_avg``, ``exp_avg_sq`` and (amsgrad)
-    ``max_exp_avg_sq`` lists ``tensor_lists``, ``pointers`` being theirs from :func:`tensor_pointers`;
-    ``values`` the :data:`ADAM_VALUES` values of ``_native.c`` in its order, each a float, an ``(M,)`` tensor
-    or a ``(len(params), M)`` one; ``decay`` :data:`DECAY_NONE`, :data:`DECAY_L2` or :data:`DECAY_DECOUPLED`.
-    The tensors written count the write as torch's in-place ops do (their version counters), so that autograd
-    refuses a backward through a parameter the step changed, as after a torch.optim step."""
+    ``max_exp_avg_sq`` lists of :func:`operands`; ``values`` the :data:`ADAM_VALUES` values of ``_native.c``
+    in its order, each a float, an ``(M,)`` tensor or a ``(len(params), M)`` one; ``decay`` :data:`DECAY_NONE`,
+    :data:`DECAY_L2` or :data:`DECAY_DECOUPLED`. The tensors written count the write as torch's in-place ops do
+    (their version counters), so that autograd refuses a backward through a parameter the step changed, as
+    after a torch.optim step."""
     lib = library()
-    assert lib is not None  # (tensor_pointers() said so)
+    assert lib is not None  # (operands() said so)
+    tensor_lists = operands.tensor_lists
     params = tensor_lists[0]
     count, num_models, amsgrad = len(params), params[0].shape[0], len(tensor_lists) == 5
-    assert len(pointers) == len(tensor_lists) * count
     scalars = (ctypes.c_double * ADAM_VALUES)()
     value_pointers = (ctypes.c_void_p * ADAM_VALUES)()
     strides = (ctypes.c_int64 * (2 * ADAM_VALUES))()
     held = []
     for k, value in enumerate(values):
         if isinstance(value, Tensor):
-            # Exactly (M,) or (P, M), float64, contiguous: the kernel reads it by those strides.
+            # Exactly (M,) or (P, M), float64 in memory the kernel can read, contiguous: it reads it by those
+            # strides.
             shape = (count, num_models) if value.dim() == 2 else (num_models,)
-            if value.dtype is not torch.float64 or value.shape != shape or not value.is_contiguous():
-                value = value.to(torch.float64).expand(shape).contiguous()
+            if (
+                value.dtype is not torch.float64
+                or not value.is_cpu
+                or value.shape != shape
+                or not value.is_contiguous()
+                or type(value) not in _PLAIN
+            ):
+                value = value.to("cpu", torch.float64).expand(shape).contiguous().as_subclass(Tensor)
             held.append(value)
             value_pointers[k] = value.data_ptr()
             strides[2 * k], strides[2 * k + 1] = (num_models if len(shape) == 2 else 0), 1
         else:
             scalars[k] = value
             value_pointers[k] = ctypes.addressof(scalars) + k * ctypes.sizeof(ctypes.c_double)
-    row_numel, total = _layout(params)
-    threads = torch.get_num_threads() if total >= THREADS_MIN_NUMEL else 1
+    threads = torch.get_num_threads() if operands.numel >= THREADS_MIN_NUMEL else 1
     lib.batchlayers_adam_f32(
-        count, num_models, pointers, row_numel, value_pointers, strides, int(maximize), decay, int(amsgrad), threads
+        count,
+        num_models,
+        operands.pointers,
+        operands.row_numel,
+        value_pointers,
+        strides,
+        int(maximize),
+        decay,
+        int(amsgrad),
+        threads,
     )
     increment_version([t for i, tensors in enumerate(tensor_lists) if i != 1 for t in tensors])  # (not the gradients)

@@ -163,8 +163,8 @@ class Adam(BatchedOptimizer):
         tensors = [params, grads, exp_avgs, exp_avg_sqs, *([max_exp_avg_sqs] if max_exp_avg_sqs else [])]
         name = "adamw" if decoupled else "adam"
         kernel = torch_fused_kernel(name, tensors, lr, beta1, beta2, eps, weight_decay, step)
-        pointers = _native.tensor_pointers(tensors) if kernel is None else None
-        if pointers is not None:  # a per-model value, or models at different steps
+        operands = _native.operands(tensors) if kernel is None else None
+        if operands is not None:  # a per-model value, or models at different steps
             device = params[0].device
             bias_correction1 = 1 - power(beta1, step, device)
             bias_correction2_sqrt = power(1 - power(beta2, step, device), 0.5, device)
@@ -172,8 +172,7 @@ class Adam(BatchedOptimizer):
             self._increment_steps(steps)
             decay_kind = _native.DECAY_DECOUPLED if decoupled else _native.DECAY_L2
             _native.adam_f32(
-                tensors,
-                pointers,
+                operands,
                 values,
                 maximize=bool(group["maximize"]),
                 decay=_native.DECAY_NONE if is_zero(weight_decay) else decay_kind,
