@@ -510,12 +510,11 @@ def test_fused_with_float_values_is_torchs_fused_step(config, monkeypatch) -> No
     kernel over the stacked tensors, bit for bit, and nothing is compiled. Each model's slice is then within
     a few ulps of its own ``torch.optim`` step with ``fused=True``: torch's kernel rounds some elements
     differently in its vectorised loop and in its tail, and which elements fall in the tail depends on where
-    the slice starts. Once ``active`` leaves the models at different steps the native kernel (Adam, AdamW)
-    or the compiled one (SGD) takes over, also within a few ulps (measured over these configurations and
-    five steps: at most 5.5 ulps of the parameter; a wrong formula moves parameters by far more)."""
+    the slice starts. Once ``active`` leaves the models at different steps the native kernel takes over,
+    also within a few ulps (measured over these configurations and five steps: at most 5.5 ulps of the
+    parameter; a wrong formula moves parameters by far more)."""
     batched_cls, torch_cls, kwargs = config
     native_calls = count_native_calls(monkeypatch)
-    native = batched_cls in (Adam, AdamW)
     torch.manual_seed(0)
     shapes = [(13, 7), (13,), ()]
     pair = Pair(
@@ -534,10 +533,8 @@ def test_fused_with_float_values_is_torchs_fused_step(config, monkeypatch) -> No
         grads = [torch.randn_like(p) for p in pair.params]
         pair.step(grads, active=None if mask is None else torch.tensor(mask))
         counted = any("step" in state for state in pair.opt.state.values())  # (not SGD without momentum)
-        assert ("_compiled_kernels" in pair.opt.__dict__) == (counted and step >= 4 and not native), (
-            f"step {step}: the compiled kernel ran, or did not"
-        )
-        assert len(native_calls) == (native and step >= 4), f"step {step}: the native kernel ran, or did not"
+        assert "_compiled_kernels" not in pair.opt.__dict__, f"step {step}: the compiled kernel ran"
+        assert len(native_calls) == (counted and step >= 4), f"step {step}: the native kernel ran, or did not"
         if step < 3:
             for p, g in zip(whole, grads):
                 p.grad = g.clone()
@@ -576,23 +573,22 @@ UNIT_RATE_CONFIGS = [
 ]
 
 
-def count_native_calls(monkeypatch) -> list[None]:
-    """A list that grows by one at every call of the native kernel."""
-    calls: list[None] = []
-    kernel = _native.adam_f32
+def count_native_calls(monkeypatch) -> list[str]:
+    """A list that grows by the kernel's name at every call of a native kernel."""
+    calls: list[str] = []
+    for name in ("adam_f32", "sgd_f32"):
+        kernel = getattr(_native, name)
 
-    def counted(*args, **kwargs):
-        calls.append(None)
-        return kernel(*args, **kwargs)
+        def counted(*args, kernel=kernel, name=name, **kwargs):
+            calls.append(name)
+            return kernel(*args, **kwargs)
 
-    monkeypatch.setattr(_native, "adam_f32", counted)
+        monkeypatch.setattr(_native, name, counted)
     return calls
 
 
 PER_MODEL_RATE_KERNELS = [
-    (config, kernel)
-    for config in UNIT_RATE_CONFIGS
-    for kernel in (["native"] if config[0] in (Adam, AdamW) else []) + ["unit_rate", "compiled"]
+    (config, kernel) for config in UNIT_RATE_CONFIGS for kernel in ["native", "unit_rate", "compiled"]
 ]
 
 
@@ -601,7 +597,7 @@ PER_MODEL_RATE_KERNELS = [
 )
 def test_fused_with_per_model_rates(config, kernel, monkeypatch) -> None:
     """In float32, a per-model learning rate or weight decay (the other values floats, every model at one
-    step) runs the native kernel (Adam, AdamW: ``batchlayers.optim._native``), or (SGD) torch's fused kernel
+    step) runs the native kernel (``batchlayers.optim._native``), or without it torch's fused kernel
     at a unit rate on scratch tensors, added to the parameters scaled by each model's rate, on parameter
     lists up to ``UNIT_RATE_MAX_NUMEL`` elements (beyond: the compiled kernel). From the same values, each
     model's step is within a few ulps of its own torch.optim step (of the larger of the parameter and the
@@ -709,6 +705,48 @@ def test_native_adam_equals_foreach_where_torchs_sqrt_is_correctly_rounded(confi
             assert ulps.max() <= 64, f"step {step}, parameter {i}: {ulps.max()} ulps"
             differing += int((a.detach() != b.detach()).sum())
     assert differing < 0.01 * sum(p.numel() for p in foreach.params) * len(masks)
+
+
+NATIVE_SGD_CONFIGS = [c for c in CONFIGS + FUSED_CONFIGS + UNIT_RATE_CONFIGS + TORCH_FUSED_CONFIGS if c[0] is SGD]
+
+
+@pytest.mark.parametrize("config", NATIVE_SGD_CONFIGS, ids=config_id)
+def test_native_sgd_is_each_models_torch_step_bit_for_bit(config, monkeypatch) -> None:
+    """SGD takes no square root: the native kernel is each model's torch.optim step bit for bit in float32,
+    with per-model momentum (0 for some models: their buffers kept, Nesterov taking their plain gradient),
+    dampening, weight decay, maximize, a NaN gradient, and models at different steps after ``active``."""
+    monkeypatch.setattr(_base, "TORCH_FUSED_DTYPES", frozenset())  # the native kernel also with float values
+    native_calls = count_native_calls(monkeypatch)
+    batched_cls, torch_cls, kwargs = config
+    num_models = config_num_models(kwargs)
+    torch.manual_seed(0)
+    pair = Pair(
+        batched_cls,
+        torch_cls,
+        kwargs,
+        num_models=num_models,
+        dtype=torch.float32,
+        shapes=[(64, 33), (5,), ()],
+        fused=True,
+    )
+    masks = [None, [m > 0 for m in range(num_models)], None, [m % 2 == 0 for m in range(num_models)], None]
+    for step, mask in enumerate(masks):
+        grads = [torch.randn_like(p) for p in pair.params]
+        if step == 2:
+            grads[0][1, 3, 5] = float("nan")
+        pair.step(grads, active=None if mask is None else torch.tensor(mask))
+        for i, p in enumerate(pair.params):
+            for m in range(num_models):
+                expected = {"param": pair.ref_params[m][i].detach()}
+                buf = pair.ref_opts[m].state[pair.ref_params[m][i]].get("momentum_buffer")
+                if buf is not None:
+                    expected["momentum_buffer"] = buf
+                for key, value in expected.items():
+                    actual = p.detach()[m] if key == "param" else pair.opt.state[p][key][m]
+                    nan = value.isnan()
+                    assert torch.equal(actual.isnan(), nan), f"step {step}: NaN in {key} {i} of model {m}"
+                    assert_equal(actual[~nan], value[~nan], f"step {step}: {key} {i} of model {m}")
+        assert native_calls == ["sgd_f32"] * (step + 1), f"step {step}: {native_calls}"
 
 
 def test_native_kernel_splits_elements_between_threads_exactly(monkeypatch) -> None:
@@ -1049,12 +1087,15 @@ def test_momentum_switched_to_zero_and_back_matches_torch(name, fused, masks) ->
         pair.check(f"step {step}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 @pytest.mark.parametrize("fused", [None, True], ids=["foreach", "fused"])
-def test_sgd_nesterov_with_a_zero_momentum_written_in_place_matches_torch(fused) -> None:
+def test_sgd_nesterov_with_a_zero_momentum_written_in_place_matches_torch(fused, dtype, monkeypatch) -> None:
     """A scheduler's ``fill_`` can put a 0 into a Nesterov group's per-model momentum (not checked); torch then
-    takes the plain step for that model, also for a non-finite gradient."""
+    takes the plain step for that model, also for a non-finite gradient (float32, fused: the native kernel)."""
+    native_calls = count_native_calls(monkeypatch)
     torch.manual_seed(0)
-    pair = Pair(SGD, torch.optim.SGD, {"lr": 0.1, "momentum": tensor(0.9, 0.8, 0.5), "nesterov": True}, fused=fused)
+    kwargs = {"lr": 0.1, "momentum": tensor(0.9, 0.8, 0.5), "nesterov": True}
+    pair = Pair(SGD, torch.optim.SGD, kwargs, fused=fused, dtype=dtype)
     pair.step()
     set_momentum(pair, tensor(0.9, 0.0, 0.5), in_place=True)
     grads = [torch.randn_like(p) for p in pair.params]
@@ -1064,6 +1105,7 @@ def test_sgd_nesterov_with_a_zero_momentum_written_in_place_matches_torch(fused)
     set_momentum(pair, tensor(0.9, 0.8, 0.5), in_place=True)
     pair.step()
     check_nan_aware(pair, "momentum back")
+    assert len(native_calls) == (3 if fused and dtype == torch.float32 else 0)
 
 
 @pytest.mark.parametrize("fused", [None, True], ids=["foreach", "fused"])

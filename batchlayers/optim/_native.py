@@ -30,13 +30,26 @@ import tempfile
 import threading
 from collections.abc import Sequence
 from operator import attrgetter
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 from torch.autograd.graph import increment_version
 
-__all__ = ["ADAM_VALUES", "DECAY_DECOUPLED", "DECAY_L2", "DECAY_NONE", "Operands", "adam_f32", "library", "operands"]
+__all__ = [
+    "ADAM_VALUES",
+    "DECAY_DECOUPLED",
+    "DECAY_L2",
+    "DECAY_NONE",
+    "NESTEROV",
+    "NESTEROV_PLAIN_WITHOUT_MOMENTUM",
+    "SGD_VALUES",
+    "Operands",
+    "adam_f32",
+    "library",
+    "operands",
+    "sgd_f32",
+]
 
 SOURCE = pathlib.Path(__file__).with_name("_native.c")
 # -ffp-contract=off: no product fused into an add but the source's own fmaf (torch's rounding, op for op);
@@ -45,7 +58,10 @@ FLAGS = ("-O3", "-std=gnu99", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "
 # The values _native.c reads, in its order: lr, beta1, beta2, eps, weight_decay, 1 - beta1**t and
 # (1 - beta2**t) ** 0.5 (t: each model's step count, this step included).
 ADAM_VALUES = 7
+# SGD's: lr, momentum, weight_decay and the momentum buffer's factors this step (buf = a * buf + b * grad).
+SGD_VALUES = 5
 DECAY_NONE, DECAY_L2, DECAY_DECOUPLED = 0, 1, 2
+NESTEROV, NESTEROV_PLAIN_WITHOUT_MOMENTUM = 1, 2
 
 enabled = True
 _lock = threading.Lock()
@@ -100,20 +116,11 @@ def _load() -> ctypes.CDLL | None:
         detail = getattr(error, "stderr", b"") or b""
         _reason = f"{type(error).__name__}: {error} {detail.decode(errors='replace')[-500:]}".strip()
         return None
-    pointers = ctypes.POINTER(ctypes.c_void_p)
-    lib.batchlayers_adam_f32.restype = None
-    lib.batchlayers_adam_f32.argtypes = [
-        ctypes.c_int64,
-        ctypes.c_int64,
-        pointers,
-        ctypes.POINTER(ctypes.c_int64),
-        pointers,
-        ctypes.POINTER(ctypes.c_int64),
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_int,
-    ]
+    pointers, sizes = ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int64)
+    lib.batchlayers_adam_f32.restype = lib.batchlayers_sgd_f32.restype = None
+    operand_types: list[Any] = [ctypes.c_int64, ctypes.c_int64, pointers, sizes, pointers, sizes]
+    lib.batchlayers_adam_f32.argtypes = [*operand_types, *[ctypes.c_int] * 4]
+    lib.batchlayers_sgd_f32.argtypes = [*operand_types, *[ctypes.c_int] * 5]
     return lib
 
 
@@ -180,21 +187,16 @@ THREADS_MIN_NUMEL = 1 << 20
 _layouts: dict[tuple, tuple[ctypes.Array, int]] = {}
 
 
-def adam_f32(operands: Operands, values: Sequence[float | Tensor], *, maximize: bool, decay: int) -> None:
-    """One Adam step in place over the parameters, gradients, ``exp_avg``, ``exp_avg_sq`` and (amsgrad)
-    ``max_exp_avg_sq`` lists of :func:`operands`; ``values`` the :data:`ADAM_VALUES` values of ``_native.c``
-    in its order, each a float, an ``(M,)`` tensor or a ``(len(params), M)`` one; ``decay`` :data:`DECAY_NONE`,
-    :data:`DECAY_L2` or :data:`DECAY_DECOUPLED`. The tensors written count the write as torch's in-place ops do
-    (their version counters), so that autograd refuses a backward through a parameter the step changed, as
-    after a torch.optim step."""
-    lib = library()
-    assert lib is not None  # (operands() said so)
-    tensor_lists = operands.tensor_lists
-    params = tensor_lists[0]
-    count, num_models, amsgrad = len(params), params[0].shape[0], len(tensor_lists) == 5
-    scalars = (ctypes.c_double * ADAM_VALUES)()
-    value_pointers = (ctypes.c_void_p * ADAM_VALUES)()
-    strides = (ctypes.c_int64 * (2 * ADAM_VALUES))()
+def _values(
+    operands: Operands, values: Sequence[float | Tensor]
+) -> tuple[ctypes.Array, ctypes.Array, list[Tensor], ctypes.Array]:
+    """The kernel's value pointers and strides (``_native.c``): a float through an array of doubles, an
+    ``(M,)`` or ``(len(params), M)`` tensor as contiguous float64 CPU memory; and what must stay alive during
+    the call."""
+    count, num_models = len(operands.tensor_lists[0]), operands.tensor_lists[0][0].shape[0]
+    scalars = (ctypes.c_double * len(values))()
+    pointers = (ctypes.c_void_p * len(values))()
+    strides = (ctypes.c_int64 * (2 * len(values)))()
     held = []
     for k, value in enumerate(values):
         if isinstance(value, Tensor):
@@ -210,22 +212,49 @@ def adam_f32(operands: Operands, values: Sequence[float | Tensor], *, maximize: 
             ):
                 value = value.to("cpu", torch.float64).expand(shape).contiguous().as_subclass(Tensor)
             held.append(value)
-            value_pointers[k] = value.data_ptr()
+            pointers[k] = value.data_ptr()
             strides[2 * k], strides[2 * k + 1] = (num_models if len(shape) == 2 else 0), 1
         else:
             scalars[k] = value
-            value_pointers[k] = ctypes.addressof(scalars) + k * ctypes.sizeof(ctypes.c_double)
+            pointers[k] = ctypes.addressof(scalars) + k * ctypes.sizeof(ctypes.c_double)
+    return pointers, strides, held, scalars
+
+
+def _written(operands: Operands) -> None:
+    """Count the kernel's writes in the version counters of every tensor but the gradients, as torch's in-place
+    ops do: autograd then refuses a backward through a parameter the step changed, as after a torch.optim
+    step, instead of computing with the new values."""
+    increment_version([t for i, tensors in enumerate(operands.tensor_lists) if i != 1 for t in tensors])
+
+
+def _run(kernel: str, operands: Operands, values: Sequence[float | Tensor], *flags: int) -> None:
+    lib = library()
+    assert lib is not None  # (operands() said so)
+    params = operands.tensor_lists[0]
+    pointers, strides, _held, _scalars = _values(operands, values)
     threads = torch.get_num_threads() if operands.numel >= THREADS_MIN_NUMEL else 1
-    lib.batchlayers_adam_f32(
-        count,
-        num_models,
-        operands.pointers,
-        operands.row_numel,
-        value_pointers,
-        strides,
-        int(maximize),
-        decay,
-        int(amsgrad),
-        threads,
+    getattr(lib, kernel)(
+        len(params), params[0].shape[0], operands.pointers, operands.row_numel, pointers, strides, *flags, threads
     )
-    increment_version([t for i, tensors in enumerate(tensor_lists) if i != 1 for t in tensors])  # (not the gradients)
+    _written(operands)
+
+
+def adam_f32(operands: Operands, values: Sequence[float | Tensor], *, maximize: bool, decay: int) -> None:
+    """One Adam step in place over the parameters, gradients, ``exp_avg``, ``exp_avg_sq`` and (amsgrad)
+    ``max_exp_avg_sq`` lists of :func:`operands`; ``values`` the :data:`ADAM_VALUES` values of ``_native.c``
+    in its order, each a float, an ``(M,)`` tensor or a ``(len(params), M)`` one; ``decay`` :data:`DECAY_NONE`,
+    :data:`DECAY_L2` or :data:`DECAY_DECOUPLED`."""
+    assert len(values) == ADAM_VALUES
+    amsgrad = len(operands.tensor_lists) == 5
+    _run("batchlayers_adam_f32", operands, values, int(maximize), decay, int(amsgrad))
+
+
+def sgd_f32(operands: Operands, values: Sequence[float | Tensor], *, maximize: bool, decay: int, nesterov: int) -> None:
+    """One SGD step in place over the parameters, gradients and (with momentum) ``momentum_buffer`` lists of
+    :func:`operands`; ``values`` the :data:`SGD_VALUES` values of ``_native.c`` in its order (lr, momentum,
+    weight decay and the buffer's factors this step, :func:`batchlayers.optim.sgd.momentum_factors`);
+    ``decay`` :data:`DECAY_NONE` or :data:`DECAY_L2`; ``nesterov`` 0, :data:`NESTEROV` or
+    :data:`NESTEROV_PLAIN_WITHOUT_MOMENTUM` (some model's momentum is 0: it takes its plain gradient)."""
+    assert len(values) == SGD_VALUES
+    momentum = len(operands.tensor_lists) == 3
+    _run("batchlayers_sgd_f32", operands, values, int(maximize), decay, int(momentum), nesterov)

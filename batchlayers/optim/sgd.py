@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from . import _native
 from ._base import (
     BatchedOptimizer,
     Hyperparameter,
@@ -173,6 +174,24 @@ class SGD(BatchedOptimizer):
                 nesterov=bool(group["nesterov"]),
                 maximize=bool(group["maximize"]),
                 is_first_step=step == 1,
+            )
+            if has_momentum:
+                self._increment_steps(steps)
+                self._counted(steps, step)
+            restore_models(saved, idle)
+            return
+        operands = _native.operands([params, grads, *([bufs] if bufs else [])])
+        if operands is not None:  # a per-model value, or models at different steps
+            momentum_now, keep_now = momentum_factors(momentum, dampening, step) if has_momentum else (0.0, 0.0)
+            nesterov = 0
+            if has_momentum and group["nesterov"]:
+                nesterov = _native.NESTEROV if idle is None else _native.NESTEROV_PLAIN_WITHOUT_MOMENTUM
+            _native.sgd_f32(
+                operands,
+                [lr, momentum, weight_decay, momentum_now, keep_now],
+                maximize=bool(group["maximize"]),
+                decay=_native.DECAY_NONE if is_zero(weight_decay) else _native.DECAY_L2,
+                nesterov=nesterov,
             )
             if has_momentum:
                 self._increment_steps(steps)
