@@ -41,7 +41,7 @@ class Adam(BatchedOptimizer):
     ``betas[0][m]``, ``betas[1][m]``, ``eps[m]``, ``weight_decay[m]`` (bit for bit on CPU). Arguments and
     defaults are torch's; each numeric one (each beta on its own) may be a float or a tensor of shape
     ``(M,)``. All models are updated by a few ``torch._foreach_*`` kernels over the parameter list, or with
-    ``fused=True`` by one compiled kernel.
+    ``fused=True`` by one fused kernel.
 
     Args:
         params: parameters shaped ``(M, *)`` (or param-group dicts).
@@ -54,9 +54,10 @@ class Adam(BatchedOptimizer):
         amsgrad: the AMSGrad variant. Default: ``False``.
         maximize: maximize the objective instead of minimizing it.
         fused: ``True`` runs one fused kernel per step instead of foreach kernels: in float32 with float
-            hyperparameters (every model at one step) torch's own, otherwise a compiled one
-            (``torch.compile``: its first step compiles it, seconds). float64: the foreach path's numbers bit
-            for bit; float32: a few elements per step may differ by a few ulps (see
+            hyperparameters (every model at one step) torch's own; on contiguous float32 CPU parameters
+            otherwise batchlayers' C kernel (:attr:`batchlayers.backends.CpuSettings.native_optimizers`);
+            otherwise a compiled one (``torch.compile``: its first step compiles it, seconds). float64: the
+            foreach path's numbers bit for bit; float32: a few elements per step may differ by a few ulps (see
             :class:`~batchlayers.optim.BatchedOptimizer`). Default ``None``: foreach kernels, each model's
             slice bit for bit its own torch.optim step.
         foreach, capturable, differentiable: accepted for signature compatibility; ``True`` for the last two

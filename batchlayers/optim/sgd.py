@@ -38,7 +38,7 @@ class SGD(BatchedOptimizer):
     ... . Arguments and defaults are torch's; every numeric one may be a float (the same for every model)
     or a tensor of shape ``(M,)`` (one value per model); each model's slice is bit for bit its torch.optim
     step on CPU. All models are updated by a few ``torch._foreach_*`` kernels over the parameter list, with
-    per-model values broadcast as ``(M, 1, ..., 1)``, or with ``fused=True`` by one compiled kernel.
+    per-model values broadcast as ``(M, 1, ..., 1)``, or with ``fused=True`` by one fused kernel.
 
     Args:
         params: parameters shaped ``(M, *)`` (or param-group dicts), e.g. ``model.parameters()`` of a
@@ -50,9 +50,11 @@ class SGD(BatchedOptimizer):
         nesterov: Nesterov momentum (needs ``momentum > 0`` and ``dampening == 0`` for every model).
         maximize: maximize the objective instead of minimizing it.
         fused: ``True`` runs one fused kernel per step instead of foreach kernels: in float32 with float
-            hyperparameters (every model at one step) torch's own (a few last bits may differ), otherwise a
-            compiled one (``torch.compile``: its first step compiles it, seconds) with the foreach path's
-            numbers bit for bit. Default ``None``: foreach kernels, each model's slice bit for bit its own
+            hyperparameters (every model at one step) torch's own (a few last bits may differ); on
+            contiguous float32 CPU parameters otherwise batchlayers' C kernel
+            (:attr:`batchlayers.backends.CpuSettings.native_optimizers`), otherwise a compiled one
+            (``torch.compile``: its first step compiles it, seconds), both with the foreach path's numbers
+            bit for bit. Default ``None``: foreach kernels, each model's slice bit for bit its own
             torch.optim step.
         foreach, differentiable: accepted for signature compatibility; ``differentiable=True`` raises.
 
