@@ -576,7 +576,7 @@ UNIT_RATE_CONFIGS = [
 def count_native_calls(monkeypatch) -> list[str]:
     """A list that grows by the kernel's name at every call of a native kernel."""
     calls: list[str] = []
-    for name in ("adam_f32", "sgd_f32"):
+    for name in ("adam_f32", "sgd_f32", "rmsprop_f32"):
         kernel = getattr(_native, name)
 
         def counted(*args, kernel=kernel, name=name, **kwargs):
@@ -665,13 +665,10 @@ def config_num_models(kwargs: dict) -> int:
     return M
 
 
-@pytest.mark.parametrize("config", NATIVE_CONFIGS, ids=config_id)
-def test_native_adam_equals_foreach_where_torchs_sqrt_is_correctly_rounded(config, monkeypatch) -> None:
-    """The native kernel computes the foreach path's numbers op for op: its moments equal the foreach path's
-    bit for bit, and so does every parameter element whose square root torch's CPU ``sqrt`` rounds correctly
-    (the kernel's ``sqrtf`` always does; torch's is 1 ulp off for under 1% of inputs), also with per-model
-    betas and eps, float or per-model values, and models at different steps after ``active`` masks. Each
-    step starts from the foreach path's values, so that a difference cannot grow."""
+def native_against_foreach(config, monkeypatch):
+    """Steps of the native kernel (``fused=True``) and of the foreach path, in float32, each from the foreach
+    path's values (so that a difference cannot grow), with models at different steps after ``active``:
+    yields the step, both pairs, the parameters before the step and the native kernels called so far."""
     monkeypatch.setattr(_base, "TORCH_FUSED_DTYPES", frozenset())  # the native kernel also with float values
     native_calls = count_native_calls(monkeypatch)
     batched_cls, torch_cls, kwargs = config
@@ -681,7 +678,6 @@ def test_native_adam_equals_foreach_where_torchs_sqrt_is_correctly_rounded(confi
     foreach = Pair(batched_cls, torch_cls, kwargs, num_models=num_models, dtype=torch.float32, shapes=shapes)
     native = Pair(batched_cls, torch_cls, kwargs, num_models=num_models, dtype=torch.float32, shapes=shapes, fused=True)
     masks = [None, [m > 0 for m in range(num_models)], None, [m % 2 == 0 for m in range(num_models)], None]
-    differing = 0
     for step, mask in enumerate(masks):
         with torch.no_grad():
             for p, q in zip(native.params, foreach.params):
@@ -693,18 +689,61 @@ def test_native_adam_equals_foreach_where_torchs_sqrt_is_correctly_rounded(confi
         foreach.step(grads, active=active)
         native.step(grads, active=active)
         foreach.check(f"foreach, step {step}")  # (the reference: each model's torch.optim step, bit for bit)
-        assert len(native_calls) == step + 1, f"step {step}: the native kernel did not run"
+        yield step, native, foreach, before, native_calls
+
+
+@pytest.mark.parametrize("config", NATIVE_CONFIGS, ids=config_id)
+def test_native_adam_equals_foreach_where_torchs_sqrt_is_correctly_rounded(config, monkeypatch) -> None:
+    """The native kernel computes the foreach path's numbers op for op: its moments equal the foreach path's
+    bit for bit, and so does every parameter element whose square root torch's CPU ``sqrt`` rounds correctly
+    (the kernel's ``sqrtf`` always does; torch's is 1 ulp off for under 1% of inputs), also with per-model
+    betas and eps, float or per-model values, and models at different steps after ``active`` masks. Each
+    step starts from the foreach path's values, so that a difference cannot grow."""
+    differing = numel = 0
+    for step, native, foreach, before, native_calls in native_against_foreach(config, monkeypatch):
+        assert native_calls == ["adam_f32"] * (step + 1), f"step {step}: {native_calls}"
         for i, (a, b, old) in enumerate(zip(native.params, foreach.params, before)):
             state, expected_state = native.opt.state[a], foreach.opt.state[b]
             for key in expected_state:
                 assert_equal(state[key], expected_state[key], f"step {step}: state {key} of parameter {i}")
-            second = expected_state["max_exp_avg_sq" if kwargs.get("amsgrad") else "exp_avg_sq"]
+            second = expected_state["max_exp_avg_sq" if config[2].get("amsgrad") else "exp_avg_sq"]
             torch_root_exact = torch.sqrt(second) == second.double().sqrt().float()  # (float64: correctly rounded)
             assert_equal(a.detach()[torch_root_exact], b.detach()[torch_root_exact], f"step {step}, parameter {i}")
             ulps = ulps_of_parameter(a.detach(), b.detach(), old)
             assert ulps.max() <= 64, f"step {step}, parameter {i}: {ulps.max()} ulps"
             differing += int((a.detach() != b.detach()).sum())
-    assert differing < 0.01 * sum(p.numel() for p in foreach.params) * len(masks)
+            numel += a.numel()
+    assert differing < 0.01 * numel
+
+
+NATIVE_RMSPROP_CONFIGS = [c for c in CONFIGS + FUSED_CONFIGS if c[0] is RMSprop] + [
+    (RMSprop, torch.optim.RMSprop, {"lr": tensor(1e-2, 1e-3, 3e-2), "momentum": 0.5, "centered": True}),
+]
+
+
+@pytest.mark.parametrize("config", NATIVE_RMSPROP_CONFIGS, ids=config_id)
+def test_native_rmsprop_equals_foreach_where_torchs_sqrt_is_correctly_rounded(config, monkeypatch) -> None:
+    """As for Adam: the native RMSprop's averages are the foreach path's bit for bit, and so are the parameter
+    and momentum buffer elements whose square root torch's CPU ``sqrt`` rounds correctly, with per-model
+    alpha, eps and momentum (0 for some models: the plain step, the buffer kept), centered or not, and models
+    at different steps after ``active``."""
+    for step, native, foreach, before, native_calls in native_against_foreach(config, monkeypatch):
+        assert native_calls == ["rmsprop_f32"] * (step + 1), f"step {step}: {native_calls}"
+        for i, (a, b, old) in enumerate(zip(native.params, foreach.params, before)):
+            state, expected_state = native.opt.state[a], foreach.opt.state[b]
+            for key in ("step", "square_avg", "grad_avg"):
+                if key in expected_state:
+                    assert_equal(state[key], expected_state[key], f"step {step}: state {key} of parameter {i}")
+            root = expected_state["square_avg"]
+            if "grad_avg" in expected_state:
+                root = torch.addcmul(root, expected_state["grad_avg"], expected_state["grad_avg"], value=-1)
+            exact = torch.sqrt(root) == root.double().sqrt().float()
+            assert_equal(a.detach()[exact], b.detach()[exact], f"step {step}, parameter {i}")
+            if "momentum_buffer" in expected_state:
+                buf, expected_buf = state["momentum_buffer"], expected_state["momentum_buffer"]
+                assert_equal(buf[exact], expected_buf[exact], f"step {step}: momentum_buffer of parameter {i}")
+            ulps = ulps_of_parameter(a.detach(), b.detach(), old)
+            assert ulps.max() <= 64, f"step {step}, parameter {i}: {ulps.max()} ulps"
 
 
 NATIVE_SGD_CONFIGS = [c for c in CONFIGS + FUSED_CONFIGS + UNIT_RATE_CONFIGS + TORCH_FUSED_CONFIGS if c[0] is SGD]

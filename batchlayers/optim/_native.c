@@ -1,8 +1,8 @@
 /* batchlayers' hand-written optimizer kernels (see _native.py, which compiles this file on first use).
  *
- * One Adam/AdamW or SGD step over P float32 tensors stacked as (M, n_i), every model with its own
+ * One Adam/AdamW, SGD or RMSprop step over P float32 tensors stacked as (M, n_i), every model with its own
  * hyperparameters: one pass over each tensor, rounding as batchlayers.optim's compiled kernels (adam_kernel,
- * sgd_kernel: the foreach path's arithmetic, op for op; torch's CPU lerp, addcmul and add(alpha=) round once,
+ * sgd_kernel, rmsprop_kernel: the foreach path's arithmetic, op for op; torch's CPU lerp, addcmul and add(alpha=) round once,
  * as fmaf does). Built with -ffp-contract=off, so no other product is fused into an add.
  *
  * Each value (a hyperparameter, or one derived from the step counts) is read from doubles, at
@@ -19,6 +19,8 @@
 enum { LR, BETA1, BETA2, EPS, WEIGHT_DECAY, BIAS_CORRECTION1, BIAS_CORRECTION2_SQRT, ADAM_VALUES };
 /* SGD's: lr, momentum, weight decay, and the momentum buffer's factors this step (buf = a * buf + b * grad) */
 enum { SGD_LR, MOMENTUM, SGD_WEIGHT_DECAY, MOMENTUM_NOW, KEEP_NOW, SGD_VALUES };
+/* RMSprop's: lr, alpha, eps, weight decay, momentum */
+enum { RMS_LR, ALPHA, RMS_EPS, RMS_WEIGHT_DECAY, RMS_MOMENTUM, RMSPROP_VALUES };
 enum { DECAY_NONE = 0, DECAY_L2 = 1, DECAY_DECOUPLED = 2 };
 enum { NESTEROV = 1, NESTEROV_PLAIN_WITHOUT_MOMENTUM = 2 };
 
@@ -26,12 +28,13 @@ typedef struct job job;
 struct job {
     int64_t P, M;
     /* P pointers each: the parameters, their gradients, then the states (Adam: exp_avg, exp_avg_sq and with
-     * amsgrad max_exp_avg_sq; SGD: with momentum, momentum_buffer) */
+     * amsgrad max_exp_avg_sq; SGD: with momentum, momentum_buffer; RMSprop: square_avg, then grad_avg where
+     * centered and momentum_buffer with momentum) */
     float *const *tensors;
     const int64_t *row_numel; /* n_i, the elements of one model's slice of tensor i */
     const double *const *values;
     const int64_t *strides;
-    int maximize, decay, amsgrad, momentum, nesterov;
+    int maximize, decay, amsgrad, momentum, nesterov, centered, per_model_momentum;
     void (*span)(const job *, int64_t, int64_t, int64_t);
 };
 
@@ -45,6 +48,29 @@ static inline double value(const job *job, int k, int64_t i, int64_t model) {
 #define CLONES
 #endif
 #define INLINE static inline __attribute__((always_inline))
+
+/* torch's CPU lerp(start, end, weight) is fmaf(coeff, end - start, base): coeff = weight and base = start where
+ * |weight| < 0.5, else weight - 1 and end. */
+typedef struct {
+    float coeff;
+    int from_start;
+} lerp_form;
+
+INLINE lerp_form lerp_of(float weight) {
+    const int from_start = fabsf(weight) < 0.5f;
+    const lerp_form form = {from_start ? weight : weight - 1.0f, from_start};
+    return form;
+}
+
+/* The part of [begin, end) in model's slice of n elements: [first(...), last(...)) */
+INLINE int64_t first(int64_t model, int64_t n, int64_t begin) { return model * n > begin ? model * n : begin; }
+INLINE int64_t last(int64_t model, int64_t n, int64_t end) { return model * n + n < end ? model * n + n : end; }
+
+/* The gradient as the step takes it: negated to maximize (sign -1), then the L2 decay added, as torch does. */
+INLINE float gradient(float g, float p, float sign, const int l2, float decay) {
+    g = g * sign;
+    return l2 ? fmaf(p, decay, g) : g;
+}
 
 /* Each *_span computes elements [begin, end) of tensor i (counted over its models' slices in order) for one
  * combination of the job's flags: each a constant where it is inlined, so that every combination is a loop of
@@ -66,16 +92,10 @@ INLINE void adam_span(const job *job, int64_t i, int64_t begin, int64_t end, con
         const float bc2_sqrt = (float)value(job, BIAS_CORRECTION2_SQRT, i, model);
         const float l2_decay = (float)weight_decay;
         const float decoupled = job->decay == DECAY_DECOUPLED ? (float)(1.0 - lr * weight_decay) : 1.0f;
-        /* torch's lerp: weight + its first formula where |weight| < 0.5, else its second */
-        const int start_form = fabsf(w1) < 0.5f;
-        const float coeff = start_form ? w1 : w1 - 1.0f;
-        const int64_t lo = model * n > begin ? model * n : begin, hi = model * n + n < end ? model * n + n : end;
-        for (int64_t k = lo; k < hi; k++) {
-            float g = g_in[k] * sign;
-            if (l2) {
-                g = fmaf(p[k], l2_decay, g);
-            }
-            const float avg = fmaf(coeff, g - m[k], start_form ? m[k] : g);
+        const lerp_form average = lerp_of(w1);
+        for (int64_t k = first(model, n, begin); k < last(model, n, end); k++) {
+            const float g = gradient(g_in[k], p[k], sign, l2, l2_decay);
+            const float avg = fmaf(average.coeff, g - m[k], average.from_start ? m[k] : g);
             float avg_sq = fmaf(g * w2, g, v[k] * b2);
             m[k] = avg;
             v[k] = avg_sq;
@@ -115,12 +135,8 @@ INLINE void sgd_span(const job *job, int64_t i, int64_t begin, int64_t end, cons
         const float mu = (float)value(job, MOMENTUM, i, model);
         const float mu_now = (float)value(job, MOMENTUM_NOW, i, model), keep = (float)value(job, KEEP_NOW, i, model);
         const int plain = nesterov && job->nesterov == NESTEROV_PLAIN_WITHOUT_MOMENTUM && mu == 0.0f;
-        const int64_t lo = model * n > begin ? model * n : begin, hi = model * n + n < end ? model * n + n : end;
-        for (int64_t k = lo; k < hi; k++) {
-            float g = g_in[k] * sign;
-            if (l2) {
-                g = fmaf(p[k], weight_decay, g);
-            }
+        for (int64_t k = first(model, n, begin); k < last(model, n, end); k++) {
+            float g = gradient(g_in[k], p[k], sign, l2, weight_decay);
             if (momentum) {
                 const float b = fmaf(g, keep, buf[k] * mu_now);
                 buf[k] = b;
@@ -144,6 +160,62 @@ CLONES static void sgd_tensor_span(const job *job, int64_t i, int64_t begin, int
     case 4: sgd_span(job, i, begin, end, 1, 0, 0); break;
     case 6: sgd_span(job, i, begin, end, 1, 1, 0); break;
     default: sgd_span(job, i, begin, end, 1, 1, 1); break;
+    }
+}
+
+/* RMSprop. With a per-model momentum, a model whose momentum is 0 takes the plain step (its buffer, updated
+ * here, is put back by batchlayers.optim.rmsprop), as torch does. */
+INLINE void rmsprop_span(const job *job, int64_t i, int64_t begin, int64_t end, const int l2, const int centered,
+                         const int momentum) {
+    const int64_t n = job->row_numel[i], P = job->P;
+    float *restrict p = job->tensors[i];
+    const float *restrict g_in = job->tensors[P + i];
+    float *restrict sq = job->tensors[2 * P + i];
+    float *restrict ga = centered ? job->tensors[3 * P + i] : 0;
+    float *restrict buf = momentum ? job->tensors[(3 + centered) * P + i] : 0;
+    for (int64_t model = begin / n; model * n < end; model++) {
+        const double alpha = value(job, ALPHA, i, model);
+        const float sign = job->maximize ? -1.0f : 1.0f, neg_lr = (float)-value(job, RMS_LR, i, model);
+        const float a = (float)alpha, w = (float)(1.0 - alpha), eps = (float)value(job, RMS_EPS, i, model);
+        const float weight_decay = (float)value(job, RMS_WEIGHT_DECAY, i, model);
+        const float mu = (float)value(job, RMS_MOMENTUM, i, model);
+        const int plain = job->per_model_momentum && !(mu > 0.0f);
+        const lerp_form average = lerp_of(w);
+        for (int64_t k = first(model, n, begin); k < last(model, n, end); k++) {
+            const float g = gradient(g_in[k], p[k], sign, l2, weight_decay);
+            const float s = fmaf(g * w, g, sq[k] * a);
+            sq[k] = s;
+            float avg;
+            if (centered) {
+                const float c = fmaf(average.coeff, g - ga[k], average.from_start ? ga[k] : g);
+                ga[k] = c;
+                avg = sqrtf(fmaf(-c, c, s));
+            } else {
+                avg = sqrtf(s);
+            }
+            avg = avg + eps;
+            const float plain_step = p[k] + (g * neg_lr) / avg;
+            if (momentum) {
+                const float b = buf[k] * mu + g / avg;
+                buf[k] = b;
+                p[k] = plain ? plain_step : fmaf(b, neg_lr, p[k]);
+            } else {
+                p[k] = plain_step;
+            }
+        }
+    }
+}
+
+CLONES static void rmsprop_tensor_span(const job *job, int64_t i, int64_t begin, int64_t end) {
+    switch ((job->decay == DECAY_L2) * 4 + job->centered * 2 + job->momentum) {
+    case 0: rmsprop_span(job, i, begin, end, 0, 0, 0); break;
+    case 1: rmsprop_span(job, i, begin, end, 0, 0, 1); break;
+    case 2: rmsprop_span(job, i, begin, end, 0, 1, 0); break;
+    case 3: rmsprop_span(job, i, begin, end, 0, 1, 1); break;
+    case 4: rmsprop_span(job, i, begin, end, 1, 0, 0); break;
+    case 5: rmsprop_span(job, i, begin, end, 1, 0, 1); break;
+    case 6: rmsprop_span(job, i, begin, end, 1, 1, 0); break;
+    default: rmsprop_span(job, i, begin, end, 1, 1, 1); break;
     }
 }
 
@@ -212,14 +284,22 @@ static void run(const job *job, int threads) {
 void batchlayers_adam_f32(int64_t P, int64_t M, float *const *tensors, const int64_t *row_numel,
                           const double *const *values, const int64_t *strides, int maximize, int decay, int amsgrad,
                           int threads) {
-    const job job = {P, M, tensors, row_numel, values, strides, maximize, decay, amsgrad, 0, 0, adam_tensor_span};
+    const job job = {P, M, tensors, row_numel, values, strides, maximize, decay, amsgrad, 0, 0, 0, 0, adam_tensor_span};
     run(&job, threads);
 }
 
 void batchlayers_sgd_f32(int64_t P, int64_t M, float *const *tensors, const int64_t *row_numel,
                          const double *const *values, const int64_t *strides, int maximize, int decay, int momentum,
                          int nesterov, int threads) {
-    const job job = {P, M, tensors, row_numel, values, strides, maximize, decay, 0, momentum, nesterov,
+    const job job = {P, M, tensors, row_numel, values, strides, maximize, decay, 0, momentum, nesterov, 0, 0,
                      sgd_tensor_span};
+    run(&job, threads);
+}
+
+void batchlayers_rmsprop_f32(int64_t P, int64_t M, float *const *tensors, const int64_t *row_numel,
+                             const double *const *values, const int64_t *strides, int maximize, int decay,
+                             int centered, int momentum, int per_model_momentum, int threads) {
+    const job job = {P,        M,        tensors,  row_numel, values, strides, maximize, decay,
+                     0,        momentum, 0,        centered,  per_model_momentum, rmsprop_tensor_span};
     run(&job, threads);
 }

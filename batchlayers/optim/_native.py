@@ -43,11 +43,13 @@ __all__ = [
     "DECAY_NONE",
     "NESTEROV",
     "NESTEROV_PLAIN_WITHOUT_MOMENTUM",
+    "RMSPROP_VALUES",
     "SGD_VALUES",
     "Operands",
     "adam_f32",
     "library",
     "operands",
+    "rmsprop_f32",
     "sgd_f32",
 ]
 
@@ -60,6 +62,8 @@ FLAGS = ("-O3", "-std=gnu99", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "
 ADAM_VALUES = 7
 # SGD's: lr, momentum, weight_decay and the momentum buffer's factors this step (buf = a * buf + b * grad).
 SGD_VALUES = 5
+# RMSprop's: lr, alpha, eps, weight_decay, momentum.
+RMSPROP_VALUES = 5
 DECAY_NONE, DECAY_L2, DECAY_DECOUPLED = 0, 1, 2
 NESTEROV, NESTEROV_PLAIN_WITHOUT_MOMENTUM = 1, 2
 
@@ -121,6 +125,8 @@ def _load() -> ctypes.CDLL | None:
     operand_types: list[Any] = [ctypes.c_int64, ctypes.c_int64, pointers, sizes, pointers, sizes]
     lib.batchlayers_adam_f32.argtypes = [*operand_types, *[ctypes.c_int] * 4]
     lib.batchlayers_sgd_f32.argtypes = [*operand_types, *[ctypes.c_int] * 5]
+    lib.batchlayers_rmsprop_f32.restype = None
+    lib.batchlayers_rmsprop_f32.argtypes = [*operand_types, *[ctypes.c_int] * 6]
     return lib
 
 
@@ -258,3 +264,22 @@ def sgd_f32(operands: Operands, values: Sequence[float | Tensor], *, maximize: b
     assert len(values) == SGD_VALUES
     momentum = len(operands.tensor_lists) == 3
     _run("batchlayers_sgd_f32", operands, values, int(maximize), decay, int(momentum), nesterov)
+
+
+def rmsprop_f32(
+    operands: Operands,
+    values: Sequence[float | Tensor],
+    *,
+    maximize: bool,
+    decay: int,
+    centered: bool,
+    momentum: bool,
+    per_model_momentum: bool,
+) -> None:
+    """One RMSprop step in place over the parameters, gradients, ``square_avg``, (centered) ``grad_avg`` and
+    (``momentum``) ``momentum_buffer`` lists of :func:`operands`; ``values`` the :data:`RMSPROP_VALUES` values
+    of ``_native.c`` in its order; ``decay`` :data:`DECAY_NONE` or :data:`DECAY_L2`; ``per_model_momentum``: a
+    model whose momentum is 0 takes the plain step."""
+    assert len(values) == RMSPROP_VALUES and len(operands.tensor_lists) == 3 + centered + momentum
+    flags = (int(maximize), decay, int(centered), int(momentum), int(per_model_momentum))
+    _run("batchlayers_rmsprop_f32", operands, values, *flags)

@@ -7,6 +7,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
+from . import _native
 from ._base import (
     BatchedOptimizer,
     Hyperparameter,
@@ -208,11 +209,29 @@ class RMSprop(BatchedOptimizer):
         bufs = momentum_buffers(momentum, states)
         idle = None if bufs is None else zero_models(momentum)
         saved = save_models(bufs or [], idle)  # torch leaves a model's buffer as it is while its momentum is 0
+        square_avgs = [s["square_avg"] for s in states]
+        grad_avgs = [s["grad_avg"] for s in states] if group["centered"] else []
+        operands = _native.operands(
+            [params, grads, square_avgs, *([grad_avgs] if grad_avgs else []), *([bufs] if bufs else [])]
+        )
+        if operands is not None:  # (torch has no fused RMSprop)
+            self._increment_steps([s["step"] for s in states])
+            _native.rmsprop_f32(
+                operands,
+                [lr, alpha, eps, weight_decay, momentum if bufs else 0.0],
+                maximize=bool(group["maximize"]),
+                decay=_native.DECAY_NONE if is_zero(weight_decay) else _native.DECAY_L2,
+                centered=bool(grad_avgs),
+                momentum=bufs is not None,
+                per_model_momentum=isinstance(momentum, Tensor),
+            )
+            restore_models(saved, idle)
+            return
         self._compiled(rmsprop_kernel)(
             params,
             grads,
-            [s["square_avg"] for s in states],
-            [s["grad_avg"] for s in states] if group["centered"] else [],
+            square_avgs,
+            grad_avgs,
             bufs or [],
             [s["step"] for s in states],
             **pack_kernel_inputs(params[0].device, lr, alpha, eps, weight_decay, momentum),
