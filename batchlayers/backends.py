@@ -307,15 +307,17 @@ class CpuSettings:
 
     @property
     def native_optimizers(self) -> bool:
-        """Whether ``batchlayers.optim.Adam``, ``AdamW`` and ``SGD`` with ``fused=True`` may step float32 CPU
-        parameters with batchlayers' own C kernel where torch's fused kernel does not serve (an ``(M,)``
-        hyperparameter, models at different steps): one pass over each parameter, every model with its own
-        values (default ``True``). The kernel is compiled with the system's C compiler on first use (under a
-        second), into ``$BATCHLAYERS_CACHE_DIR`` (default ``~/.cache/batchlayers``); where that fails the
-        optimizers take their other kernels (:meth:`check_native_optimizers` says why). Measured against
-        torch's fused step with one float learning rate, one thread (``python -m benchmarks.optimizers``): Adam
-        with an ``(M,)`` learning rate 1.01-1.16x its time on the benchmark's parameter sets, where the kernels
-        used before took 1.03-1.31x; SGD 0.97-1.79x, from 0.98-1.96x (docs/training.md).
+        """Whether ``batchlayers.optim.Adam``, ``AdamW``, ``SGD`` and ``RMSprop`` with ``fused=True`` may step
+        contiguous float32 CPU parameters with batchlayers' own C kernel where torch's fused kernel does not
+        serve (an ``(M,)`` hyperparameter, models at different steps, RMSprop): one pass over each parameter,
+        every model with its own values (default ``True``). The kernel is compiled with the system's C
+        compiler on first use (under a second), into ``$BATCHLAYERS_CACHE_DIR`` (default
+        ``~/.cache/batchlayers``); where that fails the optimizers take their other kernels
+        (:meth:`check_native_optimizers` says why). Measured against torch's fused Adam step with one float
+        learning rate, one thread (``python -m benchmarks.optimizers``, docs/training.md): Adam with an
+        ``(M,)`` learning rate 1.00-1.18x its time on the benchmark's parameter sets, where the kernels used
+        before took 1.03-1.31x; RMSprop 0.74-0.95x, from 0.74-1.32x (compiled, after a first step of
+        seconds).
         """
         from .optim import _native
 

@@ -488,10 +488,10 @@ class BatchedOptimizer(Optimizer):
       tensors, torch's own fused kernel over the stacked tensors (``torch._fused_adam_``,
       ``_fused_adamw_``, ``_fused_sgd_``; nothing to compile): each model gets the step torch's
       ``fused=True`` takes on it, but for some last bits (torch's kernel rounds its vectorised loop and its
-      tail differently, and a slice's tail is not the whole tensor's). Otherwise, for Adam, AdamW and SGD
-      on contiguous float32 CPU tensors, batchlayers' own C kernel (``batchlayers/optim/_native.c``: one
-      pass, built with the system's C compiler on first use; SGD bit for bit the foreach path, Adam but for
-      the square root below; see :attr:`batchlayers.backends.CpuSettings.native_optimizers`). Otherwise
+      tail differently, and a slice's tail is not the whole tensor's). Otherwise, on contiguous float32 CPU
+      tensors, batchlayers' own C kernel (``batchlayers/optim/_native.c``: one pass, built with the
+      system's C compiler on first use; SGD bit for bit the foreach path, Adam and RMSprop but for the
+      square root below; see :attr:`batchlayers.backends.CpuSettings.native_optimizers`). Otherwise
       (or without a compiler) torch's kernel at a unit rate on small parameter lists, else one
       ``torch.compile``'d kernel (one pass over each parameter's memory, like torch's ``fused=True``),
       compiled on first use (seconds) and again for new shapes, dtypes or flags. In float64 it equals the

@@ -51,11 +51,13 @@ class RMSprop(BatchedOptimizer):
         capturable, foreach, differentiable: accepted for signature compatibility; ``True`` for
             ``capturable`` / ``differentiable`` raises.
         maximize: maximize the objective instead of minimizing it.
-        fused: ``True`` runs one compiled kernel per step instead of foreach kernels (``torch.compile``: the
-            first step compiles it, seconds). float64: the foreach path's numbers bit for bit; other dtypes:
-            a few elements per step may differ by a few ulps, from the square root (see
-            :class:`~batchlayers.optim.BatchedOptimizer`). Default ``None``: foreach kernels, each model's
-            slice bit for bit its own torch.optim step. (torch's RMSprop has no ``fused``.)
+        fused: ``True`` runs one fused kernel per step instead of foreach kernels: on contiguous float32 CPU
+            parameters batchlayers' C kernel (:attr:`batchlayers.backends.CpuSettings.native_optimizers`),
+            otherwise a compiled one (``torch.compile``: the first step compiles it, seconds). float64: the
+            foreach path's numbers bit for bit; other dtypes: a few elements per step may differ by a few
+            ulps, from the square root (see :class:`~batchlayers.optim.BatchedOptimizer`). Default ``None``:
+            foreach kernels, each model's slice bit for bit its own torch.optim step. (torch's RMSprop has no
+            ``fused``.)
 
     State per parameter: ``step`` (``(M,)``), ``square_avg``, with momentum ``momentum_buffer``, and when
     centered ``grad_avg``. As in torch, the momentum buffer is created at a parameter's first step for the
