@@ -965,6 +965,21 @@ def test_fused_kernel_is_not_recompiled_by_schedules_or_masks(per_model_lr) -> N
 
 
 @pytest.mark.parametrize("fused", [None, True], ids=["foreach", "fused"])
+@pytest.mark.parametrize("config", [CONFIGS[2], CONFIGS[8], CONFIGS[12]], ids=config_id)
+def test_steps_under_inference_mode_match_torch(config, fused) -> None:
+    """Steps taken under ``torch.inference_mode()`` (the state then made of inference tensors, which have no
+    version counter) give each model's torch.optim step, as torch.optim steps there."""
+    torch.manual_seed(0)
+    dtype = torch.float32 if fused else torch.float64  # (fused float32: the native kernel)
+    pair = Pair(*config, dtype=dtype, fused=fused)
+    for step in range(3):
+        grads = [torch.randn_like(p) for p in pair.params]
+        with torch.inference_mode():
+            pair.step(grads)
+        pair.check(f"step {step}", exact=not fused)
+
+
+@pytest.mark.parametrize("fused", [None, True], ids=["foreach", "fused"])
 def test_step_counts_changed_in_place_are_read_again(fused) -> None:
     """The optimizer remembers that all models are at one step only until the step tensors change."""
     torch.manual_seed(0)

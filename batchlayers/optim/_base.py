@@ -753,7 +753,8 @@ class BatchedOptimizer(Optimizer):
         """Note the step counts after an update that counted ``step`` for every model: the next one is
         ``step + 1``, as long as the tensors' versions stay (a frozen model's restored count changes them)."""
         uniform = self.__dict__.setdefault("_uniform_steps", {})
-        if isinstance(step, Tensor) or torch.compiler.is_compiling():
+        # (Inference tensors, a state made by a step under torch.inference_mode(), have no version counter.)
+        if isinstance(step, Tensor) or torch.compiler.is_compiling() or steps[0].is_inference():
             uniform.pop(id(steps[0]), None)
         else:
             remember(uniform, id(steps[0]), (list(steps), [s._version for s in steps], step + 1))

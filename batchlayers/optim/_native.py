@@ -230,7 +230,8 @@ def _written(operands: Operands) -> None:
     """Count the kernel's writes in the version counters of every tensor but the gradients, as torch's in-place
     ops do: autograd then refuses a backward through a parameter the step changed, as after a torch.optim
     step, instead of computing with the new values."""
-    increment_version([t for i, tensors in enumerate(operands.tensor_lists) if i != 1 for t in tensors])
+    written = [t for i, tensors in enumerate(operands.tensor_lists) if i != 1 for t in tensors]
+    increment_version([t for t in written if not t.is_inference()])  # (inference tensors have no version)
 
 
 def _run(kernel: str, operands: Operands, values: Sequence[float | Tensor], *flags: int) -> None:
