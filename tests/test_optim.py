@@ -833,6 +833,15 @@ def test_without_a_compiler_fused_adam_takes_its_other_kernels(monkeypatch, tmp_
         _native._load.cache_clear()  # (the next use loads the real library again)
 
 
+def test_no_models_leave_the_native_kernel_out() -> None:
+    """An optimizer over parameters of zero models steps (nothing) without the kernel dividing by zero."""
+    param = torch.nn.Parameter(torch.randn(0, 3))
+    param.grad = torch.randn(0, 3)
+    assert _native.operands([[param], [param.grad]]) is None
+    SGD([param], lr=torch.zeros(0, dtype=torch.float64), momentum=0.9, fused=True).step()
+    assert param.shape == (0, 3)
+
+
 @pytest.mark.parametrize("fused", [None, True], ids=["foreach", "native"])
 def test_a_step_before_backward_is_caught_as_torch_catches_it(fused, monkeypatch) -> None:
     """The native kernel writes through raw pointers, and counts its writes as torch's in-place ops do: a
@@ -878,6 +887,7 @@ def test_native_kernel_is_compiled_once_into_the_cache_directory(monkeypatch, tm
     _native._load.cache_clear()
     try:
         assert _native.library() is not None, _native.unavailable_reason()
+        assert _native.unavailable_reason() == ""  # (none left from an earlier failure)
         built = list(tmp_path.glob("native-*.so"))
         assert len(built) == 1
         stamp = built[0].stat().st_mtime_ns

@@ -116,6 +116,7 @@ def _load() -> ctypes.CDLL | None:
                 path = pathlib.Path(tempfile.mkdtemp(prefix="batchlayers-")) / path.name
                 _compile(path, command)
         lib = ctypes.CDLL(str(path))
+        _reason = ""
     except (OSError, subprocess.SubprocessError) as error:
         detail = getattr(error, "stderr", b"") or b""
         _reason = f"{type(error).__name__}: {error} {detail.decode(errors='replace')[-500:]}".strip()
@@ -158,8 +159,8 @@ def operands(tensor_lists: Sequence[Sequence[Tensor]]) -> Operands | None:
     if not enabled or torch.compiler.is_compiling():
         return None
     shapes = list(map(_shape_of, tensor_lists[0]))
-    if not shapes[0] or any(not shape or shape[0] != shapes[0][0] for shape in shapes):
-        return None
+    if not shapes[0] or not shapes[0][0] or any(not shape or shape[0] != shapes[0][0] for shape in shapes):
+        return None  # (0-d parameters, no models, or models disagreeing)
     tensors = list(itertools.chain.from_iterable(tensor_lists))
     try:
         if (
