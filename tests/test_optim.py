@@ -788,6 +788,48 @@ def test_native_sgd_is_each_models_torch_step_bit_for_bit(config, monkeypatch) -
         assert native_calls == ["sgd_f32"] * (step + 1), f"step {step}: {native_calls}"
 
 
+@pytest.mark.parametrize(
+    "config",
+    [
+        (Adam, torch.optim.Adam, {"lr": tensor(1e-2, 1e-3, 3e-2), "betas": (tensor(0.9, 0.5, 0.8), 0.99)}),
+        (SGD, torch.optim.SGD, {"lr": tensor(0.1, 0.02, 0.3), "momentum": 0.9, "dampening": 0.2}),
+    ],
+    ids=config_id,
+)
+def test_native_kernel_with_step_counts_per_parameter_and_model(config, monkeypatch) -> None:
+    """Parameters that missed a step (no gradient) and models frozen by ``active`` leave every parameter's
+    models at their own step counts, so the native kernel reads ``(parameters, M)`` bias corrections or
+    momentum factors, here with as many parameters as models (3): a table read transposed would pass
+    unnoticed where it is square but for these numbers, each model's against its own torch.optim step."""
+    native_calls = count_native_calls(monkeypatch)
+    batched_cls, torch_cls, kwargs = config
+    torch.manual_seed(0)
+    pair = Pair(batched_cls, torch_cls, kwargs, dtype=torch.float32, shapes=[(4, 3), (7,), (2, 5)], fused=True)
+    skipped = [None, {0}, {2}, None, {0}]  # (which parameters have no gradient at each step)
+    masks = [None, None, [True, False, True], [False, True, True], None]
+    for step, (skip, mask) in enumerate(zip(skipped, masks)):
+        befores = [p.detach().clone() for p in pair.params]
+        grads = [torch.randn_like(p) for p in pair.params]
+        for i, (p, g) in enumerate(zip(pair.params, grads)):
+            p.grad = None if skip and i in skip else g.clone()
+        pair.opt.step(active=None if mask is None else torch.tensor(mask))
+        for m in range(pair.num_models):
+            if mask is None or mask[m]:
+                for i, (q, g) in enumerate(zip(pair.ref_params[m], grads)):
+                    q.grad = None if skip and i in skip else g[m].clone()
+                pair.ref_opts[m].step()
+        for i, (p, before) in enumerate(zip(pair.params, befores)):
+            expected = torch.stack([pair.ref_params[m][i].detach() for m in range(pair.num_models)])
+            if batched_cls is SGD:  # (no square root: bit for bit)
+                assert_equal(p.detach(), expected, f"step {step}, parameter {i}")
+            else:
+                ulps = ulps_of_parameter(p.detach(), expected, before)
+                assert ulps.max() <= 4, f"step {step}, parameter {i}: {ulps.max()} ulps from each model's step"
+    assert len(native_calls) == len(skipped)
+    counts = torch.stack([pair.opt.state[p]["step"] for p in pair.params])
+    assert len({tuple(row.tolist()) for row in counts}) == 3  # (every parameter at its own counts)
+
+
 def test_native_kernel_splits_elements_between_threads_exactly(monkeypatch) -> None:
     """Above ``THREADS_MIN_NUMEL`` elements the native kernel splits them between threads at any element,
     mid-slice included: the same numbers as one thread, bit for bit."""
