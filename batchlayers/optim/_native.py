@@ -81,17 +81,15 @@ def _cache_dir() -> pathlib.Path:
 
 
 def _compile(path: pathlib.Path, command: list[str]) -> None:
-    """Compile :data:`SOURCE` to ``path``: into a temporary file beside it, then renamed, so that processes
-    compiling at once never load a half-written library."""
+    """Compile :data:`SOURCE` to ``path``, as checkpoints are written (a temporary file beside it, renamed):
+    processes compiling at once never load a half-written library."""
+    from ..checkpoint import _replace_atomically
+
+    def write(temporary: str) -> None:
+        subprocess.run([*command, "-o", temporary], check=True, capture_output=True, timeout=120)
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.stem, suffix=".so", dir=path.parent)
-    os.close(fd)
-    try:
-        subprocess.run([*command, "-o", tmp], check=True, capture_output=True, timeout=120)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    _replace_atomically(str(path), str(path.parent), write)
 
 
 def library() -> ctypes.CDLL | None:
@@ -122,12 +120,11 @@ def _load() -> ctypes.CDLL | None:
         _reason = f"{type(error).__name__}: {error} {detail.decode(errors='replace')[-500:]}".strip()
         return None
     pointers, sizes = ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int64)
-    lib.batchlayers_adam_f32.restype = lib.batchlayers_sgd_f32.restype = None
     operand_types: list[Any] = [ctypes.c_int64, ctypes.c_int64, pointers, sizes, pointers, sizes]
-    lib.batchlayers_adam_f32.argtypes = [*operand_types, *[ctypes.c_int] * 4]
-    lib.batchlayers_sgd_f32.argtypes = [*operand_types, *[ctypes.c_int] * 5]
-    lib.batchlayers_rmsprop_f32.restype = None
-    lib.batchlayers_rmsprop_f32.argtypes = [*operand_types, *[ctypes.c_int] * 6]
+    for name, flags in (("adam", 3), ("sgd", 4), ("rmsprop", 5)):  # (then the thread count)
+        kernel = getattr(lib, f"batchlayers_{name}_f32")
+        kernel.restype = None
+        kernel.argtypes = [*operand_types, *[ctypes.c_int] * (flags + 1)]
     return lib
 
 
@@ -144,6 +141,7 @@ _on_cpu, _is_contiguous, _data_ptr = attrgetter("is_cpu"), Tensor.is_contiguous,
 class Operands(NamedTuple):
     """What :func:`adam_f32` passes the kernel for a step's tensors (from :func:`operands`)."""
 
+    library: ctypes.CDLL
     tensor_lists: Sequence[Sequence[Tensor]]
     pointers: ctypes.Array  # every tensor's data, list after list
     row_numel: ctypes.Array  # the elements of one model's slice of each parameter
@@ -174,7 +172,8 @@ def operands(tensor_lists: Sequence[Sequence[Tensor]]) -> Operands | None:
         pointers = list(map(_data_ptr, tensors))
     except RuntimeError:  # (sparse and mkldnn tensors have no data pointer; CSR ones no contiguity)
         return None
-    if library() is None:
+    lib = library()
+    if lib is None:
         return None
     layout = _layouts.get(tuple(shapes))
     if layout is None:
@@ -183,7 +182,7 @@ def operands(tensor_lists: Sequence[Sequence[Tensor]]) -> Operands | None:
             _layouts.clear()
         row_numel = (ctypes.c_int64 * len(shapes))(*[n // shapes[0][0] for n in numel])
         layout = _layouts[tuple(shapes)] = (row_numel, sum(numel))
-    return Operands(tensor_lists, (ctypes.c_void_p * len(pointers))(*pointers), *layout)
+    return Operands(lib, tensor_lists, (ctypes.c_void_p * len(pointers))(*pointers), *layout)
 
 
 # From this many elements in all, the step's elements are split between torch.get_num_threads() threads,
@@ -236,12 +235,10 @@ def _written(operands: Operands) -> None:
 
 
 def _run(kernel: str, operands: Operands, values: Sequence[float | Tensor], *flags: int) -> None:
-    lib = library()
-    assert lib is not None  # (operands() said so)
     params = operands.tensor_lists[0]
     pointers, strides, _held, _scalars = _values(operands, values)
     threads = torch.get_num_threads() if operands.numel >= THREADS_MIN_NUMEL else 1
-    getattr(lib, kernel)(
+    getattr(operands.library, kernel)(
         len(params), params[0].shape[0], operands.pointers, operands.row_numel, pointers, strides, *flags, threads
     )
     _written(operands)

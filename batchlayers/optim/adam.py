@@ -166,10 +166,8 @@ class Adam(BatchedOptimizer):
         kernel = torch_fused_kernel(name, tensors, lr, beta1, beta2, eps, weight_decay, step)
         operands = _native.operands(tensors) if kernel is None else None
         if operands is not None:  # a per-model value, or models at different steps
-            device = params[0].device
-            bias_correction1 = 1 - power(beta1, step, device)
-            bias_correction2_sqrt = power(1 - power(beta2, step, device), 0.5, device)
-            values = [lr, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2_sqrt]
+            corrections = bias_correction_terms(beta1, beta2, step, params[0].device)
+            values = [lr, beta1, beta2, eps, weight_decay, *corrections]
             self._increment_steps(steps)
             decay_kind = _native.DECAY_DECOUPLED if decoupled else _native.DECAY_L2
             _native.adam_f32(
@@ -265,9 +263,15 @@ def bias_corrections(
     included, :func:`steps_after_increment`), as torch's Adam computes them in Python floats: floats when
     every value is shared, else ``(M,)`` or ``(len(steps), M)`` tensors (models at different steps after
     ``step(active=...)``)."""
-    bias_correction1 = 1 - power(beta1, step, device)
-    bias_correction2 = 1 - power(beta2, step, device)
-    return divide(lr, -bias_correction1, device), power(bias_correction2, 0.5, device)  # -(a / b) == a / -b
+    bias_correction1, bias_correction2_sqrt = bias_correction_terms(beta1, beta2, step, device)
+    return divide(lr, -bias_correction1, device), bias_correction2_sqrt  # -(a / b) == a / -b
+
+
+def bias_correction_terms(
+    beta1: Hyperparameter, beta2: Hyperparameter, step: float | Tensor, device: torch.device
+) -> tuple[float | Tensor, float | Tensor]:
+    """``1 - beta1 ** t`` and ``(1 - beta2 ** t) ** 0.5``, as :func:`bias_corrections` computes them."""
+    return 1 - power(beta1, step, device), power(1 - power(beta2, step, device), 0.5, device)
 
 
 def adam_kernel(
