@@ -258,6 +258,29 @@ def test_per_model_value_is_plain_tensor_apart_from_fill() -> None:
     assert isinstance(copy.deepcopy(opt).param_groups[0]["lr"], PerModelValue)
 
 
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda v: v.fill_(tensor(4.0, 5.0, 6.0)),
+        lambda v: v.set_(tensor(7.0, 8.0, 9.0)),  # (other memory)
+        lambda v: v.set_(v.untyped_storage(), 0, (3,), (0,)),  # (the same memory, other strides)
+        lambda v: v.resize_(5).copy_(torch.arange(5.0)),
+        lambda v: setattr(v, "data", torch.arange(3, dtype=torch.float32)),
+    ],
+    ids=["fill", "set-other-memory", "set-other-strides", "resize", "data-other-dtype"],
+)
+def test_a_per_model_values_plain_alias_follows_every_change(change) -> None:
+    """The optimizers read a per-model value through ``PerModelValue.plain()``, an alias kept between steps:
+    after any change to the value, in place or of its memory, the alias holds the value's numbers, dtype and
+    shape."""
+    value = tensor(1.0, 2.0, 3.0).as_subclass(PerModelValue)
+    value.plain()
+    change(value)
+    plain = value.plain()
+    assert type(plain) is torch.Tensor and plain.dtype == value.dtype and plain.shape == value.shape
+    assert plain.tolist() == value.tolist()
+
+
 def test_groups_do_not_share_hyperparameter_tensors() -> None:
     a, b = torch.nn.Parameter(torch.randn(M, 2)), torch.nn.Parameter(torch.randn(M, 3))
     lr = tensor(0.1, 0.2, 0.3)
@@ -890,17 +913,18 @@ def test_a_step_before_backward_is_caught_as_torch_catches_it(fused, monkeypatch
     step between a forward and its backward makes the backward raise, as with torch.optim, instead of giving
     gradients of parameters that have changed."""
     native_calls = count_native_calls(monkeypatch)
-    weight = torch.nn.Parameter(torch.randn(5, 3, 4))
-    weight.grad = torch.randn_like(weight)
-    opt = Adam([weight], lr=tensor(1e-2, 1e-3, 3e-2, 0.1, 3e-3), fused=fused)
+    weight, bias = torch.nn.Parameter(torch.randn(5, 3, 4)), torch.nn.Parameter(torch.randn(5, 3))
+    weight.grad, bias.grad = torch.randn_like(weight), torch.randn_like(bias)
+    opt = Adam([weight, bias], lr=tensor(1e-2, 1e-3, 3e-2, 0.1, 3e-3), fused=fused)
     loss = (weight * weight).sum()
     opt.step()
     assert len(native_calls) == bool(fused)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
     state = opt.state[weight]
-    versions = {key: state[key]._version for key in ("exp_avg", "exp_avg_sq")}
-    weight.grad = torch.randn_like(weight)
+    # (The step counts too: the kernel counts the step in them, as torch adds 1.)
+    versions = {key: state[key]._version for key in ("exp_avg", "exp_avg_sq", "step")}
+    weight.grad, bias.grad = torch.randn_like(weight), torch.randn_like(bias)
     opt.step()
     assert all(state[key]._version > version for key, version in versions.items())
 

@@ -281,25 +281,37 @@ static void run(const job *job, int threads) {
     }
 }
 
+/* counts: the step counts of every parameter's models (the tensor whose rows they are), each counting this step,
+ * or NULL where the caller counts it: one add here instead of a torch op in the step. */
+static void count_step(float *counts, int64_t numel) {
+    for (int64_t i = 0; i < numel; i++) {
+        counts[i] += 1.0f;
+    }
+}
+
 void batchlayers_adam_f32(int64_t P, int64_t M, float *const *tensors, const int64_t *row_numel,
                           const double *const *values, const int64_t *strides, int maximize, int decay, int amsgrad,
-                          int threads) {
+                          float *counts, int64_t counts_numel, int threads) {
     const job job = {P, M, tensors, row_numel, values, strides, maximize, decay, amsgrad, 0, 0, 0, 0, adam_tensor_span};
+    count_step(counts, counts_numel);
     run(&job, threads);
 }
 
 void batchlayers_sgd_f32(int64_t P, int64_t M, float *const *tensors, const int64_t *row_numel,
                          const double *const *values, const int64_t *strides, int maximize, int decay, int momentum,
-                         int nesterov, int threads) {
+                         int nesterov, float *counts, int64_t counts_numel, int threads) {
     const job job = {P, M, tensors, row_numel, values, strides, maximize, decay, 0, momentum, nesterov, 0, 0,
                      sgd_tensor_span};
+    count_step(counts, counts_numel);
     run(&job, threads);
 }
 
 void batchlayers_rmsprop_f32(int64_t P, int64_t M, float *const *tensors, const int64_t *row_numel,
                              const double *const *values, const int64_t *strides, int maximize, int decay,
-                             int centered, int momentum, int per_model_momentum, int threads) {
+                             int centered, int momentum, int per_model_momentum, float *counts, int64_t counts_numel,
+                             int threads) {
     const job job = {P,        M,        tensors,  row_numel, values, strides, maximize, decay,
                      0,        momentum, 0,        centered,  per_model_momentum, rmsprop_tensor_span};
+    count_step(counts, counts_numel);
     run(&job, threads);
 }

@@ -47,6 +47,7 @@ __all__ = [
     "SGD_VALUES",
     "Operands",
     "adam_f32",
+    "countable",
     "library",
     "operands",
     "rmsprop_f32",
@@ -121,10 +122,11 @@ def _load() -> ctypes.CDLL | None:
         return None
     pointers, sizes = ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int64)
     operand_types: list[Any] = [ctypes.c_int64, ctypes.c_int64, pointers, sizes, pointers, sizes]
-    for name, flags in (("adam", 3), ("sgd", 4), ("rmsprop", 5)):  # (then the thread count)
+    for name, flags in (("adam", 3), ("sgd", 4), ("rmsprop", 5)):
         kernel = getattr(lib, f"batchlayers_{name}_f32")
         kernel.restype = None
-        kernel.argtypes = [*operand_types, *[ctypes.c_int] * (flags + 1)]
+        # (then the step counts to count in, their elements and the thread count)
+        kernel.argtypes = [*operand_types, *[ctypes.c_int] * flags, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     return lib
 
 
@@ -226,43 +228,73 @@ def _values(
     return pointers, strides, held, scalars
 
 
-def _written(operands: Operands) -> None:
+def _written(operands: Operands, counts: Tensor | None) -> None:
     """Count the kernel's writes in the version counters of every tensor but the gradients, as torch's in-place
     ops do: autograd then refuses a backward through a parameter the step changed, as after a torch.optim
     step, instead of computing with the new values."""
     written = [t for i, tensors in enumerate(operands.tensor_lists) if i != 1 for t in tensors]
+    if counts is not None:
+        written.append(counts)
     increment_version([t for t in written if not t.is_inference()])  # (inference tensors have no version)
 
 
-def _run(kernel: str, operands: Operands, values: Sequence[float | Tensor], *flags: int) -> None:
+def countable(counts: Tensor) -> bool:
+    """Whether the kernels can count a step in ``counts`` (a plain, contiguous float32 CPU tensor)."""
+    return type(counts) in _PLAIN and counts.dtype is torch.float32 and counts.is_cpu and counts.is_contiguous()
+
+
+def _run(kernel: str, operands: Operands, values: Sequence[float | Tensor], *flags: int, counts: Tensor | None) -> None:
     params = operands.tensor_lists[0]
     pointers, strides, _held, _scalars = _values(operands, values)
     threads = torch.get_num_threads() if operands.numel >= THREADS_MIN_NUMEL else 1
+    if counts is not None and not countable(counts):
+        raise ValueError(f"the native optimizer kernels count steps in contiguous float32 CPU tensors, got {counts!r}")
     getattr(operands.library, kernel)(
-        len(params), params[0].shape[0], operands.pointers, operands.row_numel, pointers, strides, *flags, threads
+        len(params),
+        params[0].shape[0],
+        operands.pointers,
+        operands.row_numel,
+        pointers,
+        strides,
+        *flags,
+        None if counts is None else counts.data_ptr(),
+        0 if counts is None else counts.numel(),
+        threads,
     )
-    _written(operands)
+    _written(operands, counts)
 
 
-def adam_f32(operands: Operands, values: Sequence[float | Tensor], *, maximize: bool, decay: int) -> None:
+def adam_f32(
+    operands: Operands, values: Sequence[float | Tensor], *, maximize: bool, decay: int, counts: Tensor | None = None
+) -> None:
     """One Adam step in place over the parameters, gradients, ``exp_avg``, ``exp_avg_sq`` and (amsgrad)
     ``max_exp_avg_sq`` lists of :func:`operands`; ``values`` the :data:`ADAM_VALUES` values of ``_native.c``
     in its order, each a float, an ``(M,)`` tensor or a ``(len(params), M)`` one; ``decay`` :data:`DECAY_NONE`,
-    :data:`DECAY_L2` or :data:`DECAY_DECOUPLED`."""
+    :data:`DECAY_L2` or :data:`DECAY_DECOUPLED`; ``counts``, where given, a :func:`countable` tensor to add 1 to
+    in the same call (the step counts)."""
     assert len(values) == ADAM_VALUES
     amsgrad = len(operands.tensor_lists) == 5
-    _run("batchlayers_adam_f32", operands, values, int(maximize), decay, int(amsgrad))
+    _run("batchlayers_adam_f32", operands, values, int(maximize), decay, int(amsgrad), counts=counts)
 
 
-def sgd_f32(operands: Operands, values: Sequence[float | Tensor], *, maximize: bool, decay: int, nesterov: int) -> None:
+def sgd_f32(
+    operands: Operands,
+    values: Sequence[float | Tensor],
+    *,
+    maximize: bool,
+    decay: int,
+    nesterov: int,
+    counts: Tensor | None = None,
+) -> None:
     """One SGD step in place over the parameters, gradients and (with momentum) ``momentum_buffer`` lists of
     :func:`operands`; ``values`` the :data:`SGD_VALUES` values of ``_native.c`` in its order (lr, momentum,
     weight decay and the buffer's factors this step, :func:`batchlayers.optim.sgd.momentum_factors`);
     ``decay`` :data:`DECAY_NONE` or :data:`DECAY_L2`; ``nesterov`` 0, :data:`NESTEROV` or
-    :data:`NESTEROV_PLAIN_WITHOUT_MOMENTUM` (some model's momentum is 0: it takes its plain gradient)."""
+    :data:`NESTEROV_PLAIN_WITHOUT_MOMENTUM` (some model's momentum is 0: it takes its plain gradient); ``counts`` as
+    for :func:`adam_f32`."""
     assert len(values) == SGD_VALUES
     momentum = len(operands.tensor_lists) == 3
-    _run("batchlayers_sgd_f32", operands, values, int(maximize), decay, int(momentum), nesterov)
+    _run("batchlayers_sgd_f32", operands, values, int(maximize), decay, int(momentum), nesterov, counts=counts)
 
 
 def rmsprop_f32(
@@ -274,11 +306,12 @@ def rmsprop_f32(
     centered: bool,
     momentum: bool,
     per_model_momentum: bool,
+    counts: Tensor | None = None,
 ) -> None:
     """One RMSprop step in place over the parameters, gradients, ``square_avg``, (centered) ``grad_avg`` and
     (``momentum``) ``momentum_buffer`` lists of :func:`operands`; ``values`` the :data:`RMSPROP_VALUES` values
     of ``_native.c`` in its order; ``decay`` :data:`DECAY_NONE` or :data:`DECAY_L2`; ``per_model_momentum``: a
-    model whose momentum is 0 takes the plain step."""
+    model whose momentum is 0 takes the plain step; ``counts`` as for :func:`adam_f32`."""
     assert len(values) == RMSPROP_VALUES and len(operands.tensor_lists) == 3 + centered + momentum
     flags = (int(maximize), decay, int(centered), int(momentum), int(per_model_momentum))
-    _run("batchlayers_rmsprop_f32", operands, values, *flags)
+    _run("batchlayers_rmsprop_f32", operands, values, *flags, counts=counts)

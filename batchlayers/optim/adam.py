@@ -168,13 +168,13 @@ class Adam(BatchedOptimizer):
         if operands is not None:  # a per-model value, or models at different steps
             corrections = bias_correction_terms(beta1, beta2, step, params[0].device)
             values = [lr, beta1, beta2, eps, weight_decay, *corrections]
-            self._increment_steps(steps)
             decay_kind = _native.DECAY_DECOUPLED if decoupled else _native.DECAY_L2
             _native.adam_f32(
                 operands,
                 values,
                 maximize=bool(group["maximize"]),
                 decay=_native.DECAY_NONE if is_zero(weight_decay) else decay_kind,
+                counts=self._steps_for_native_kernel(steps),
             )
             self._counted(steps, step)
             return

@@ -217,7 +217,6 @@ class RMSprop(BatchedOptimizer):
             [params, grads, square_avgs, *([grad_avgs] if grad_avgs else []), *([bufs] if bufs else [])]
         )
         if operands is not None:  # (torch has no fused RMSprop)
-            self._increment_steps([s["step"] for s in states])
             _native.rmsprop_f32(
                 operands,
                 [lr, alpha, eps, weight_decay, momentum if bufs else 0.0],
@@ -226,6 +225,7 @@ class RMSprop(BatchedOptimizer):
                 centered=bool(grad_avgs),
                 momentum=bufs is not None,
                 per_model_momentum=isinstance(momentum, Tensor),
+                counts=self._steps_for_native_kernel([s["step"] for s in states]),
             )
             restore_models(saved, idle)
             return

@@ -194,9 +194,9 @@ class SGD(BatchedOptimizer):
                 maximize=bool(group["maximize"]),
                 decay=_native.DECAY_NONE if is_zero(weight_decay) else _native.DECAY_L2,
                 nesterov=nesterov,
+                counts=self._steps_for_native_kernel(steps) if has_momentum else None,
             )
             if has_momentum:
-                self._increment_steps(steps)
                 self._counted(steps, step)
             restore_models(saved, idle)
             return
