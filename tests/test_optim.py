@@ -6,6 +6,7 @@ import copy
 import functools
 import io
 import pickle
+import tempfile
 
 import pytest
 import torch
@@ -878,9 +879,12 @@ def test_native_kernel_splits_elements_between_threads_exactly(monkeypatch) -> N
 
 def test_without_a_compiler_fused_adam_takes_its_other_kernels(monkeypatch, tmp_path) -> None:
     """Where the native kernel cannot be compiled, ``fused=True`` steps as before (the unit rate), the
-    reason is kept, and nothing is left in the cache directory."""
+    reason is kept, and nothing is left in the cache directory or the temporary one (a missing compiler is
+    not taken for an unwritable cache directory)."""
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("BATCHLAYERS_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     _native._load.cache_clear()
     try:
         assert _native.library() is None
@@ -893,9 +897,29 @@ def test_without_a_compiler_fused_adam_takes_its_other_kernels(monkeypatch, tmp_
             pair.step()
             pair.check(f"step {step}", exact=False)
         assert not native_calls and "_unit_rate_scratch" in pair.opt.__dict__
-        assert not list((tmp_path / "cache").glob("*"))
+        assert not list((tmp_path / "cache").glob("*")) and not list((tmp_path / "tmp").glob("*"))
     finally:
         _native._load.cache_clear()  # (the next use loads the real library again)
+
+
+def test_a_cache_directory_that_cannot_be_made_gives_a_temporary_one(monkeypatch, tmp_path) -> None:
+    """Where ``$BATCHLAYERS_CACHE_DIR`` cannot be made (here a path through a file), the kernel is compiled
+    into a temporary directory of its own for this process, and the steps run it."""
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("BATCHLAYERS_CACHE_DIR", str(tmp_path / "a-file" / "cache"))
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    _native._load.cache_clear()
+    try:
+        assert _native.library() is not None, _native.unavailable_reason()
+        assert [p.name for p in (tmp_path / "tmp").glob("batchlayers-*/native-*.so")], "not in a temporary directory"
+        native_calls = count_native_calls(monkeypatch)
+        pair = Pair(*UNIT_RATE_CONFIGS[0], num_models=5, dtype=torch.float32, fused=True)
+        pair.step()
+        pair.check("step", exact=False)
+        assert native_calls == ["adam_f32"]
+    finally:
+        _native._load.cache_clear()
 
 
 def test_no_models_leave_the_native_kernel_out() -> None:

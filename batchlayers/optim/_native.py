@@ -81,13 +81,20 @@ def _cache_dir() -> pathlib.Path:
     return pathlib.Path(base) / "batchlayers"
 
 
+class _CompilerFailed(Exception):
+    """The compiler did not run or failed (its error is the ``__cause__``): another directory would not help."""
+
+
 def _compile(path: pathlib.Path, command: list[str]) -> None:
     """Compile :data:`SOURCE` to ``path``, as checkpoints are written (a temporary file beside it, renamed):
-    processes compiling at once never load a half-written library."""
+    processes compiling at once never load a half-written library. An :class:`OSError` is the directory's."""
     from ..checkpoint import _replace_atomically
 
     def write(temporary: str) -> None:
-        subprocess.run([*command, "-o", temporary], check=True, capture_output=True, timeout=120)
+        try:
+            subprocess.run([*command, "-o", temporary], check=True, capture_output=True, timeout=120)
+        except (OSError, subprocess.SubprocessError) as error:
+            raise _CompilerFailed from error
 
     path.parent.mkdir(parents=True, exist_ok=True)
     _replace_atomically(str(path), str(path.parent), write)
@@ -111,12 +118,13 @@ def _load() -> ctypes.CDLL | None:
         if not path.exists():
             try:
                 _compile(path, command)
-            except OSError:  # an unwritable cache directory: one for this process
+            except OSError:  # a cache directory that cannot be written: one for this process
                 path = pathlib.Path(tempfile.mkdtemp(prefix="batchlayers-")) / path.name
                 _compile(path, command)
         lib = ctypes.CDLL(str(path))
         _reason = ""
-    except (OSError, subprocess.SubprocessError) as error:
+    except (OSError, _CompilerFailed) as failed:
+        error = failed.__cause__ if isinstance(failed, _CompilerFailed) else failed
         detail = getattr(error, "stderr", b"") or b""
         _reason = f"{type(error).__name__}: {error} {detail.decode(errors='replace')[-500:]}".strip()
         return None
