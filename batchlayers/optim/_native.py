@@ -16,6 +16,7 @@ Where no compiler works, :func:`library` is ``None`` and the optimizers take the
 
 from __future__ import annotations
 
+import array
 import ctypes
 import functools
 import hashlib
@@ -129,7 +130,8 @@ def _load() -> ctypes.CDLL | None:
         _reason = f"{type(error).__name__}: {error} {detail.decode(errors='replace')[-500:]}".strip()
         return None
     pointers, sizes = ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int64)
-    operand_types: list[Any] = [ctypes.c_int64, ctypes.c_int64, pointers, sizes, pointers, sizes]
+    # (The tensors' pointers by address: an array.array of them, see operands().)
+    operand_types: list[Any] = [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, sizes, pointers, sizes]
     for name, flags in (("adam", 3), ("sgd", 4), ("rmsprop", 5)):
         kernel = getattr(lib, f"batchlayers_{name}_f32")
         kernel.restype = None
@@ -145,7 +147,12 @@ def unavailable_reason() -> str:
 
 _PLAIN = frozenset({Tensor, torch.nn.Parameter})
 _type_of, _dtype_of, _shape_of = type, attrgetter("dtype"), attrgetter("shape")
-_on_cpu, _is_contiguous, _data_ptr = attrgetter("is_cpu"), Tensor.is_contiguous, Tensor.data_ptr
+_on_cpu, _is_contiguous, _data_ptr, _is_inference = (
+    attrgetter("is_cpu"),
+    Tensor.is_contiguous,
+    Tensor.data_ptr,
+    Tensor.is_inference,
+)
 
 
 class Operands(NamedTuple):
@@ -153,7 +160,7 @@ class Operands(NamedTuple):
 
     library: ctypes.CDLL
     tensor_lists: Sequence[Sequence[Tensor]]
-    pointers: ctypes.Array  # every tensor's data, list after list
+    pointers: array.array  # every tensor's data, list after list (an array.array: 3 us for 80 against 9 for ctypes')
     row_numel: ctypes.Array  # the elements of one model's slice of each parameter
     numel: int  # the elements of all parameters
 
@@ -192,7 +199,7 @@ def operands(tensor_lists: Sequence[Sequence[Tensor]]) -> Operands | None:
             _layouts.clear()
         row_numel = (ctypes.c_int64 * len(shapes))(*[n // shapes[0][0] for n in numel])
         layout = _layouts[tuple(shapes)] = (row_numel, sum(numel))
-    return Operands(lib, tensor_lists, (ctypes.c_void_p * len(pointers))(*pointers), *layout)
+    return Operands(lib, tensor_lists, array.array("Q", pointers), *layout)
 
 
 # From this many elements in all, the step's elements are split between torch.get_num_threads() threads,
@@ -240,10 +247,12 @@ def _written(operands: Operands, counts: Tensor | None) -> None:
     """Count the kernel's writes in the version counters of every tensor but the gradients, as torch's in-place
     ops do: autograd then refuses a backward through a parameter the step changed, as after a torch.optim
     step, instead of computing with the new values."""
-    written = [t for i, tensors in enumerate(operands.tensor_lists) if i != 1 for t in tensors]
+    written = [*operands.tensor_lists[0], *itertools.chain.from_iterable(operands.tensor_lists[2:])]
     if counts is not None:
         written.append(counts)
-    increment_version([t for t in written if not t.is_inference()])  # (inference tensors have no version)
+    if any(map(_is_inference, written)):  # (inference tensors have no version)
+        written = [t for t in written if not t.is_inference()]
+    increment_version(written)
 
 
 def countable(counts: Tensor) -> bool:
@@ -260,7 +269,7 @@ def _run(kernel: str, operands: Operands, values: Sequence[float | Tensor], *fla
     getattr(operands.library, kernel)(
         len(params),
         params[0].shape[0],
-        operands.pointers,
+        operands.pointers.buffer_info()[0],
         operands.row_numel,
         pointers,
         strides,
