@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from harness import RecordOps, assert_close
 from torch import nn
 
+import batchlayers.functional._linear as linear_module
 import batchlayers.functional._mlp as mlp_module
 from batchlayers import _workspace
 from batchlayers.container import BatchedSequential, Folded
@@ -550,6 +551,46 @@ def test_bias_after_bmm_matches_loop_on_both_sides_of_its_limit(limit, no_grad, 
         assert_close(y, torch.stack([loops[m](x[m]) for m in range(M)]), msg="no_grad output")
     else:
         _compare(model, loops, x, False, True)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["chain", "layer-by-layer"])
+@pytest.mark.parametrize("structure", ["relu", "relu-tanh-3", "nobias"])
+def test_kept_weight_gradients_are_never_written_while_held(monkeypatch, structure, fused):
+    """The weight gradients of the chain, and layer by layer those a layer computes itself (out-major, fewer
+    outputs than inputs), go into memory kept between backwards (``_workspace.returned``; every size here),
+    which autograd keeps as the weights' ``.grad``. A gradient the caller still holds is never written by a
+    later backward, gradients accumulate as torch.nn's do, and once dropped the next backward writes into kept
+    memory instead of new."""
+    monkeypatch.setattr(_workspace, "MIN_BYTES", 0)
+    monkeypatch.setattr(linear_module, "OUT_MAJOR_MIN_MACS", 0)
+    if not fused:
+        monkeypatch.setattr(mlp_module, "CHAIN_MIN_MACS", 1 << 62)
+    _workspace.release()
+    model, loops = _build(STRUCTURES[structure])
+    weights = [p for name, p in model.named_parameters() if name.endswith("weight")]
+    kept_weights = weights if fused else [w for w in weights if w.shape[1] < w.shape[2]]
+    assert kept_weights
+    every = [*model.parameters(), *(q for loop in loops for q in loop.parameters())]
+
+    def drop_gradients():
+        for p in every:
+            p.grad = None
+
+    _compare(model, loops, _input(structure, (M, 4)), False, True, fused=fused)
+    held = [w.grad for w in weights]
+    copies = [g.clone() for g in held]
+    drop_gradients()
+    _compare(model, loops, _input(structure, (M, 4)), False, True, fused=fused)  # (the first's gradients held)
+    assert all(torch.equal(g, c) for g, c in zip(held, copies)), "a held gradient was written"
+    assert not {w.grad.data_ptr() for w in weights} & {g.data_ptr() for g in held}
+    _compare(model, loops, _input(structure, (M, 4)), False, True, fused=fused)  # (accumulated into .grad)
+    del held, copies
+    drop_gradients()
+    kept = len(_workspace._pool())
+    _compare(model, loops, _input(structure, (M, 4)), False, True, fused=fused)
+    assert len(_workspace._pool()) == kept, "new buffers where dropped ones were free"
+    assert {w.grad.data_ptr() for w in kept_weights} <= {t.data_ptr() for t in _workspace._pool()}
+    _workspace.release()
 
 
 @pytest.mark.parametrize("structure", list(STRUCTURES))

@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .. import _workspace
 from .._utils import check_call_input, check_parameter, check_weight, is_shared
 
 __all__ = ["SHARED_PATHS", "linear"]
@@ -117,7 +118,12 @@ class _AffineWeightGradOutMajor(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         x, weight = ctx.saved_tensors
         grad_x = torch.bmm(grad, weight) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.bmm(grad.transpose(1, 2), x) if ctx.needs_input_grad[1] else None
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            # (in memory kept between backwards where large: autograd keeps it as the weight's .grad)
+            shape = (grad.shape[0], grad.shape[2], x.shape[2])
+            out = _workspace.returned(grad, *shape) if _workspace.applies(grad, *shape) else None
+            grad_weight = torch.bmm(grad.transpose(1, 2), x, out=out)
         grad_bias = grad.sum(1) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_x, grad_weight, grad_bias
 

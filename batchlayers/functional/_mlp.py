@@ -135,6 +135,21 @@ def _product(a: Tensor, b: Tensor, like: Tensor | None = None, *, kept: bool = F
     return _kept_bmm(a, b) if kept else torch.bmm(a, b)
 
 
+def _weight_gradient(grad: Tensor, input: Tensor) -> Tensor:
+    """``grad^T @ input``, contiguous (the weight's layout), as :func:`_product` computes it; where large, in
+    memory kept between calls that autograd may keep as the weight's ``.grad``
+    (:func:`batchlayers._workspace.returned`): once that is dropped (``zero_grad()``), the next backward writes
+    into the same pages instead of faulting fresh ones."""
+    a = grad.transpose(1, 2)
+    shape = (a.shape[0], a.shape[1], input.shape[2])
+    if not _workspace.applies(a, *shape):
+        return _product(a, input).contiguous()
+    out = _workspace.returned(a, *shape)
+    if SHORT_SIDE > shape[2] and shape[1] > shape[2]:
+        return out.copy_(_product(a, input))  # (a transposed view: the copy .contiguous() would make)
+    return torch.bmm(a.contiguous() if _two_rows_transposed(a, input) else a, input, out=out)
+
+
 def _kept_bmm(a: Tensor, b: Tensor) -> Tensor:
     shape = (a.shape[0], a.shape[1], b.shape[2])
     if not _workspace.applies(a, *shape):
@@ -240,7 +255,7 @@ class _LinearChain(torch.autograd.Function):
         grad_x = None
         for i in reversed(range(n)):
             if needs[2 + 2 * i]:
-                grads[2 * i] = _product(grad.transpose(1, 2), inputs[i]).contiguous()
+                grads[2 * i] = _weight_gradient(grad, inputs[i])
             if biases[i] is not None and needs[3 + 2 * i]:
                 grads[2 * i + 1] = grad.sum(1)
             if i:
