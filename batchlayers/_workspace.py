@@ -26,7 +26,7 @@ import threading
 import torch
 from torch import Tensor
 
-__all__ = ["AVAILABLE", "MAX_KEPT", "MIN_BYTES", "applies", "empty", "release", "returned", "take"]
+__all__ = ["AVAILABLE", "MAX_KEPT", "MIN_BYTES", "MMAP_BYTES", "applies", "empty", "release", "returned", "take"]
 
 # Smaller buffers are allocated as usual: glibc reuses blocks this small from its heap (its mmap threshold
 # starts at 128 KiB and rises to the largest block freed), so keeping them saves no page faults and costs the
@@ -34,6 +34,10 @@ __all__ = ["AVAILABLE", "MAX_KEPT", "MIN_BYTES", "applies", "empty", "release", 
 # trained 2-3% slower kept; at M=1024 (5.2 MB) 5-10% faster in a two-contender script (no difference in the
 # quick benchmark's processes); the LSTM policies' (1-4 MB) 20-30% faster.
 MIN_BYTES = 1 << 20
+# From this size glibc always maps a block afresh from the OS and unmaps it when freed (its mmap threshold
+# rises with the blocks freed, to at most 32 MiB on 64-bit systems): results a caller uses up at once are kept
+# from here on only.
+MMAP_BYTES = 32 << 20
 # Buffers kept per thread at most: the recurrent kernels take up to seven a layer, forward and backward together.
 MAX_KEPT = 32
 
@@ -71,15 +75,15 @@ def _free(pool: list[Tensor], i: int) -> bool:
     )
 
 
-def applies(like: Tensor, *shape: int) -> bool:
+def applies(like: Tensor, *shape: int, min_bytes: int | None = None) -> bool:
     """Whether :func:`empty` keeps a buffer of ``shape`` like ``like`` (else it is ``like.new_empty(shape)``): a
     plain CPU tensor (no subclass: a fake tensor of a tracer, a transform's wrapper) of at least
-    :data:`MIN_BYTES`."""
+    :data:`MIN_BYTES` (or ``min_bytes``)."""
     return (
         enabled
         and type(like) is Tensor
         and like.device.type == "cpu"
-        and math.prod(shape) * like.element_size() >= MIN_BYTES
+        and math.prod(shape) * like.element_size() >= (MIN_BYTES if min_bytes is None else min_bytes)
     )
 
 

@@ -611,9 +611,10 @@ def test_bad_arguments_raise(make, pattern):
 
 @pytest.fixture
 def kept_workspace(monkeypatch):
-    """The recurrent kernels' buffers kept between calls whatever their size (see batchlayers._workspace), an
-    empty pool before and after."""
+    """The recurrent kernels' buffers and input projections kept between calls whatever their size (see
+    batchlayers._workspace), an empty pool before and after."""
     monkeypatch.setattr(_workspace, "MIN_BYTES", 0)
+    monkeypatch.setattr(_workspace, "MMAP_BYTES", 0)
     _workspace.release()
     yield _workspace._pool()
     _workspace.release()

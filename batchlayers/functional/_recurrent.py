@@ -25,6 +25,7 @@ from torch.autograd.function import once_differentiable
 
 from .. import _workspace
 from .._utils import autocast_enabled, check_call_input, check_parameter, check_weight, is_shared
+from ._mlp import fusable_context
 
 __all__ = ["rnn"]
 
@@ -380,7 +381,7 @@ def _layer(
         # (one thread, (32, 128, 64) x (32, 64, 256): bmm 1.03 ms, baddbmm with the bias 1.55 ms).
         if bias:
             b_rec = _cat_directions([p[2] + p[3] for p in params], 0)  # (D*M, G)
-        projected = torch.bmm(x3, w_in)
+        projected = _project(x3, w_in)
     projected = projected.view(*x.shape[:-1], num_directions, gate_size)
     if time_dim == 2:
         projected = projected.transpose(1, 2)  # (M, T, B, D, G)
@@ -413,6 +414,39 @@ def _layer(
         forward, backward = hs[:num_models], hs[num_models:].flip(1)
         output = torch.cat([forward.movedim(1, output_time_dim), backward.movedim(1, output_time_dim)], -1)
     return output, h_last, c_last
+
+
+def _project(x3: Tensor, w_in: Tensor) -> Tensor:
+    """``x3 @ w_in``; on the CPU from :data:`batchlayers._workspace.MMAP_BYTES` on, in a :func:`fusable_context`,
+    in memory kept between calls (:func:`batchlayers._workspace.returned`): the steps use the projection up
+    within the layer, so the next layer's and the next call's take the same pages instead of new ones from the
+    OS."""
+    shape = (x3.shape[0], x3.shape[1], w_in.shape[2])
+    if not (fusable_context(x3) and _workspace.applies(x3, *shape, min_bytes=_workspace.MMAP_BYTES)):
+        return torch.bmm(x3, w_in)
+    if not _records_projection(x3, [[w_in]]):
+        return torch.bmm(x3, w_in, out=_workspace.returned(x3, *shape))
+    return _KeptProduct.apply(x3, w_in)
+
+
+class _KeptProduct(torch.autograd.Function):
+    """``torch.bmm(a, b)`` into memory kept between calls (:func:`batchlayers._workspace.returned`), with
+    ``bmm``'s backward (written with differentiable ops: a double backward differentiates it)."""
+
+    @staticmethod
+    def forward(a: Tensor, b: Tensor) -> Tensor:
+        return torch.bmm(a, b, out=_workspace.returned(a, a.shape[0], a.shape[1], b.shape[2]))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        a, b = ctx.saved_tensors
+        grad_a = torch.bmm(grad, b.transpose(1, 2)) if ctx.needs_input_grad[0] else None
+        grad_b = torch.bmm(a.transpose(1, 2), grad) if ctx.needs_input_grad[1] else None
+        return grad_a, grad_b
 
 
 def _records_projection(x: Tensor, params: list[Sequence[Tensor]]) -> bool:
