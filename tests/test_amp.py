@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
 import batchlayers as bl
+import batchlayers.functional._linear as linear_module
 from batchlayers import amp
 from batchlayers.optim import SGD, Adam
 
@@ -208,6 +209,20 @@ def _output_tolerance(case: LayerCase, input_dtype: torch.dtype, shared: bool) -
 def test_layer_under_autocast(case: LayerCase, input_dtype: torch.dtype, shared: bool) -> None:
     """float32 layers under autocast, fed float32 (a network's input) or bfloat16 (the output of an autocast
     Linear or convolution before them), in training mode (running statistics updated) and in eval mode."""
+    check_layer_under_autocast(case, input_dtype, shared)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.id.startswith("Linear")], ids=lambda c: c.id)
+@pytest.mark.parametrize("input_dtype", [torch.float32, BF16], ids=["f32_in", "bf16_in"])
+def test_linear_with_its_own_weight_gradient_under_autocast(case, input_dtype, monkeypatch) -> None:
+    """A linear layer with fewer outputs than inputs computes its weight gradient itself where large enough
+    (here at every size); under autocast it leaves that to autograd, which makes autocast's casts (its
+    backward raised "expected scalar type Float but found BFloat16" before)."""
+    monkeypatch.setattr(linear_module, "OUT_MAJOR_MIN_MACS", 0)
+    check_layer_under_autocast(case, input_dtype, shared=False)
+
+
+def check_layer_under_autocast(case: LayerCase, input_dtype: torch.dtype, shared: bool) -> None:
     torch.manual_seed(0)
     batched = case.build(M, torch.float32)
     modules = unbatch(batched, lambda: case.torch(torch.float32))

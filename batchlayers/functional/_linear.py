@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _workspace
-from .._utils import check_call_input, check_parameter, check_weight, is_shared
+from .._utils import autocast_enabled, check_call_input, check_parameter, check_weight, is_shared
 
 __all__ = ["SHARED_PATHS", "linear"]
 
@@ -80,7 +80,9 @@ OUT_MAJOR_MIN_MACS = 1 << 19
 
 
 def _weight_grad_out_major(x3: Tensor, weight: Tensor) -> bool:
-    # Under torch.compile the compiler derives its own backward (and dynamo warns on custom Functions).
+    # Under torch.compile the compiler derives its own backward (and dynamo warns on custom Functions); under
+    # autocast the Function's products would not make autocast's casts (its backward multiplied a bfloat16
+    # gradient with the float32 input and raised).
     out_features, in_features = weight.shape[1:]
     return (
         out_features < in_features
@@ -88,6 +90,7 @@ def _weight_grad_out_major(x3: Tensor, weight: Tensor) -> bool:
         and weight.requires_grad
         and torch.is_grad_enabled()
         and not torch.compiler.is_compiling()
+        and not autocast_enabled(x3)
     )
 
 
