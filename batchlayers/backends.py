@@ -155,11 +155,14 @@ class ConvSettings:
         """Write :attr:`cache` (the measured choices) to a JSON file, atomically; :meth:`load_cache` reads it."""
         entries = [[_encode_key(key), strategy] for key, strategy in self.cache.items()]
         text = json.dumps({"format": "batchlayers.backends.conv cache", "version": 1, "entries": entries})
-        path = os.fspath(path)
-        temporary = f"{path}.tmp-{os.getpid()}"
-        with open(temporary, "w") as f:
-            f.write(text)
-        os.replace(temporary, path)
+        from .checkpoint import _replace_atomically  # (as checkpoints are written: a failed write leaves nothing)
+
+        def write(temporary: str) -> None:
+            with open(temporary, "w") as f:
+                f.write(text)
+
+        path = os.path.abspath(os.fspath(path))
+        _replace_atomically(path, os.path.dirname(path), write)
 
     def load_cache(self, path: str | os.PathLike) -> int:
         """Add the choices saved by :meth:`save_cache` to :attr:`cache` (entries for other devices, dtypes or

@@ -4,6 +4,7 @@ path without M-fold copies, the packed output layout, strategy selection and arg
 from __future__ import annotations
 
 import math
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -425,6 +426,24 @@ def test_tune_times_strategies_inside_the_whole_step(monkeypatch, tmp_path) -> N
     assert backends.conv.cache == chosen
     model(x)
     assert recorder.ran == ["grouped", "loop_channels_last"], "the loaded choices are used"
+
+
+def test_a_failed_save_cache_keeps_the_old_file_and_leaves_nothing(tmp_path, monkeypatch) -> None:
+    """``save_cache`` writes as checkpoints are written: where the write fails (here the final rename), the
+    file saved before is whole and no temporary file is left beside it."""
+    path = tmp_path / "conv.json"
+    backends.conv.save_cache(path)
+    saved = path.read_bytes()
+    backends.conv.cache[("cpu", "float32", "x", "y")] = "grouped"  # (changed, so a new write would differ)
+
+    def failing_replace(source, target):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", failing_replace)
+    with pytest.raises(OSError, match="disk full"):
+        backends.conv.save_cache(path)
+    assert path.read_bytes() == saved
+    assert [p.name for p in tmp_path.iterdir()] == ["conv.json"]
 
 
 @pytest.mark.parametrize(
