@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.autograd.forward_ad as forward_ad
 import torch.nn.functional as F
 from harness import RecordOps, assert_close
 from hypothesis import given, settings
@@ -130,3 +131,37 @@ def test_bias_is_added_apart_only_under_compile(compiling, monkeypatch):
     names = [name for name, is_view, _ in ops.ops if not is_view]
     assert names == (["aten.bmm.default", "aten.add.Tensor"] if compiling else ["aten.baddbmm.default"]), names
     assert_close(y, _loop(x, weight, bias), msg="output")
+
+
+# (forward-mode AD's first use in a process registers torch's jit decompositions, which warn)
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("transform", ["vmap-grad", "forward-ad"])
+def test_torch_func_transforms_take_autograds_weight_gradient(transform, monkeypatch):
+    """Under a torch.func transform the layer leaves its weight gradient to autograd (its own Function has no
+    vmap or jvp rule and raised there): per-sample gradients (``vmap(grad(...))``) and a forward-mode
+    derivative of the batched layer equal those of each model's ``F.linear``."""
+    monkeypatch.setattr(linear_module, "OUT_MAJOR_MIN_MACS", 0)  # (the layer's own path at every size)
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 7, dtype=torch.float64)  # (models, samples, features)
+    weight, bias = torch.randn(3, 2, 7, dtype=torch.float64), torch.randn(3, 2, dtype=torch.float64)
+    tangent = torch.randn_like(weight)
+    if transform == "vmap-grad":
+
+        def loss(w, b, sample):  # one sample per model: (M, 1, in)
+            return linear(sample.unsqueeze(1), w, b).square().sum()
+
+        got = torch.func.vmap(torch.func.grad(loss), in_dims=(None, None, 1))(weight, bias, x)
+        for m in range(3):
+            expected = torch.func.vmap(
+                torch.func.grad(lambda w, sample, m=m: F.linear(sample, w, bias[m]).square().sum()), in_dims=(None, 0)
+            )(weight[m], x[m])
+            assert_close(got[:, m], expected, msg=f"per-sample weight gradients of model {m}")
+    else:
+        with forward_ad.dual_level():
+            dual = forward_ad.make_dual(weight.requires_grad_(), tangent)  # (recorded for backward too)
+            got = forward_ad.unpack_dual(linear(x, dual, bias)).tangent
+            expected = torch.stack(
+                [forward_ad.unpack_dual(F.linear(x[m], forward_ad.make_dual(weight[m], tangent[m]), bias[m])).tangent
+                 for m in range(3)]
+            )  # fmt: skip
+        assert_close(got, expected, msg="forward-mode derivative")

@@ -1,13 +1,14 @@
 from __future__ import annotations
 
 import torch
+import torch.autograd.forward_ad as forward_ad
 import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _workspace
 from .._utils import autocast_enabled, check_call_input, check_parameter, check_weight, is_shared
 
-__all__ = ["SHARED_PATHS", "linear"]
+__all__ = ["SHARED_PATHS", "fusable_context", "linear"]
 
 SHARED_PATHS = ("gemm", "bmm")
 
@@ -79,18 +80,29 @@ def _affine(x3: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 OUT_MAJOR_MIN_MACS = 1 << 19
 
 
+def fusable_context(x: Tensor) -> bool:
+    """No machinery that needs the layers' own ops, so that batchlayers' own autograd Functions may compute
+    them: autocast (whose casts happen per op), compile (the compiler derives its own backward and fuses by
+    itself), a torch.func transform or forward-mode AD (the Functions have no vmap or jvp rule)."""
+    return (
+        not autocast_enabled(x)
+        and not torch.compiler.is_compiling()
+        and not torch._C._are_functorch_transforms_active()
+        and forward_ad._current_level < 0
+    )
+
+
 def _weight_grad_out_major(x3: Tensor, weight: Tensor) -> bool:
-    # Under torch.compile the compiler derives its own backward (and dynamo warns on custom Functions); under
-    # autocast the Function's products would not make autocast's casts (its backward multiplied a bfloat16
-    # gradient with the float32 input and raised).
+    # Not outside a fusable_context: under autocast the Function's products would not make autocast's casts
+    # (its backward multiplied a bfloat16 gradient with the float32 input and raised), under vmap it has no
+    # rule (it raised).
     out_features, in_features = weight.shape[1:]
     return (
         out_features < in_features
         and x3.numel() * out_features >= OUT_MAJOR_MIN_MACS
         and weight.requires_grad
         and torch.is_grad_enabled()
-        and not torch.compiler.is_compiling()
-        and not autocast_enabled(x3)
+        and fusable_context(x3)
     )
 
 

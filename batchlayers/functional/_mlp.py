@@ -18,12 +18,11 @@ unfused layers up to that summation order and the bias's rounding (float64 to ~1
 from __future__ import annotations
 
 import torch
-import torch.autograd.forward_ad as forward_ad
 import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _workspace
-from ._linear import _affine
+from ._linear import _affine, fusable_context
 
 __all__ = ["ACTIVATIONS", "CHAIN_MIN_MACS", "chain_fuses", "fusable_context", "fused_linear_chain"]
 
@@ -38,17 +37,6 @@ _FROM_OUTPUT = ("relu", "tanh")  # backward from the output: the forward may ove
 # M=4, 0.95x at M=16 (246k) and 1.03-1.09x at M=64 (983k); unfused (below this) 0.96-0.97x. CUDA uses the
 # same value, unmeasured (no GPU was available).
 CHAIN_MIN_MACS = 1 << 19
-
-
-def fusable_context(x: Tensor) -> bool:
-    """No machinery that needs the layers' own ops: autocast (whose casts happen per op), compile (the
-    compiler fuses by itself), a torch.func transform or forward-mode AD (the node has no vmap or jvp rule)."""
-    return (
-        not torch.is_autocast_enabled(x.device.type)
-        and not torch.compiler.is_compiling()
-        and not torch._C._are_functorch_transforms_active()
-        and forward_ad._current_level < 0
-    )
 
 
 def chain_fuses(macs: int) -> bool:
