@@ -244,6 +244,12 @@ def check_norm_dtypes(owner: nn.Module | str, x: Tensor, params: Sequence[Tensor
     )
 
 
+def no_function_transforms() -> bool:
+    """Neither a ``torch.func`` transform nor forward-mode AD is active: batchlayers' own autograd Functions, which
+    have no vmap or jvp rule, may run."""
+    return not torch._C._are_functorch_transforms_active() and torch.autograd.forward_ad._current_level < 0
+
+
 def autocast_enabled(x: Tensor) -> bool:
     """Whether autocast is on for ``x``'s device type (``False`` for a device autocast does not know, e.g. meta,
     where ``torch.is_autocast_enabled`` raises)."""

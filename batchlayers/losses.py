@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._utils import is_shared
+from ._utils import is_shared, no_function_transforms
 
 __all__ = [
     "binary_cross_entropy",
@@ -192,7 +192,13 @@ def _classification(
             f"batchlayers.losses.{name}: expected weight of shape ({num_classes},), one per class of the input "
             f"{_fmt(input.shape)}, got {got}"
         )
-    if class_indices and target.device.type == "cpu" and not torch.compiler.is_compiling():
+    # (Not where the values cannot be read: compiled, or under a torch.func transform; torch's kernel checks them.)
+    if (
+        class_indices
+        and target.device.type == "cpu"
+        and not torch.compiler.is_compiling()
+        and not torch._C._are_functorch_transforms_active()
+    ):
         _check_class_indices(name, target, num_classes, ignore_index)
     # Models folded into the batch: one kernel for all models, then each model's part reduced on its own.
     flat_input = input.reshape(num_models * batch, *input.shape[2:])
@@ -257,6 +263,7 @@ def cross_entropy(
         and label_smoothing == 0.0
         and reduction in ("mean", "sum", "none")
         and not torch.compiler.is_compiling()  # it branches on the targets' values; inductor fuses torch's path
+        and no_function_transforms()  # (its Functions have no vmap or jvp rule)
     ):
         _check_classification("cross_entropy", input, target)
         if input.dtype in (torch.float16, torch.bfloat16) and torch.is_autocast_enabled("cpu"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.autograd.forward_ad as forward_ad
 import torch.nn.functional as F
 from harness import RecordOps, assert_close
 from hypothesis import given, settings
@@ -234,6 +235,38 @@ def test_two_class_cross_entropy_formula_matches_loop(reduction, ignore, spatial
     if ignore:
         target[0, :2] = ignore_index
     check_against_loop(BL.cross_entropy, F.cross_entropy, input, target, reduction=reduction, ignore_index=ignore_index)
+
+
+# (forward-mode AD's first use in a process registers torch's jit decompositions, which warn)
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("transform", ["vmap-grad", "forward-ad"])
+def test_two_class_cross_entropy_under_torch_func_transforms(transform) -> None:
+    """Under a torch.func transform or forward-mode AD two classes take torch's path (the formula's Functions
+    have no vmap or jvp rule, and raised there): per-sample gradients and a forward-mode derivative equal
+    torch's cross entropy model by model."""
+    torch.manual_seed(0)
+    input = logits(M, B, 2)
+    target = torch.randint(0, 2, (M, B))
+    if transform == "vmap-grad":
+
+        def loss(x, t):  # one sample per model: (M, 2), (M,)
+            return BL.cross_entropy(x.unsqueeze(1), t.unsqueeze(1)).sum()
+
+        got = torch.func.vmap(torch.func.grad(loss), in_dims=(1, 1))(input, target)  # (B, M, 2)
+        for m in range(M):
+            expected = torch.stack(
+                [torch.func.grad(lambda x, m=m, i=i: F.cross_entropy(x, target[m, i : i + 1]))(input[m, i : i + 1])
+                 for i in range(B)]
+            )  # fmt: skip
+            assert_close(got[:, m], expected.squeeze(1), msg=f"per-sample gradients of model {m}")
+    else:
+        tangent = torch.randn_like(input)
+        with forward_ad.dual_level():
+            dual = forward_ad.make_dual(input.clone().requires_grad_(), tangent)  # (recorded for backward too)
+            got = forward_ad.unpack_dual(BL.cross_entropy(dual, target)).tangent
+            for m in range(M):
+                own = F.cross_entropy(forward_ad.make_dual(input[m].clone(), tangent[m]), target[m])
+                assert_close(got[m], forward_ad.unpack_dual(own).tangent, msg=f"tangent of model {m}")
 
 
 @pytest.mark.parametrize("dtype", [torch.long, torch.int32, torch.uint8])

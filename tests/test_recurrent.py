@@ -11,6 +11,7 @@ import weakref
 
 import pytest
 import torch
+import torch.autograd.forward_ad as forward_ad
 from harness import LayerCase, RecordOps, assert_close, check_init_matches_torch, check_state_dict_layout, unbatch
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence
@@ -161,7 +162,7 @@ def test_network_matches_loop(kind, num_layers, bidirectional, batch_first, bias
 @pytest.mark.parametrize("kind", NETWORKS)
 def test_plain_recurrence_matches_loop(monkeypatch, kind, bidirectional):
     """The differentiable recurrence that torch.compile traces, run eagerly; it supports double backward."""
-    monkeypatch.setattr(_recurrent, "_fused_steps", lambda: False)
+    monkeypatch.setattr(_recurrent, "_fused_steps", lambda x: False)
     torch.manual_seed(0)
     batched, make_torch = build(kind, 3, num_layers=2, bidirectional=bidirectional)
     modules = unbatch(batched, make_torch)
@@ -742,3 +743,43 @@ def test_buffers_kept_under_inference_mode_are_not_written_outside_it(kept_works
         batched(network_input(3, False))
     assert kept_workspace and all(t.is_inference() for t in kept_workspace)
     compare(batched, modules, network_input(3, False), None, shared=False)
+
+
+# (forward-mode AD's first use in a process registers torch's jit decompositions, which warn)
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("transform", ["vmap-grad", "forward-ad"])
+@pytest.mark.parametrize("kind", ["LSTM", "GRU", "RNN_TANH"])
+def test_torch_func_transforms_run_the_plain_recurrence(kind, transform):
+    """Under a torch.func transform or forward-mode AD the layers run the plain recurrence (the fused steps'
+    Functions have no vmap or jvp rule, and raised there): per-sample gradients (``vmap(grad(...))``, time
+    major inputs, one sample per model) and a forward-mode derivative equal those of each model's torch.nn
+    layer."""
+    torch.manual_seed(0)
+    batched, make_torch = build(kind, 3)
+    modules = unbatch(batched, make_torch)
+    x = network_input(3, False)  # (M, T, B, I)
+    params = {k: v.detach() for k, v in batched.named_parameters()}
+    name = "weight_hh_l0"
+    if transform == "vmap-grad":
+
+        def loss(p, sample):  # (M, T, I): one sample per model
+            return torch.func.functional_call(batched, p, (sample.unsqueeze(2),))[0].square().sum()
+
+        got = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 2))(params, x)[name]
+        for m, module in enumerate(modules):  # (torch.nn's own layers do not run under vmap: sample by sample)
+            weight = dict(module.named_parameters())[name]
+            expected = torch.stack(
+                [torch.autograd.grad(module(x[m][:, i : i + 1])[0].square().sum(), weight)[0] for i in range(B)]
+            )
+            assert_close(got[:, m], expected, msg=f"per-sample {name} gradients of model {m}")
+    else:
+        tangent = torch.randn_like(params[name])
+        with forward_ad.dual_level():
+            dual = forward_ad.make_dual(params[name].clone().requires_grad_(), tangent)  # (recorded too)
+            out = torch.func.functional_call(batched, {**params, name: dual}, (x,))[0]
+            got = forward_ad.unpack_dual(out).tangent
+            for m, module in enumerate(modules):
+                own = {k: v.detach() for k, v in module.named_parameters()}
+                own_dual = forward_ad.make_dual(own[name].clone(), tangent[m])
+                own_out = torch.func.functional_call(module, {**own, name: own_dual}, (x[m],))[0]
+                assert_close(got[m], forward_ad.unpack_dual(own_out).tangent, msg=f"tangent of model {m}")

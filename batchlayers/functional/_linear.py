@@ -1,12 +1,18 @@
 from __future__ import annotations
 
 import torch
-import torch.autograd.forward_ad as forward_ad
 import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _workspace
-from .._utils import autocast_enabled, check_call_input, check_parameter, check_weight, is_shared
+from .._utils import (
+    autocast_enabled,
+    check_call_input,
+    check_parameter,
+    check_weight,
+    is_shared,
+    no_function_transforms,
+)
 
 __all__ = ["SHARED_PATHS", "fusable_context", "linear"]
 
@@ -84,12 +90,7 @@ def fusable_context(x: Tensor) -> bool:
     """No machinery that needs the layers' own ops, so that batchlayers' own autograd Functions may compute
     them: autocast (whose casts happen per op), compile (the compiler derives its own backward and fuses by
     itself), a torch.func transform or forward-mode AD (the Functions have no vmap or jvp rule)."""
-    return (
-        not autocast_enabled(x)
-        and not torch.compiler.is_compiling()
-        and not torch._C._are_functorch_transforms_active()
-        and forward_ad._current_level < 0
-    )
+    return not autocast_enabled(x) and not torch.compiler.is_compiling() and no_function_transforms()
 
 
 def _weight_grad_out_major(x3: Tensor, weight: Tensor) -> bool:

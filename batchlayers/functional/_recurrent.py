@@ -25,7 +25,7 @@ from torch.autograd.function import once_differentiable
 
 from .. import _workspace
 from .._utils import autocast_enabled, check_call_input, check_parameter, check_weight, is_shared
-from ._mlp import fusable_context
+from ._linear import fusable_context
 
 __all__ = ["rnn"]
 
@@ -394,7 +394,7 @@ def _layer(
     w_proj = _cat_directions([p[-1] for p in params], 0) if proj_size > 0 else None  # (D*M, H_out, H)
     # Under autocast the plain steps: their matrix multiplies autocast and their elementwise ops promote with the
     # states as torch's composite cells do; the Functions write into buffers of one dtype.
-    fused = _fused_steps() and not autocast_enabled(x)
+    fused = _fused_steps(x)
     if mode == "LSTM":
         steps = _LSTMSteps.apply if fused else _lstm_steps
         hs, h_last, c_last = steps(inputs, b_rec, h0, cast(Tensor, c0), w_rec, w_proj)  # (an LSTM is given c0)
@@ -422,7 +422,7 @@ def _project(x3: Tensor, w_in: Tensor) -> Tensor:
     within the layer, so the next layer's and the next call's take the same pages instead of new ones from the
     OS."""
     shape = (x3.shape[0], x3.shape[1], w_in.shape[2])
-    if not (fusable_context(x3) and _workspace.applies(x3, *shape, min_bytes=_workspace.MMAP_BYTES)):
+    if not (_fused_steps(x3) and _workspace.applies(x3, *shape, min_bytes=_workspace.MMAP_BYTES)):
         return torch.bmm(x3, w_in)
     if not _records_projection(x3, [[w_in]]):
         return torch.bmm(x3, w_in, out=_workspace.returned(x3, *shape))
@@ -469,10 +469,12 @@ def _records_projection(x: Tensor, params: list[Sequence[Tensor]]) -> bool:
 # thread for the small LSTM's (32, 8, 64) x (32, 64, 256) step.
 
 
-def _fused_steps() -> bool:
-    # Under torch.compile the compiler derives its own backward from the plain version (and dynamo would
-    # have to trace the Functions' in-place writes into buffers).
-    return not torch.compiler.is_compiling()
+def _fused_steps(x: Tensor) -> bool:
+    # In a fusable_context: under torch.compile the compiler derives its own backward from the plain version
+    # (and dynamo would have to trace the Functions' in-place writes into buffers); under autocast the plain
+    # steps' ops autocast; under a torch.func transform or forward-mode AD the Functions have no rule (they
+    # raised there).
+    return fusable_context(x)
 
 
 def _with_bias(inputs: Tensor, bias: Tensor | None) -> Tensor:
