@@ -475,3 +475,24 @@ def test_loop_channels_last_gives_a_contiguous_input_a_contiguous_gradient() -> 
         xi = x[i].detach().requires_grad_()
         module(xi).backward(grad_y[i])
         assert_close(grad_x[i], xi.grad, msg=f"model {i}'s input gradient")
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["conv", "conv_transpose"])
+def test_per_sample_gradients_under_vmap(transposed) -> None:
+    """Under a torch.func transform the layers run without channels-last copies (vmap makes none but the
+    contiguous layout, and raised): per-sample weight gradients (``vmap(grad(...))``) equal those of each
+    model's torch.nn layer, sample by sample."""
+    torch.manual_seed(0)
+    batched_cls, torch_cls = (BatchedConvTranspose2d, nn.ConvTranspose2d) if transposed else (BatchedConv2d, nn.Conv2d)
+    batched = batched_cls(3, 3, 4, 3, dtype=torch.float64)  # (3 models)
+    modules = unbatch(batched, lambda: torch_cls(3, 4, 3, dtype=torch.float64))
+    x = torch.randn(3, 2, 3, 6, 6, dtype=torch.float64)
+    params = {k: v.detach() for k, v in batched.named_parameters()}
+
+    def loss(p, sample):  # (M, 3, 6, 6): one sample per model
+        return torch.func.functional_call(batched, p, (sample.unsqueeze(1),)).square().sum()
+
+    got = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 1))(params, x)["weight"]
+    for m, module in enumerate(modules):
+        expected = [torch.autograd.grad(module(x[m, i : i + 1]).square().sum(), module.weight)[0] for i in range(2)]
+        assert_close(got[:, m], torch.stack(expected), msg=f"per-sample weight gradients of model {m}")

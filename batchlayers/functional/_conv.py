@@ -337,6 +337,8 @@ def _timed_run(
 def _apply(strategy: str, x: Tensor, weight: Tensor, bias: Tensor | None, opts: _Options | _TransposeOptions) -> Tensor:
     table = _TRANSPOSE_STRATEGIES if isinstance(opts, _TransposeOptions) else _STRATEGIES
     fn, channels_last = cast("tuple[Callable[..., Tensor], bool]", table[strategy])  # takes opts of its kind
+    # (Not under a torch.func transform: vmap copies into no memory format but the contiguous one.)
+    channels_last = channels_last and not torch._C._are_functorch_transforms_active()
     memory_format = _CHANNELS_LAST.get(weight.dim() - 3) if channels_last else None  # weight: (M, out, in, *k)
     return fn(x, weight, bias, opts._replace(memory_format=memory_format))
 
