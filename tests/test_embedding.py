@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.autograd.forward_ad as forward_ad
 from harness import assert_close, unbatch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -278,3 +279,38 @@ def test_property_matches_loop(
     modules = _reference(layer)
     idx = _indices(num_models, num, sample_shape, shared, torch.int32 if int32 else torch.int64)
     _step_and_compare(layer, modules, idx, "property")
+
+
+# (forward-mode AD's first use in a process registers torch's jit decompositions, which warn)
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("transform", ["vmap-grad", "forward-ad"])
+@pytest.mark.parametrize("padding_idx", [None, 0], ids=["no-padding", "padding"])
+def test_torch_func_transforms(padding_idx, transform) -> None:
+    """Under a torch.func transform or forward-mode AD the lookup neither reads index values (vmap cannot) nor
+    runs its own autograd Function (no vmap or jvp rule): per-sample gradients and a forward-mode derivative
+    equal each model's ``nn.Embedding``'s, the padding row's gradient cut as there (both raised before)."""
+    torch.manual_seed(0)
+    batched = BatchedEmbedding(3, 6, 4, padding_idx=padding_idx, dtype=torch.float64)
+    modules = unbatch(batched, lambda: nn.Embedding(6, 4, padding_idx=padding_idx, dtype=torch.float64))
+    index = torch.randint(0, 6, (3, 2, 5))
+    index[:, :, 0] = 0  # (the padding row, where there is one)
+    weight = batched.weight.detach()
+    if transform == "vmap-grad":
+
+        def loss(w, sample):  # (M, 5): one sample per model
+            return torch.func.functional_call(batched, {"weight": w}, (sample.unsqueeze(1),)).square().sum()
+
+        got = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 1))(weight, index)
+        for m, module in enumerate(modules):
+            expected = [torch.autograd.grad(module(index[m, i]).square().sum(), module.weight)[0] for i in range(2)]
+            assert_close(got[:, m], torch.stack(expected), msg=f"per-sample gradients of model {m}")
+    else:
+        tangent = torch.randn_like(weight)
+        with forward_ad.dual_level():
+            dual = forward_ad.make_dual(weight.clone().requires_grad_(), tangent)  # (recorded for backward too)
+            got = forward_ad.unpack_dual(torch.func.functional_call(batched, {"weight": dual}, (index,))).tangent
+            for m, module in enumerate(modules):
+                own = torch.func.functional_call(
+                    module, {"weight": forward_ad.make_dual(weight[m], tangent[m])}, (index[m],)
+                )
+                assert_close(got[m], forward_ad.unpack_dual(own).tangent, msg=f"tangent of model {m}")

@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .._utils import _fmt, check_call_input, check_weight
+from .._utils import _fmt, check_call_input, check_weight, no_function_transforms
 
 __all__ = ["embedding", "embedding_bag"]
 
@@ -128,8 +128,8 @@ def check_index_range(name: str, input: Tensor, num_embeddings: int) -> None:
     The lookup itself can never read another model's rows; this only gives a clearer message where the check costs
     no device synchronisation and no graph break (CPU, eager).
     """
-    if input.device.type != "cpu" or torch.compiler.is_compiling():
-        return
+    if input.device.type != "cpu" or torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return  # (under a torch.func transform the values cannot be read)
     out_of_range = (input < 0) | (input >= num_embeddings)
     if out_of_range.any():
         position = tuple(out_of_range.nonzero()[0].tolist())
@@ -196,6 +196,15 @@ def lookup(
             raise ValueError("embedding: max_norm renormalises weight in place and needs a contiguous weight")
         with torch.no_grad():
             torch.embedding_renorm_(weight.detach().view(-1, embedding_dim), flat_index, max_norm, norm_type)
+    if padding_idx is not None and not no_function_transforms():
+        # Under a torch.func transform or forward-mode AD (the Function below has no vmap or jvp rule, and cutting
+        # the gradient with torch.where would cut the tangent too): model by model, torch's own padding.
+        return torch.stack(
+            [
+                F.embedding(input[m], weight[m], padding_idx, scale_grad_by_freq=scale_grad_by_freq, sparse=sparse)
+                for m in range(num_models)
+            ]
+        )
     table_rows = num_models * num_embeddings
     if sparse or scale_grad_by_freq:
         # Frequencies of flat rows are frequencies per model, so torch's own kernel gets them right.
