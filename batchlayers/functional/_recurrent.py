@@ -374,7 +374,7 @@ def _layer(
     if bias and mode == "GRU":
         # r multiplies W_hn h + b_hn, so b_hh stays in the recurrence and b_ih goes with the projection.
         b_rec = _cat_directions([p[3] for p in params], 0)
-        projected = torch.baddbmm(_cat_directions([p[2] for p in params], 1).unsqueeze(1), x3, w_in)
+        projected = _project(x3, w_in, _cat_directions([p[2] for p in params], 1).unsqueeze(1))
     else:
         # RNN and LSTM add both biases before any nonlinearity: the recurrence adds b_ih + b_hh to each step's
         # projected input, which costs no extra op there and spares the projection a pass over its output
@@ -416,37 +416,40 @@ def _layer(
     return output, h_last, c_last
 
 
-def _project(x3: Tensor, w_in: Tensor) -> Tensor:
-    """``x3 @ w_in``; on the CPU from :data:`batchlayers._workspace.MMAP_BYTES` on, in a :func:`fusable_context`,
-    in memory kept between calls (:func:`batchlayers._workspace.returned`): the steps use the projection up
-    within the layer, so the next layer's and the next call's take the same pages instead of new ones from the
-    OS."""
+def _project(x3: Tensor, w_in: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``x3 @ w_in`` (plus ``bias``, ``(M, 1, G)``); on the CPU from :data:`batchlayers._workspace.MMAP_BYTES` on,
+    in a :func:`fusable_context`, in memory kept between calls (:func:`batchlayers._workspace.returned`): the
+    steps use the projection up within the layer, so the next layer's and the next call's take the same pages
+    instead of new ones from the OS."""
     shape = (x3.shape[0], x3.shape[1], w_in.shape[2])
     if not (_fused_steps(x3) and _workspace.applies(x3, *shape, min_bytes=_workspace.MMAP_BYTES)):
-        return torch.bmm(x3, w_in)
-    if not _records_projection(x3, [[w_in]]):
-        return torch.bmm(x3, w_in, out=_workspace.returned(x3, *shape))
-    return _KeptProduct.apply(x3, w_in)
+        return torch.bmm(x3, w_in) if bias is None else torch.baddbmm(bias, x3, w_in)
+    if not _records_projection(x3, [[w_in, *([] if bias is None else [bias])]]):
+        return _KeptProduct.forward(x3, w_in, bias)
+    return _KeptProduct.apply(x3, w_in, bias)
 
 
 class _KeptProduct(torch.autograd.Function):
-    """``torch.bmm(a, b)`` into memory kept between calls (:func:`batchlayers._workspace.returned`), with
-    ``bmm``'s backward (written with differentiable ops: a double backward differentiates it)."""
+    """``torch.bmm(a, b)``, or ``torch.baddbmm(bias, a, b)`` with an ``(M, 1, n)`` ``bias``, into memory kept
+    between calls (:func:`batchlayers._workspace.returned`), with their backward (written with differentiable
+    ops: a double backward differentiates it)."""
 
     @staticmethod
-    def forward(a: Tensor, b: Tensor) -> Tensor:
-        return torch.bmm(a, b, out=_workspace.returned(a, a.shape[0], a.shape[1], b.shape[2]))
+    def forward(a: Tensor, b: Tensor, bias: Tensor | None) -> Tensor:
+        out = _workspace.returned(a, a.shape[0], a.shape[1], b.shape[2])
+        return torch.bmm(a, b, out=out) if bias is None else torch.baddbmm(bias, a, b, out=out)
 
     @staticmethod
     def setup_context(ctx, inputs, output) -> None:
-        ctx.save_for_backward(*inputs)
+        ctx.save_for_backward(*inputs[:2])
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         a, b = ctx.saved_tensors
         grad_a = torch.bmm(grad, b.transpose(1, 2)) if ctx.needs_input_grad[0] else None
         grad_b = torch.bmm(a.transpose(1, 2), grad) if ctx.needs_input_grad[1] else None
-        return grad_a, grad_b
+        grad_bias = grad.sum(1, keepdim=True) if ctx.needs_input_grad[2] else None
+        return grad_a, grad_b, grad_bias
 
 
 def _records_projection(x: Tensor, params: list[Sequence[Tensor]]) -> bool:
