@@ -244,10 +244,16 @@ def check_norm_dtypes(owner: nn.Module | str, x: Tensor, params: Sequence[Tensor
     )
 
 
+def function_transform_active() -> bool:
+    """A ``torch.func`` transform (``vmap``, ``grad``, ...) is active: tensor values cannot be read (under
+    ``vmap``) and batchlayers' own autograd Functions have no rule."""
+    return torch._C._are_functorch_transforms_active()
+
+
 def no_function_transforms() -> bool:
     """Neither a ``torch.func`` transform nor forward-mode AD is active: batchlayers' own autograd Functions, which
     have no vmap or jvp rule, may run."""
-    return not torch._C._are_functorch_transforms_active() and torch.autograd.forward_ad._current_level < 0
+    return not function_transform_active() and torch.autograd.forward_ad._current_level < 0
 
 
 def autocast_enabled(x: Tensor) -> bool:

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._utils import is_shared, no_function_transforms
+from ._utils import function_transform_active, is_shared, no_function_transforms
 
 __all__ = [
     "binary_cross_entropy",
@@ -197,7 +197,7 @@ def _classification(
         class_indices
         and target.device.type == "cpu"
         and not torch.compiler.is_compiling()
-        and not torch._C._are_functorch_transforms_active()
+        and not function_transform_active()
     ):
         _check_class_indices(name, target, num_classes, ignore_index)
     # Models folded into the batch: one kernel for all models, then each model's part reduced on its own.

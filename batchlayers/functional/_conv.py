@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import backends
-from .._utils import _fmt, check_call_input, check_parameter, is_shared
+from .._utils import _fmt, check_call_input, check_parameter, function_transform_active, is_shared
 
 __all__ = ["conv", "conv_transpose", "heuristic_strategy", "heuristic_transpose_strategy", "padding_for_pad"]
 
@@ -338,7 +338,7 @@ def _apply(strategy: str, x: Tensor, weight: Tensor, bias: Tensor | None, opts: 
     table = _TRANSPOSE_STRATEGIES if isinstance(opts, _TransposeOptions) else _STRATEGIES
     fn, channels_last = cast("tuple[Callable[..., Tensor], bool]", table[strategy])  # takes opts of its kind
     # (Not under a torch.func transform: vmap copies into no memory format but the contiguous one.)
-    channels_last = channels_last and not torch._C._are_functorch_transforms_active()
+    channels_last = channels_last and not function_transform_active()
     memory_format = _CHANNELS_LAST.get(weight.dim() - 3) if channels_last else None  # weight: (M, out, in, *k)
     return fn(x, weight, bias, opts._replace(memory_format=memory_format))
 

@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .._utils import _fmt, check_call_input, check_weight, no_function_transforms
+from .._utils import _fmt, check_call_input, check_weight, function_transform_active, no_function_transforms
 
 __all__ = ["embedding", "embedding_bag"]
 
@@ -128,7 +128,7 @@ def check_index_range(name: str, input: Tensor, num_embeddings: int) -> None:
     The lookup itself can never read another model's rows; this only gives a clearer message where the check costs
     no device synchronisation and no graph break (CPU, eager).
     """
-    if input.device.type != "cpu" or torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+    if input.device.type != "cpu" or torch.compiler.is_compiling() or function_transform_active():
         return  # (under a torch.func transform the values cannot be read)
     out_of_range = (input < 0) | (input >= num_embeddings)
     if out_of_range.any():
