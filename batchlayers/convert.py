@@ -652,6 +652,14 @@ def _torch_counterpart(kind: type) -> Callable[[nn.Module], nn.Module] | None:
     return to_torch
 
 
+def _bare_sequence_layer(module: nn.Module) -> bool:
+    """Whether ``module`` is a batched recurrent or attention layer on its own. It has ``num_models`` as a
+    stacked model has, but ``stack`` never makes one (it leaves those layers to per-model code), so it was built
+    by hand; the stacked model's path would keep its class (no registered counterpart) and drop its model
+    count."""
+    return type(module) not in _BY_BATCHED and _torch_counterpart(type(module)) is not None
+
+
 def _one_model(module: nn.Module, path: str, index: int, made: dict[int, Tensor]) -> nn.Module:
     """Model ``index`` of a module built from batched layers, as ordinary torch.nn modules (``made``: the
     tensors sliced so far, so that tied weights stay tied)."""
@@ -788,8 +796,8 @@ def unstack(batched: nn.Module) -> list[nn.Module]:
     module is refused (its ``forward`` was written for all models' ``(M, B, *)`` tensors), and so are hooks."""
     num_models = _require_stacked(batched, "unstack")
     load_builtins()
-    if not isinstance(getattr(batched, "num_models", None), int):  # built from batched layers by hand
-        return [_one_model(batched, "", i, {}) for i in range(num_models)]
+    if not isinstance(getattr(batched, "num_models", None), int) or _bare_sequence_layer(batched):
+        return [_one_model(batched, "", i, {}) for i in range(num_models)]  # built from batched layers by hand
     stacked = _stacked_tensors(batched)
     samples = _samples_held(_attribute_tensors(batched), "unstack")
     models = []

@@ -98,8 +98,40 @@ def _layer_pair():
     )
 
 
+def _recurrent_layer_pair():
+    """A bare recurrent layer (no container around it): stack leaves these to per-model code, so the model is
+    the layer itself."""
+    return (
+        (lambda: nn.GRU(5, 6, num_layers=2, bidirectional=True)),
+        bl.BatchedGRU(M, 5, 6, num_layers=2, bidirectional=True),
+        lambda lead: torch.randn(*lead, 3, 4, 5, dtype=F64),
+        lambda model, x: model(x)[0],
+    )
+
+
+def _cell_pair():
+    return (
+        (lambda: nn.LSTMCell(5, 6)),
+        bl.BatchedLSTMCell(M, 5, 6),
+        lambda lead: torch.randn(*lead, 4, 5, dtype=F64),
+        lambda model, x: model(x)[1],
+    )
+
+
+def _attention_pair():
+    return (
+        (lambda: nn.MultiheadAttention(6, 2, batch_first=True, add_bias_kv=True)),
+        bl.BatchedMultiheadAttention(M, 6, 2, batch_first=True, add_bias_kv=True),
+        lambda lead: torch.randn(*lead, 4, 3, 6, dtype=F64),
+        lambda model, x: model(x, x, x)[0],
+    )
+
+
 PAIRS = {
     "one-layer": _layer_pair,
+    "one-recurrent-layer": _recurrent_layer_pair,
+    "one-cell": _cell_pair,
+    "one-attention-layer": _attention_pair,
     "mlp": _mlp_pair,
     "cnn-bn-folded": _cnn_pair,
     "moduledict-tokens": _tokens_pair,
