@@ -6,7 +6,9 @@ of a few MiB allocated every training step is page-faulted in afresh every step 
 allocate such buffers for every step's gates and cell states, the fused linear chain
 (``batchlayers/functional/_mlp.py``) for its hidden activations and their gradients; :func:`empty` hands them a
 buffer that an earlier call allocated and nobody holds any more, so the pages stay mapped; the fused chain's
-weight gradients, which autograd keeps as the parameters' ``.grad``, come from :func:`returned`.
+weight gradients, which autograd keeps as the parameters' ``.grad``, come from :func:`returned`, and the
+per-model convolution loops stack their models' results (and, in backward, their input gradients) with
+:func:`stack` and :func:`unbind`.
 
 A kept buffer is handed out only when the pool holds the one reference to it and to its storage: a buffer
 saved for a backward that has not run, viewed, or held by a gradient is never reused. Buffers are kept per
@@ -22,11 +24,27 @@ from __future__ import annotations
 import math
 import sys
 import threading
+from collections.abc import Sequence
+from typing import cast
 
 import torch
 from torch import Tensor
 
-__all__ = ["AVAILABLE", "MAX_KEPT", "MIN_BYTES", "MMAP_BYTES", "applies", "empty", "release", "returned", "take"]
+from ._utils import no_function_transforms
+
+__all__ = [
+    "AVAILABLE",
+    "MAX_KEPT",
+    "MIN_BYTES",
+    "MMAP_BYTES",
+    "applies",
+    "empty",
+    "release",
+    "returned",
+    "stack",
+    "take",
+    "unbind",
+]
 
 # Smaller buffers are allocated as usual: glibc reuses blocks this small from its heap (its mmap threshold
 # starts at 128 KiB and rises to the largest block freed), so keeping them saves no page faults and costs the
@@ -133,6 +151,93 @@ def take(like: Tensor, *shape: int) -> Tensor:
     pool[:] = [pool[i] for i in range(len(pool)) if i not in dropped][-(MAX_KEPT - 1) :]
     pool.append(t)
     return t
+
+
+def _dense_shape(first: Tensor) -> tuple[int, ...] | None:
+    """``first``'s sizes from its largest stride down, where it is dense in that order (a contiguous or
+    channels-last tensor): the shape of a contiguous buffer that holds it; None for gaps, overlaps or a size-1
+    dimension's free stride."""
+    strides = first.stride()
+    order = sorted(range(first.dim()), key=lambda d: (-strides[d], d))
+    expected = 1
+    for d in reversed(order):
+        if strides[d] != expected:
+            return None
+        expected *= first.shape[d]
+    return tuple(first.shape[d] for d in order)
+
+
+def _stacks(tensors: Sequence[Tensor]) -> bool:
+    """Whether :func:`stack` keeps the result: one dense layout (see :func:`_dense_shape`) of a size that
+    :func:`applies`, outside compile, a torch.func transform and forward AD (a Function without their rules)."""
+    first = tensors[0]
+    shape = _dense_shape(first)
+    return (
+        shape is not None
+        and applies(first, len(tensors), *shape)
+        and all(
+            t.shape == first.shape and t.stride() == first.stride() and t.dtype == first.dtype and type(t) is Tensor
+            for t in tensors
+        )
+        and not torch.compiler.is_compiling()
+        and no_function_transforms()
+    )
+
+
+def _stacked_empty(first: Tensor, count: int) -> Tensor:
+    """A new ``(count, *first.shape)`` tensor whose slices are laid out as ``first``, on a kept buffer's memory
+    (as :func:`returned`: its own tensor, not a view, so that autograd treats it as a fresh result)."""
+    buffer = take(first, count, *cast(tuple[int, ...], _dense_shape(first)))  # (dense: checked by _stacks)
+    out = first.new_empty(0)
+    return out.set_(buffer.untyped_storage(), 0, (count, *first.shape), (first.numel(), *first.stride()))
+
+
+def _stacked_copy(tensors: Sequence[Tensor]) -> Tensor:
+    out = _stacked_empty(tensors[0], len(tensors))
+    for part, t in zip(out.unbind(0), tensors):
+        part.copy_(t)
+    return out
+
+
+class _Stack(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, *tensors: Tensor) -> Tensor:
+        return _stacked_copy(tensors)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, ...]:
+        return grad.unbind(0)  # (as torch.stack's backward: views)
+
+
+class _Unbind(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor) -> tuple[Tensor, ...]:
+        return x.unbind(0)
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor) -> Tensor:
+        # (an unused slice's gradient comes as zeros: a Function's gradients are materialized by default)
+        if torch.is_grad_enabled() or not _stacks(grads):  # (create_graph: a result autograd records)
+            return torch.stack(grads)
+        return _stacked_copy(grads)
+
+
+def stack(tensors: Sequence[Tensor]) -> Tensor:
+    """``torch.stack(tensors)`` of tensors of one shape and dense layout (the models' results of a per-model
+    loop), each slice in their layout, into kept memory where it is large enough (:func:`applies`): a
+    convolution loop's stacked output is as large as a layer's activations, which glibc maps afresh every step
+    otherwise. The backward gives the gradient's slices, as ``torch.stack``'s. Small, strided or mixed
+    tensors, and compiled or transformed code, take ``torch.stack``."""
+    return _Stack.apply(*tensors) if _stacks(tensors) else torch.stack(tuple(tensors))
+
+
+def unbind(x: Tensor) -> tuple[Tensor, ...]:
+    """``x.unbind(0)``, whose backward stacks the slices' gradients as :func:`stack` does (autograd's own stacks
+    them into fresh memory). Only where gradients are recorded into ``x`` and no transform or compile needs
+    torch's op; else ``x.unbind(0)``."""
+    if x.requires_grad and torch.is_grad_enabled() and not torch.compiler.is_compiling() and no_function_transforms():
+        return _Unbind.apply(x)
+    return x.unbind(0)
 
 
 def release() -> None:

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from batchlayers import backends
+from batchlayers import _workspace, backends
 from batchlayers.conv import (
     BatchedConv1d,
     BatchedConv2d,
@@ -67,7 +67,7 @@ def _build(config, num_models, dtype=torch.float64, classes=CLASSES):
 @pytest.mark.parametrize("shared", [False, True], ids=["per_model", "shared"])
 @pytest.mark.parametrize("strategy", backends.CONV_STRATEGIES)
 @pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
-def test_every_strategy_matches_loop(config, strategy: str, shared: bool) -> None:
+def test_every_strategy_matches_loop(config, strategy: str, shared: bool, kept: bool) -> None:
     torch.manual_seed(0)
     batched, modules, make_input = _build(config, num_models=3)
     batched.strategy = strategy
@@ -496,3 +496,51 @@ def test_per_sample_gradients_under_vmap(transposed) -> None:
     for m, module in enumerate(modules):
         expected = [torch.autograd.grad(module(x[m, i : i + 1]).square().sum(), module.weight)[0] for i in range(2)]
         assert_close(got[:, m], torch.stack(expected), msg=f"per-sample weight gradients of model {m}")
+
+
+@pytest.mark.parametrize("strategy", ["loop", "loop_channels_last"])
+def test_kept_loop_results_are_never_written_while_held(strategy: str, monkeypatch) -> None:
+    """The loops' stacked outputs and input gradients in kept memory (every size here): a result or gradient
+    the caller still holds is never written by a later call, each equals the torch.nn loop (after an in-place
+    op on the output, with only some models' outputs used, differentiated twice), the layout is torch.stack's,
+    and once dropped the next call writes into kept memory instead of new."""
+    monkeypatch.setattr(_workspace, "MIN_BYTES", 0)
+    _workspace.release()
+    torch.manual_seed(0)
+    batched, modules, make_input = _build(CONFIGS["2d-plain"], num_models=3)
+    batched.strategy = strategy
+
+    def step(loss_of, create_graph=False):
+        """The batched and the loop's output and input gradient of ``loss_of(output)``, compared."""
+        x = make_input((3, 5))
+        xb, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+        y = batched(xb)
+        ys = torch.stack([m(xr[i]) for i, m in enumerate(modules)])
+        assert_close(y, ys, msg="output")
+        (gb,) = torch.autograd.grad(loss_of(y), xb, create_graph=create_graph)
+        (gr,) = torch.autograd.grad(loss_of(ys), xr, create_graph=create_graph)
+        assert_close(gb, gr, msg="input gradient")
+        if create_graph:
+            wb = torch.autograd.grad(gb.square().sum(), batched.weight)[0]
+            wr = torch.stack(torch.autograd.grad(gr.square().sum(), [m.weight for m in modules]))
+            assert_close(wb, wr, msg="second-order weight gradient")
+        return y, gb
+
+    monkeypatch.setattr(_workspace, "MIN_BYTES", 1 << 62)
+    allocated_layout = step(lambda y: y.sum())[0].stride()
+    monkeypatch.setattr(_workspace, "MIN_BYTES", 0)
+    held = step(lambda y: y.square().sum())
+    assert held[0].stride() == allocated_layout
+    copies = [t.clone() for t in held]
+    for loss_of in (lambda y: y.square().sum(), lambda y: y.relu_().sum(), lambda y: y[1].sum()):
+        step(loss_of)
+    step(lambda y: y.square().sum(), create_graph=True)
+    assert all(torch.equal(t, c) for t, c in zip(held, copies)), "a held result was written"
+    pointers = {t.data_ptr() for t in held}
+    del held, copies
+    pool = len(_workspace._pool())
+    again = step(lambda y: y.square().sum())
+    assert {t.data_ptr() for t in again} <= {b.data_ptr() for b in _workspace._pool()}, "not in kept memory"
+    assert len(_workspace._pool()) == pool, "new buffers where dropped ones were free"
+    assert pointers & {t.data_ptr() for t in again}, "the dropped results' memory was not reused"
+    _workspace.release()

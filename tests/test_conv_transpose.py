@@ -44,7 +44,7 @@ def _build(config, num_models, dtype=torch.float64):
 @pytest.mark.parametrize("shared", [False, True], ids=["per_model", "shared"])
 @pytest.mark.parametrize("strategy", backends.CONV_STRATEGIES)
 @pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
-def test_every_strategy_matches_loop(config, strategy: str, shared: bool) -> None:
+def test_every_strategy_matches_loop(config, strategy: str, shared: bool, kept: bool) -> None:
     torch.manual_seed(0)
     batched, modules, make_input = _build(config, num_models=3)
     batched.strategy = strategy

@@ -36,7 +36,7 @@ ARCHITECTURES = {
 
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
 @pytest.mark.parametrize("num_models", [1, 3])
-def test_matches_original_models(arch: str, num_models: int) -> None:
+def test_matches_original_models(arch: str, num_models: int, kept: bool) -> None:
     factory, make_input = ARCHITECTURES[arch]
     models = [seeded(factory, i) for i in range(num_models)]
     references = [seeded(factory, i) for i in range(num_models)]

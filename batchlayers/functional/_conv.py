@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .. import backends
+from .. import _workspace, backends
 from .._utils import _fmt, check_call_input, check_parameter, function_transform_active, is_shared
 
 __all__ = ["conv", "conv_transpose", "heuristic_strategy", "heuristic_transpose_strategy", "padding_for_pad"]
@@ -139,7 +139,11 @@ class _GradientInInputLayout(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> Tensor:
-        return grad.contiguous() if ctx.contiguous else grad
+        if not ctx.contiguous or grad.is_contiguous():
+            return grad
+        if torch.is_grad_enabled() or not _workspace.applies(grad, *grad.shape):  # (create_graph: recorded)
+            return grad.contiguous()
+        return _workspace.returned(grad, *grad.shape).copy_(grad)  # (kept memory, as the loops' stacks)
 
 
 def _loop(x: Tensor, weight: Tensor, bias: Tensor | None, opts: _Options) -> Tensor:
@@ -157,9 +161,12 @@ def _loop(x: Tensor, weight: Tensor, bias: Tensor | None, opts: _Options) -> Ten
         inputs: Sequence[Tensor] = [x0] * num_models
         opts = opts._replace(padding=padding, padding_mode="zeros")
     else:
-        inputs = x.unbind(0)
+        inputs = _workspace.unbind(x)
     biases = [None] * num_models if bias is None else bias.unbind(0)
-    return torch.stack([_dense(xm, wm, bm, opts, opts.groups) for xm, wm, bm in zip(inputs, weight.unbind(0), biases)])
+    # kept memory: the stacked result is a whole layer's activations, which glibc would map afresh every step
+    return _workspace.stack(
+        [_dense(xm, wm, bm, opts, opts.groups) for xm, wm, bm in zip(inputs, weight.unbind(0), biases)]
+    )
 
 
 _STRATEGIES = {
@@ -214,9 +221,9 @@ def _loop_transpose(x: Tensor, weight: Tensor, bias: Tensor | None, opts: _Trans
         x0 = x[0] if opts.memory_format is None else x[0].contiguous(memory_format=opts.memory_format)
         inputs: Sequence[Tensor] = [x0] * num_models  # converted once, not once per model
     else:
-        inputs = x.unbind(0)
+        inputs = _workspace.unbind(x)
     biases = [None] * num_models if bias is None else bias.unbind(0)
-    return torch.stack(
+    return _workspace.stack(
         [_dense_transpose(xm, wm, bm, opts, opts.groups) for xm, wm, bm in zip(inputs, weight.unbind(0), biases)]
     )
 
