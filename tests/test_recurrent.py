@@ -208,7 +208,7 @@ def _force_per_model_kernels(monkeypatch) -> list[int]:
 @pytest.mark.parametrize("kind", ["LSTM", "LSTM_PROJ"])
 @pytest.mark.filterwarnings("ignore:LSTM with projections is not supported with oneDNN")
 def test_lstm_per_model_kernels_match_loop(
-    monkeypatch, kind, num_layers, bidirectional, batch_first, with_h0, shared, dtype
+    monkeypatch, kind, num_layers, bidirectional, batch_first, with_h0, shared, dtype, kept
 ):
     """The per-model path (torch's own LSTM kernel once per model, chosen for few models with large matrix
     multiplies), forced at these small sizes: outputs, states and every gradient equal the loop's."""
@@ -221,6 +221,36 @@ def test_lstm_per_model_kernels_match_loop(
     hx = initial_state(kind, 3, (num_layers * (2 if bidirectional else 1), B), dtype) if with_h0 else None
     compare(batched, modules, x, hx, shared=shared)
     assert calls == [1]
+
+
+def test_lstm_per_model_kernels_never_write_held_results(monkeypatch, kept_workspace):
+    """The per-model path's stacked output, input gradient and weight gradients in kept memory (every size
+    here): held across later steps they are never written, the later steps still equal the loop, and once
+    dropped their memory is used again instead of new."""
+    _force_per_model_kernels(monkeypatch)
+    torch.manual_seed(0)
+    batched, make_torch = build("LSTM", 3, num_layers=2)
+    modules = unbatch(batched, make_torch)
+    x = network_input(3, False).requires_grad_()
+    out = batched(x)[0]
+    out.square().sum().backward()
+    held = [out, x.grad, *(p.grad for p in batched.parameters())]
+    copies = [t.clone() for t in held]
+    for step in range(2):
+        batched.zero_grad()
+        for m in modules:
+            m.zero_grad()
+        compare(batched, modules, network_input(3, False), None, shared=False, where=f"(step {step})")
+    assert all(torch.equal(t, c) for t, c in zip(held, copies)), "a held result was written"
+    pointers = {t.data_ptr() for t in held}
+    del out, held, copies
+    x.grad = None
+    for m in (batched, *modules):
+        m.zero_grad()
+    compare(batched, modules, network_input(3, False), None, shared=False, where="(after dropping)")
+    again = {p.grad.data_ptr() for p in batched.parameters()}
+    assert again & pointers, "the dropped gradients' memory was not reused"
+    assert again <= {b.data_ptr() for b in kept_workspace}, "weight gradients not in kept memory"
 
 
 @pytest.mark.parametrize("per_model", [False, True], ids=["batched", "per_model_kernels"])
