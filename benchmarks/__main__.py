@@ -437,7 +437,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in args.workloads:
         workload = WORKLOADS[name]
         print(f"- {name}: {workload.description}, batch {args.batch_size or workload.batch_size} per model")
-    print(f"\nmemory: {setup['memory_method']}; held MB = parameters, gradients, optimizer state and data")
+    held = "parameters, gradients, optimizer state, data and batchlayers' kept buffers"
+    print(f"\nmemory: {setup['memory_method']}; held MB = {held}")
     print(f"results: {path}")
     if args.plot:
         png = path.with_suffix(".png")

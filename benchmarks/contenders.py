@@ -44,7 +44,7 @@ class Runner:
     ``step()`` runs one training step or one inference and returns what the contender computed per model
     (losses ``(M,)`` for training, outputs ``(M, B, ..., C)`` for inference) as a tensor or list of tensors.
     ``holds()`` lists the tensors the contender keeps between steps (parameters, gradients, optimizer state,
-    data), for the memory report.
+    data, batchlayers' kept buffers), for the memory report.
     """
 
     name: str
@@ -234,7 +234,15 @@ def _batchlayers(
     note = "the shared batch copied per model" if copies else ""
     if execution != "batched":
         name, note = MODEL_BY_MODEL, "stack(models, execution='model_by_model')"
-    return Runner(name, step, lambda: holds() + list(model.buffers()) + [x, y], note)
+    return Runner(name, step, lambda: holds() + list(model.buffers()) + [x, y] + _kept_buffers(), note)
+
+
+def _kept_buffers() -> list[Tensor]:
+    """The buffers batchlayers' own kernels keep between steps on this thread (``batchlayers._workspace``): held
+    memory like the optimizer state, allocated before a measured step and so not in its peak."""
+    from batchlayers import _workspace
+
+    return list(_workspace._pool())
 
 
 def _reference(workload: Workload, models, x, y, train, compile, optim_impl) -> Runner:

@@ -10,8 +10,10 @@ import json
 import pytest
 import torch
 
+from batchlayers import _workspace
 from benchmarks.__main__ import _merge_kept, main
-from benchmarks.measure import peak_step_bytes
+from benchmarks.contenders import build_runner
+from benchmarks.measure import held_bytes, peak_step_bytes
 from benchmarks.workloads import WORKLOADS
 
 BUILT_FROM_LAYERS = [name for name, w in WORKLOADS.items() if w.batched == "layers"]
@@ -89,6 +91,25 @@ def test_peak_step_memory_counts_what_the_step_frees(free_first):
 
     expected = 4 * temporary + (0 if free_first else 4 * 1_000_000)
     assert [peak_step_bytes(step, torch.device("cpu")) for _ in range(3)] == [expected] * 3
+
+
+def test_held_memory_counts_the_buffers_batchlayers_keeps(monkeypatch):
+    """The kept buffers (here every size: a small CNN's stacked convolution outputs and gradients) are memory
+    batchlayers holds between steps; allocated before a measured step, they are in no step's peak, so the
+    contender's held memory counts them."""
+    monkeypatch.setattr(_workspace, "MIN_BYTES", 0)
+    _workspace.release()
+    workload = WORKLOADS["cnn"]
+    torch.manual_seed(0)
+    models = [workload.make_model() for _ in range(2)]
+    x, y = workload.make_data((2, 4), torch.Generator().manual_seed(0))
+    runner = build_runner("batchlayers", workload, models, x, y, train=True)
+    runner.step()
+    kept = list(_workspace._pool())
+    assert kept
+    others = [t for t in runner.holds() if all(t is not k for k in kept)]
+    assert held_bytes(runner.holds()) == held_bytes(others + kept) > held_bytes(others)
+    _workspace.release()
 
 
 def test_csv_output_and_loop_cap(tmp_path):
