@@ -25,7 +25,6 @@ import math
 import sys
 import threading
 from collections.abc import Sequence
-from typing import cast
 
 import torch
 from torch import Tensor
@@ -120,19 +119,33 @@ def returned(like: Tensor, *shape: int) -> Tensor:
     return take(like, *shape).detach() if applies(like, *shape) else like.new_empty(shape)
 
 
-def take(like: Tensor, *shape: int) -> Tensor:
-    """A kept buffer of ``shape`` like ``like``, one that is free or a new one, where :func:`applies` holds."""
+def take(like: Tensor, *shape: int, fits: bool = False) -> Tensor:
+    """A kept buffer of ``shape`` like ``like``, one that is free or a new one, where :func:`applies` holds.
+
+    With ``fits``, ``shape`` is one size and the smallest free flat buffer of at least that many elements
+    serves: for a result that only borrows a buffer's memory (:func:`stack`), so that results of different
+    sizes that are never alive at once (a convolution's output that its activation consumes, a later layer's,
+    an input gradient in backward) share one buffer instead of each keeping its own."""
     pool = _pool()
     inference = torch.is_inference_mode_enabled()  # (a buffer made under inference mode is written only there)
-    for i in range(len(pool)):
-        if (
-            pool[i].shape == shape
-            and pool[i].dtype == like.dtype
-            and (inference or not pool[i].is_inference())
-            and _free(pool, i)
-        ):
-            pool.append(pool.pop(i))  # (most recently used last)
-            return pool[-1]
+    found = None
+    for i in range(len(pool)):  # (pool[i], never a name: _free counts the references to it)
+        if pool[i].dtype != like.dtype or not (inference or not pool[i].is_inference()):
+            continue
+        if fits:
+            if pool[i].dim() != 1 or pool[i].numel() < shape[0]:
+                continue
+            if found is not None and pool[i].numel() >= pool[found].numel():
+                continue
+        elif pool[i].shape != shape:
+            continue
+        if _free(pool, i):
+            found = i
+            if not fits:
+                break
+    if found is not None:
+        pool.append(pool.pop(found))  # (most recently used last)
+        return pool[-1]
     # A miss: the first calls, more buffers in use at once than before, or other shapes (another sequence
     # length). Free buffers are dropped, least recently used first, while they add up to more than the most
     # ever in use at once: a steady run keeps its buffers, a run of changing shapes holds about one step's
@@ -187,7 +200,7 @@ def _stacks(tensors: Sequence[Tensor]) -> bool:
 def _stacked_empty(first: Tensor, count: int) -> Tensor:
     """A new ``(count, *first.shape)`` tensor whose slices are laid out as ``first``, on a kept buffer's memory
     (as :func:`returned`: its own tensor, not a view, so that autograd treats it as a fresh result)."""
-    buffer = take(first, count, *cast(tuple[int, ...], _dense_shape(first)))  # (dense: checked by _stacks)
+    buffer = take(first, count * first.numel(), fits=True)  # (dense in first's layout: checked by _stacks)
     out = first.new_empty(0)
     return out.set_(buffer.untyped_storage(), 0, (count, *first.shape), (first.numel(), *first.stride()))
 

@@ -544,3 +544,26 @@ def test_kept_loop_results_are_never_written_while_held(strategy: str, monkeypat
     assert len(_workspace._pool()) == pool, "new buffers where dropped ones were free"
     assert pointers & {t.data_ptr() for t in again}, "the dropped results' memory was not reused"
     _workspace.release()
+
+
+def test_kept_loop_results_of_different_sizes_share_a_buffer(monkeypatch) -> None:
+    """A stacked output that dies within the step (its ReLU's output is what backward keeps) leaves its kept
+    buffer to the next layer's smaller output: one buffer for both, not one kept per size; the results still
+    equal the torch.nn loop."""
+    monkeypatch.setattr(_workspace, "MIN_BYTES", 0)
+    _workspace.release()
+    torch.manual_seed(0)
+    first, first_loop, make_input = _build((2, 3, 4, 3, (6, 6), dict(padding=1)), num_models=3)
+    second, second_loop, _ = _build((2, 4, 2, 3, (6, 6), dict(padding=1)), num_models=3)
+    for layer in (first, second):
+        layer.strategy = "loop_channels_last"
+    x = make_input((3, 5))
+    out = first(x)
+    address = out.data_ptr()
+    hidden = out.relu()
+    del out
+    result = second(hidden)
+    assert result.data_ptr() == address, "the smaller output took a buffer of its own"
+    expected = torch.stack([s(f(x[i]).relu()) for i, (f, s) in enumerate(zip(first_loop, second_loop))])
+    assert_close(result, expected, msg="output")
+    _workspace.release()
