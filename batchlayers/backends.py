@@ -283,12 +283,12 @@ class CpuSettings:
 
         The recurrent layers' kernels allocate every step's gates and cell states, and their gradients, as a few
         buffers of several MiB, and so does ``BatchedSequential``'s fused Linear-activation-Linear chain for its
-        hidden activations at large M, and the per-model convolution loops for their stacked outputs and input
-        gradients; kept (from 1 MiB on), they are not page-faulted in afresh each training step. A buffer is
-        reused only once nothing holds it any more (not a pending backward, a view or a gradient), per thread;
-        when the shapes change the free ones are dropped. The cost is memory: the last call's buffers stay
-        allocated (:meth:`release_workspace` frees them). Unlike :meth:`keep_freed_memory`, no allocator setting
-        changes.
+        hidden activations at large M, and the per-model convolution loops and LSTM kernels for their stacked
+        outputs and gradients; kept (from 1 MiB on), they are not page-faulted in afresh each training step.
+        A buffer is reused only once nothing holds it any more (not a pending backward, a view or a gradient),
+        per thread; when the shapes change the free ones are dropped. The cost is memory: the last call's
+        buffers stay allocated (:meth:`release_workspace` frees them). Unlike :meth:`keep_freed_memory`, no
+        allocator setting changes.
         Measured on the benchmark's LSTM policies (M=32, 2-core CPU, three processes each, alternating):
         14.8-18.1 ms a training step with 2,500-4,100 page faults without it, 11.5-12.0 ms with 290-870; the
         10-20-2 MLP at M=1024: 8.4-9.2x one model's step without, 8.2-8.7x with in a two-contender script,
