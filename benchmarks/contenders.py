@@ -234,14 +234,19 @@ def _batchlayers(
     note = "the shared batch copied per model" if copies else ""
     if execution != "batched":
         name, note = MODEL_BY_MODEL, "stack(models, execution='model_by_model')"
-    return Runner(name, step, lambda: holds() + list(model.buffers()) + [x, y] + _kept_buffers(), note)
+    # (the kept buffers first: their step replaces the gradients that holds() lists)
+    return Runner(name, step, lambda: _kept_buffers(step) + holds() + list(model.buffers()) + [x, y], note)
 
 
-def _kept_buffers() -> list[Tensor]:
-    """The buffers batchlayers' own kernels keep between steps on this thread (``batchlayers._workspace``): held
-    memory like the optimizer state, allocated before a measured step and so not in its peak."""
+def _kept_buffers(step: Callable[[], object]) -> list[Tensor]:
+    """The buffers batchlayers' own kernels keep between steps (``batchlayers._workspace``): held memory like the
+    optimizer state, allocated before a measured step and so not in its peak. The pool is the thread's, shared
+    by every batchlayers contender the process runs, so this contender's are those one step of its own leaves
+    in an emptied pool (after the timing: the step changes nothing that is reported)."""
     from batchlayers import _workspace
 
+    _workspace.release()
+    step()
     return list(_workspace._pool())
 
 

@@ -96,7 +96,7 @@ def test_peak_step_memory_counts_what_the_step_frees(free_first):
 def test_held_memory_counts_the_buffers_batchlayers_keeps(monkeypatch):
     """The kept buffers (here every size: a small CNN's stacked convolution outputs and gradients) are memory
     batchlayers holds between steps; allocated before a measured step, they are in no step's peak, so the
-    contender's held memory counts them."""
+    contender's held memory counts them, its own only (the pool is shared by the process's contenders)."""
     monkeypatch.setattr(_workspace, "MIN_BYTES", 0)
     _workspace.release()
     workload = WORKLOADS["cnn"]
@@ -105,10 +105,12 @@ def test_held_memory_counts_the_buffers_batchlayers_keeps(monkeypatch):
     x, y = workload.make_data((2, 4), torch.Generator().manual_seed(0))
     runner = build_runner("batchlayers", workload, models, x, y, train=True)
     runner.step()
+    _workspace.take(x, 1 << 20)  # (a buffer another contender of the process left: not this one's)
+    held = runner.holds()
     kept = list(_workspace._pool())
-    assert kept
-    others = [t for t in runner.holds() if all(t is not k for k in kept)]
-    assert held_bytes(runner.holds()) == held_bytes(others + kept) > held_bytes(others)
+    assert kept and all(t.numel() != 1 << 20 for t in kept)
+    others = [t for t in held if all(t is not k for k in kept)]
+    assert held_bytes(held) == held_bytes(others + kept) > held_bytes(others)
     _workspace.release()
 
 
