@@ -166,41 +166,43 @@ def take(like: Tensor, *shape: int, fits: bool = False) -> Tensor:
     return t
 
 
-def _dense_shape(first: Tensor) -> tuple[int, ...] | None:
-    """``first``'s sizes from its largest stride down, where it is dense in that order (a contiguous or
-    channels-last tensor): the shape of a contiguous buffer that holds it; None for gaps, overlaps or a size-1
-    dimension's free stride."""
+def _dense(first: Tensor) -> bool:
+    """Whether ``first`` fills its ``numel()`` elements of memory in some order of its dimensions (a contiguous
+    or channels-last tensor); not with gaps, overlaps or a size-1 dimension's free stride."""
     strides = first.stride()
-    order = sorted(range(first.dim()), key=lambda d: (-strides[d], d))
     expected = 1
-    for d in reversed(order):
+    for d in sorted(range(first.dim()), key=lambda d: (strides[d], -d)):  # (from the smallest stride up)
         if strides[d] != expected:
-            return None
+            return False
         expected *= first.shape[d]
-    return tuple(first.shape[d] for d in order)
+    return True
+
+
+def _own_functions_run() -> bool:
+    """Outside compile, a torch.func transform and forward AD: :class:`_Stack` and :class:`_Unbind` (Functions
+    without their rules) may run."""
+    return not torch.compiler.is_compiling() and no_function_transforms()
 
 
 def _stacks(tensors: Sequence[Tensor]) -> bool:
-    """Whether :func:`stack` keeps the result: one dense layout (see :func:`_dense_shape`) of a size that
-    :func:`applies`, outside compile, a torch.func transform and forward AD (a Function without their rules)."""
+    """Whether :func:`stack` keeps the result: one dense layout (see :func:`_dense`) of a size that
+    :func:`applies`, where :func:`_own_functions_run`."""
     first = tensors[0]
-    shape = _dense_shape(first)
     return (
-        shape is not None
-        and applies(first, len(tensors), *shape)
+        _dense(first)
+        and applies(first, len(tensors), first.numel())
         and all(
             t.shape == first.shape and t.stride() == first.stride() and t.dtype == first.dtype and type(t) is Tensor
             for t in tensors
         )
-        and not torch.compiler.is_compiling()
-        and no_function_transforms()
+        and _own_functions_run()
     )
 
 
 def _stacked_empty(first: Tensor, count: int) -> Tensor:
     """A new ``(count, *first.shape)`` tensor whose slices are laid out as ``first``, on a kept buffer's memory
     (as :func:`returned`: its own tensor, not a view, so that autograd treats it as a fresh result)."""
-    buffer = take(first, count * first.numel(), fits=True)  # (dense in first's layout: checked by _stacks)
+    buffer = take(first, count * first.numel(), fits=True)  # (first is dense: checked by _stacks)
     out = first.new_empty(0)
     return out.set_(buffer.untyped_storage(), 0, (count, *first.shape), (first.numel(), *first.stride()))
 
@@ -248,7 +250,7 @@ def unbind(x: Tensor) -> tuple[Tensor, ...]:
     """``x.unbind(0)``, whose backward stacks the slices' gradients as :func:`stack` does (autograd's own stacks
     them into fresh memory). Only where gradients are recorded into ``x`` and no transform or compile needs
     torch's op; else ``x.unbind(0)``."""
-    if x.requires_grad and torch.is_grad_enabled() and not torch.compiler.is_compiling() and no_function_transforms():
+    if x.requires_grad and torch.is_grad_enabled() and _own_functions_run():
         return _Unbind.apply(x)
     return x.unbind(0)
 

@@ -141,9 +141,9 @@ class _GradientInInputLayout(torch.autograd.Function):
     def backward(ctx, grad: Tensor) -> Tensor:
         if not ctx.contiguous or grad.is_contiguous():
             return grad
-        if torch.is_grad_enabled() or not _workspace.applies(grad, *grad.shape):  # (create_graph: recorded)
+        if torch.is_grad_enabled():  # (create_graph: a copy autograd records)
             return grad.contiguous()
-        return _workspace.returned(grad, *grad.shape).copy_(grad)  # (kept memory, as the loops' stacks)
+        return _workspace.returned(grad, *grad.shape).copy_(grad)  # (kept memory where large, as the loops' stacks)
 
 
 def _loop(x: Tensor, weight: Tensor, bias: Tensor | None, opts: _Options) -> Tensor:
