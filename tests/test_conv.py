@@ -567,3 +567,14 @@ def test_kept_loop_results_of_different_sizes_share_a_buffer(monkeypatch) -> Non
     expected = torch.stack([s(f(x[i]).relu()) for i, (f, s) in enumerate(zip(first_loop, second_loop))])
     assert_close(result, expected, msg="output")
     _workspace.release()
+
+
+@pytest.mark.parametrize("spatial", [(3, 3), (5, 5)], ids=["1x1-output", "3x3-output"])
+@pytest.mark.parametrize("strategy", backends.CONV_STRATEGIES)
+def test_models_batch_channels_and_sizes_coincide(strategy: str, spatial, kept: bool) -> None:
+    """M == B == channels == output side (and a 1x1 output, whose size-1 dimensions have free strides): nothing
+    may be told apart by size, kept stacks included; against the loop."""
+    torch.manual_seed(0)
+    batched, modules, make_input = _build((2, 3, 3, 3, spatial, {}), num_models=3)
+    batched.strategy = strategy
+    compare_with_loop(batched, modules, make_input, shared=False, batch=3)
