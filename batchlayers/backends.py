@@ -20,7 +20,7 @@ fixed heuristic (see :func:`batchlayers.functional._conv.heuristic_strategy`).
 Examples::
 
     >>> import batchlayers
-    >>> batchlayers.backends.conv.benchmark = True     # measure once per shape, like cudnn.benchmark
+    >>> batchlayers.backends.conv.tune(step)           # time each convolution's strategies inside step()
     >>> with batchlayers.backends.conv.flags(strategy="loop"):
     ...     y = net(x)                                    # every convolution runs as a loop here
 """
@@ -53,7 +53,9 @@ class ConvSettings:
             ``strategy`` is ``"auto"``.
         benchmark: when ``True``, the first call for each key (device, dtype, shapes, convolution
             arguments, shared input or not, gradients needed or not) times every strategy and caches the
-            fastest. Default: ``False``.
+            fastest. Default: ``False``. It times each convolution on its own, not the layout its result
+            gives the layers after it: on CPU it made the stacked small ResNet's training step 1.2x slower
+            (see ``docs/layers.md``). :meth:`tune` times inside the whole step.
         cache: the measured choices, ``key -> strategy``. :meth:`clear_cache` empties it.
         benchmark_repeats: timed runs per strategy (after one warm-up run); the median decides.
     """

@@ -246,7 +246,7 @@ def heuristic_strategy(x: Tensor, weight: Tensor) -> str:
     - CPU, a batch per model: ``"loop_channels_last"``: forward+backward, fastest or within 12% of the
       fastest in every shape measured (forward only, one exception: 3->16 at M=4, 2x slower than
       ``"grouped_channels_last"``); the packed ``"grouped"`` was 1.4-2.9x slower than the best (worst with
-      3 input channels). ``benchmark = True`` finds the exceptions.
+      3 input channels). ``backends.conv.tune(step)`` finds the exceptions.
 
     Measured with torch 2.13 on a 2-core CPU shared with other work, so as single-thread CPU time
     (medians of interleaved repeats): conv 3->16 and 16->32, 3x3, 32x32 images, B=32, M in {4, 16},
@@ -283,7 +283,7 @@ def heuristic_transpose_strategy(x: Tensor, weight: Tensor) -> str:
       1.10x, where ``"grouped_channels_last"`` was within 1.7x, mean 1.26x), else ``"grouped_channels_last"``
       (within 1.68x, mean 1.13x, in those 16 cases, where ``"loop_channels_last"`` was up to 2.8x slower).
 
-    ``benchmark = True`` finds the exceptions. Measured with torch 2.13 on a 2-core CPU shared with other
+    ``backends.conv.tune(step)`` finds the exceptions. Measured with torch 2.13 on a 2-core CPU shared with other
     work, so as single-thread CPU time (medians of 9-11 interleaved repeats, float32): 2-D decoder layers
     k4 s2 p1 32->16, 16->8 on 16x16 and 8->4, 16->3 on 32x32, 64->32 k2 s2 on 8x8, 3->16 k3 p1 on 16x16 (all
     B=16), a 64->32 k4 generator input on 1x1 (B=64); 1-D 16->8 k4 s2 p1 on L=64 (B=16); 3-D 8->4 and
