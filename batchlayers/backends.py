@@ -14,8 +14,9 @@ same result (see :func:`batchlayers.functional.conv`):
 Which one is fastest depends on the device, the shapes and whether gradients are needed. The strategy a
 layer uses is, in order: the layer's own ``strategy`` attribute unless it is ``"auto"``; else
 ``conv.strategy`` unless it is ``"auto"``; else the cached measurement for this call's key; else, with
-``conv.benchmark = True``, a measurement made now and cached (never while ``torch.compile`` traces); else a
-fixed heuristic (see :func:`batchlayers.functional._conv.heuristic_strategy`).
+``conv.benchmark = True``, a measurement made now and cached (never while ``torch.compile`` traces; a
+strategy measured faster than the heuristic's returns its result in the heuristic's layout); else a fixed
+heuristic (see :func:`batchlayers.functional._conv.heuristic_strategy`).
 
 Examples::
 
@@ -52,11 +53,14 @@ class ConvSettings:
         strategy: ``"auto"`` (default) or one of :data:`CONV_STRATEGIES`, used by every layer whose own
             ``strategy`` is ``"auto"``.
         benchmark: when ``True``, the first call for each key (device, dtype, shapes, convolution
-            arguments, shared input or not, gradients needed or not) times every strategy and caches the
-            fastest. Default: ``False``. It times each convolution on its own, not the layout its result
-            gives the layers after it: on CPU it made the stacked small ResNet's training step 1.2x slower
-            (see ``docs/layers.md``). :meth:`tune` times inside the whole step.
+            arguments, shared input or not, gradients needed or not) times every strategy, each with its
+            result copied into the layout the heuristic's result has, and caches the fastest; a strategy
+            chosen so returns its result in that layout (see :attr:`layouts`), so the layers after it run as
+            they do without benchmarking. Default: ``False``. :meth:`tune` times inside the whole step.
         cache: the measured choices, ``key -> strategy``. :meth:`clear_cache` empties it.
+        layouts: ``key -> dimension order`` (outermost first) for the choices ``benchmark`` made over the
+            heuristic: the layout their results are copied into. Choices from :meth:`tune` or set by hand keep
+            their strategy's own layout.
         benchmark_repeats: timed runs per strategy (after one warm-up run); the median decides.
     """
 
@@ -65,6 +69,7 @@ class ConvSettings:
         self._benchmark = False
         self._benchmark_repeats = 3
         self.cache: dict[Hashable, str] = {}
+        self.layouts: dict[Hashable, tuple[int, ...]] = {}
         # key -> candidate strategies of every convolution called while tune() records (None: not recording)
         self.recording: dict[Hashable, list[str]] | None = None
 
@@ -98,6 +103,7 @@ class ConvSettings:
 
     def clear_cache(self) -> None:
         self.cache.clear()
+        self.layouts.clear()
 
     def tune(self, step: Callable[[], object], repeats: int | None = None) -> dict[Hashable, str]:
         """Choose every convolution's strategy by timing the whole ``step``, not each layer in isolation.
@@ -146,6 +152,7 @@ class ConvSettings:
 
                 def run(name: str, key: Hashable = key) -> None:
                     self.cache[key] = name
+                    self.layouts.pop(key, None)  # (timed inside the step: in its own layout)
                     step()
 
                 device = torch.device(cast(tuple, key)[0])  # the keys _resolve records: tuples, the device first
@@ -155,7 +162,10 @@ class ConvSettings:
 
     def save_cache(self, path: str | os.PathLike) -> None:
         """Write :attr:`cache` (the measured choices) to a JSON file, atomically; :meth:`load_cache` reads it."""
-        entries = [[_encode_key(key), strategy] for key, strategy in self.cache.items()]
+        entries = [
+            [_encode_key(key), strategy, *([list(self.layouts[key])] if key in self.layouts else [])]
+            for key, strategy in self.cache.items()
+        ]
         text = json.dumps({"format": "batchlayers.backends.conv cache", "version": 1, "entries": entries})
         from .checkpoint import _replace_atomically  # (as checkpoints are written: a failed write leaves nothing)
 
@@ -183,14 +193,26 @@ class ConvSettings:
                 f"batchlayers.backends.conv.load_cache: '{path}' has cache version {data.get('version')!r}, "
                 "this batchlayers reads version 1"
             )
-        entries = {}
-        for key, strategy in data["entries"]:
+        entries, layouts = {}, {}
+        for key, strategy, *layout in data["entries"]:
             if strategy not in CONV_STRATEGIES:
                 raise ValueError(
                     f"batchlayers.backends.conv.load_cache: '{path}' names the unknown strategy {strategy!r}"
                 )
-            entries[_decode_key(key)] = strategy
+            decoded = _decode_key(key)
+            entries[decoded] = strategy
+            if layout:
+                order = layout[0]
+                if len(layout) > 1 or not isinstance(order, list) or sorted(order) != list(range(len(order))):
+                    raise ValueError(
+                        f"batchlayers.backends.conv.load_cache: '{path}' gives {strategy!r} the layout {layout!r}, "
+                        "not an order of dimensions"
+                    )
+                layouts[decoded] = tuple(order)
+        for decoded in entries:
+            self.layouts.pop(decoded, None)
         self.cache.update(entries)
+        self.layouts.update(layouts)
         return len(entries)
 
     @contextmanager

@@ -224,6 +224,71 @@ def test_benchmark_measures_once_per_key_and_caches(monkeypatch) -> None:
     assert len(measured) == 4 and recorder.ran[-1] == winner
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["per-model", "shared"])
+@pytest.mark.parametrize("chosen", backends.CONV_STRATEGIES)
+@pytest.mark.parametrize("transposed", [False, True], ids=["conv", "transposed"])
+def test_benchmark_choice_keeps_the_heuristic_layout(monkeypatch, tmp_path, transposed, chosen, shared) -> None:
+    """``benchmark = True`` times every strategy with its result copied into the heuristic's layout, and one
+    chosen over the heuristic returns its result so: the layers after it run as without benchmarking (in the
+    strategy's own layout they ran up to 1.3x slower). Results and gradients stay the torch.nn loop's; the
+    layout is saved with the cache, and ``tune`` (which times inside the step) drops it."""
+    timed: list[str] = []
+
+    def choosing(candidates, device, repeats=3):
+        for name, run in candidates.items():
+            run()
+            timed.append(name)
+        return chosen
+
+    monkeypatch.setattr(backends, "fastest", choosing)
+    torch.manual_seed(0)
+    batched, torch_class = (BatchedConvTranspose2d, nn.ConvTranspose2d) if transposed else (BatchedConv2d, nn.Conv2d)
+    layer = batched(3, 4, 6, 3, padding=1, dtype=torch.float64)
+    modules = unbatch(layer, lambda: torch_class(4, 6, 3, padding=1, dtype=torch.float64))
+    x0 = torch.randn(3 if not shared else 1, 5, 4, 7, 6, dtype=torch.float64, requires_grad=True)
+    x = x0.expand(3, -1, -1, -1, -1)
+    heuristic = (conv_impl.heuristic_transpose_strategy if transposed else conv_impl.heuristic_strategy)(
+        x, layer.weight
+    )
+    with backends.conv.flags(strategy=heuristic):
+        heuristic_result = layer(x)
+    heuristic_strides = heuristic_result.stride()
+    copied_into: list = []
+    real_in_layout = conv_impl._in_layout
+    monkeypatch.setattr(
+        conv_impl, "_in_layout", lambda t, layout: copied_into.append(layout) or real_in_layout(t, layout)
+    )
+    with backends.conv.flags(benchmark=True):
+        y = layer(x)
+    assert sorted(timed) == sorted(backends.CONV_STRATEGIES), "not every strategy was timed"
+    assert copied_into[:4] == [conv_impl._dense_order(heuristic_result)] * 4, "timed in their own layouts"
+    ((key, winner),) = backends.conv.cache.items()
+    assert winner == chosen
+    assert y.stride() == heuristic_strides, f"{chosen} left its result in its own layout"
+    assert (key in backends.conv.layouts) == (chosen != heuristic)
+
+    grad = torch.randn_like(y)
+    y.backward(grad)
+    inputs = [x0[0 if shared else m].detach().clone().requires_grad_(True) for m in range(3)]
+    for m, (module, xm) in enumerate(zip(modules, inputs)):
+        assert_close(y[m], module(xm), msg=f"model {m}'s output")
+        module(xm).backward(grad[m])
+    expected_input_grad = torch.stack([xm.grad for xm in inputs])
+    assert_close(x0.grad, expected_input_grad.sum(0, keepdim=True) if shared else expected_input_grad, msg="dx")
+    for name, p in layer.named_parameters():
+        assert_close(p.grad, torch.stack([dict(m.named_parameters())[name].grad for m in modules]), msg=name)
+
+    layouts = dict(backends.conv.layouts)
+    backends.conv.save_cache(tmp_path / "conv.json")
+    backends.conv.clear_cache()
+    assert backends.conv.layouts == {}
+    assert backends.conv.load_cache(tmp_path / "conv.json") == 1
+    assert backends.conv.layouts == layouts and backends.conv.cache == {key: chosen}
+    assert layer(x).stride() == heuristic_strides, "the loaded choice lost its layout"
+    backends.conv.tune(lambda: layer(x).sum().backward(), repeats=1)
+    assert backends.conv.cache == {key: chosen} and backends.conv.layouts == {}, "tune kept a benchmark layout"
+
+
 def test_benchmark_never_times_while_compiling(monkeypatch) -> None:
     monkeypatch.setattr(backends, "fastest", lambda *a, **k: pytest.fail("timed while compiling"))
     torch._dynamo.reset()
@@ -448,7 +513,15 @@ def test_a_failed_save_cache_keeps_the_old_file_and_leaves_nothing(tmp_path, mon
 
 @pytest.mark.parametrize(
     "content, pattern",
-    [("not json", "is not JSON"), ('{"a": 1}', "is not a saved convolution cache"), ("[1, 2]", "is not a saved")],
+    [
+        ("not json", "is not JSON"),
+        ('{"a": 1}', "is not a saved convolution cache"),
+        ("[1, 2]", "is not a saved"),
+        (
+            '{"format": "batchlayers.backends.conv cache", "version": 1, "entries": [[["cpu"], "loop", [0, 0]]]}',
+            "gives 'loop' the layout",
+        ),
+    ],
 )
 def test_load_cache_refuses_other_files(tmp_path, content: str, pattern: str) -> None:
     path = tmp_path / "conv.json"
