@@ -21,11 +21,13 @@ __all__ = [
     "check_sizes",
     "check_weight",
     "autocast_enabled",
+    "in_order",
     "init_per_model_",
     "is_shared",
     "layer_name",
     "model_count_holders",
     "set_num_models_",
+    "stride_order",
 ]
 
 
@@ -263,6 +265,21 @@ def autocast_enabled(x: Tensor) -> bool:
         return torch.is_autocast_enabled(x.device.type)
     except RuntimeError:
         return False
+
+
+def stride_order(t: Tensor) -> tuple[int, ...]:
+    """``t``'s dimensions from the largest stride to the smallest (ties, as of size-1 dimensions, in order)."""
+    strides = t.stride()
+    return tuple(sorted(range(t.dim()), key=lambda d: -strides[d]))
+
+
+def in_order(t: Tensor, order: Sequence[int]) -> Tensor:
+    """``t`` with its dimensions laid out in ``order`` (outermost first), copied only where they are not so
+    already; autograd records the copy."""
+    ordered = t.permute(tuple(order))
+    if ordered.is_contiguous():
+        return t
+    return ordered.contiguous().permute(sorted(range(len(order)), key=list(order).__getitem__))
 
 
 def is_shared(x: Tensor) -> bool:

@@ -17,7 +17,15 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _workspace, backends
-from .._utils import _fmt, check_call_input, check_parameter, function_transform_active, is_shared
+from .._utils import (
+    _fmt,
+    check_call_input,
+    check_parameter,
+    function_transform_active,
+    in_order,
+    is_shared,
+    stride_order,
+)
 
 __all__ = ["conv", "conv_transpose", "heuristic_strategy", "heuristic_transpose_strategy", "padding_for_pad"]
 
@@ -355,20 +363,14 @@ def _measure(
 
 def _dense_order(t: Tensor) -> tuple[int, ...] | None:
     """``t``'s dimensions from outermost to innermost where ``t`` is dense in that order, else None."""
-    strides = t.stride()
-    order = tuple(sorted(range(t.dim()), key=lambda d: -strides[d]))  # (stable: size-1 ties keep their order)
+    order = stride_order(t)
     return order if t.permute(order).is_contiguous() else None
 
 
 def _in_layout(y: Tensor, layout: tuple[int, ...] | None) -> Tensor:
     """``y`` copied into ``layout`` (see :func:`_dense_order`) where it is not so already (autograd records
     the copy); as it is without a layout and under torch.func transforms (which copy into their own)."""
-    if layout is None or function_transform_active():
-        return y
-    ordered = y.permute(layout)
-    if ordered.is_contiguous():
-        return y
-    return ordered.contiguous().permute(sorted(range(len(layout)), key=layout.__getitem__))
+    return y if layout is None or function_transform_active() else in_order(y, layout)
 
 
 def _timed_run(
