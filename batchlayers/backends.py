@@ -59,8 +59,9 @@ class ConvSettings:
             they do without benchmarking. Default: ``False``. :meth:`tune` times inside the whole step.
         cache: the measured choices, ``key -> strategy``. :meth:`clear_cache` empties it.
         layouts: ``key -> dimension order`` (outermost first) for the choices ``benchmark`` made over the
-            heuristic: the layout their results are copied into. Choices from :meth:`tune` or set by hand keep
-            their strategy's own layout.
+            heuristic: the layout their results are copied into. Choices from :meth:`tune` keep their
+            strategy's own layout; a choice written into :attr:`cache` by hand keeps its key's entry here, if
+            there is one (delete it for the strategy's own layout).
         benchmark_repeats: timed runs per strategy (after one warm-up run); the median decides.
     """
 
