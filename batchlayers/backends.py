@@ -195,7 +195,13 @@ class ConvSettings:
                 "this batchlayers reads version 1"
             )
         entries, layouts = {}, {}
-        for key, strategy, *layout in data["entries"]:
+        listed = data.get("entries")
+        if not isinstance(listed, list) or not all(isinstance(e, list) and len(e) in (2, 3) for e in listed):
+            raise ValueError(
+                f"batchlayers.backends.conv.load_cache: '{path}' has entries that are not [key, strategy] or "
+                "[key, strategy, layout] lists"
+            )
+        for key, strategy, *layout in listed:
             if strategy not in CONV_STRATEGIES:
                 raise ValueError(
                     f"batchlayers.backends.conv.load_cache: '{path}' names the unknown strategy {strategy!r}"
@@ -204,7 +210,7 @@ class ConvSettings:
             entries[decoded] = strategy
             if layout:
                 order = layout[0]
-                if len(layout) > 1 or not isinstance(order, list) or sorted(order) != list(range(len(order))):
+                if not isinstance(order, list) or sorted(order) != list(range(len(order))):
                     raise ValueError(
                         f"batchlayers.backends.conv.load_cache: '{path}' gives {strategy!r} the layout {layout!r}, "
                         "not an order of dimensions"

@@ -521,6 +521,8 @@ def test_a_failed_save_cache_keeps_the_old_file_and_leaves_nothing(tmp_path, mon
             '{"format": "batchlayers.backends.conv cache", "version": 1, "entries": [[["cpu"], "loop", [0, 0]]]}',
             "gives 'loop' the layout",
         ),
+        ('{"format": "batchlayers.backends.conv cache", "version": 1, "entries": [["loop"]]}', "has entries that"),
+        ('{"format": "batchlayers.backends.conv cache", "version": 1}', "has entries that"),
     ],
 )
 def test_load_cache_refuses_other_files(tmp_path, content: str, pattern: str) -> None:
