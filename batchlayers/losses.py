@@ -328,16 +328,13 @@ class _TwoClassCrossEntropy(torch.autograd.Function):
 # rounds, where/stack -> this, same numbers bit for bit): 1.07-1.08x at M=64, 1.04-1.15x at M=1024.
 
 
-_SIGN_TABLES: dict[tuple[torch.dtype, torch.device], Tensor] = {}
-
-
-def _sign_table(dtype: torch.dtype, device: torch.device) -> Tensor:
-    """``[1, -1]`` as ``dtype`` on ``device``, made once (``torch.tensor`` costs 12 us a call, 1% of the
-    10-20-2 MLP's training step at M=64); never handed out, only read by ``index_select``."""
-    table = _SIGN_TABLES.get((dtype, device))
-    if table is None:  # (made under inference mode it is an inference tensor: an input like any other)
-        table = _SIGN_TABLES[(dtype, device)] = torch.tensor([1.0, -1.0], dtype=dtype, device=device)
-    return table
+# ``[1, -1]`` per floating dtype, made at import (``torch.tensor`` costs 12 us a call, 1% of the 10-20-2 MLP's
+# training step at M=64), so that no mode active at a first call (a fake-tensor or a tracing mode) makes the
+# table every later call reads. Only read by ``index_select``; the formula runs on CPU only.
+_SIGN_TABLES = {
+    dtype: torch.tensor([1.0, -1.0], dtype=dtype, device="cpu")
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+}
 
 
 def _two_class_sign(target: Tensor, dtype: torch.dtype) -> Tensor:
@@ -346,7 +343,9 @@ def _two_class_sign(target: Tensor, dtype: torch.dtype) -> Tensor:
     if is_shared(target):
         # Targets shared by every model (a stride-0 expand): one model's signs, expanded, never M copies.
         return _two_class_sign(target[0], dtype).expand(target.shape)
-    table = _sign_table(dtype, target.device)
+    table = _SIGN_TABLES.get(dtype) if target.device.type == "cpu" else None
+    if table is None:
+        table = torch.tensor([1.0, -1.0], dtype=dtype, device=target.device)
     index = target.reshape(-1)
     if index.dtype not in (torch.int32, torch.int64):  # uint8 targets (torch takes them), a boolean mask
         index = index.long()

@@ -436,16 +436,3 @@ def test_two_class_cross_entropy_infinite_logits_follow_torch(ignore_index, redu
     check_against_loop(
         BL.cross_entropy, F.cross_entropy, input, target, equal_nan=True, reduction=reduction, ignore_index=ignore_index
     )
-
-
-@pytest.mark.parametrize("first", [torch.inference_mode, torch.no_grad], ids=["inference_mode", "no_grad"])
-def test_two_class_cross_entropy_trains_after_a_first_call_without_gradients(first) -> None:
-    """The formula's ``[1, -1]`` sign table is made once per dtype and device: made by a first call under
-    inference mode or ``no_grad``, it serves later training calls as if made there."""
-    BL._SIGN_TABLES.clear()
-    torch.manual_seed(0)
-    input, target = logits(M, B, 2), torch.randint(0, 2, (M, B))
-    with first():
-        BL.cross_entropy(input, target)
-    assert BL._SIGN_TABLES, "the first call made no table"
-    check_against_loop(BL.cross_entropy, F.cross_entropy, input, target)
