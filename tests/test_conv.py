@@ -289,6 +289,26 @@ def test_benchmark_choice_keeps_the_heuristic_layout(monkeypatch, tmp_path, tran
     assert backends.conv.cache == {key: chosen} and backends.conv.layouts == {}, "tune kept a benchmark layout"
 
 
+@pytest.mark.parametrize("chosen", ["grouped", "loop"])
+def test_benchmark_choice_in_1d_keeps_the_heuristic_layout(monkeypatch, chosen) -> None:
+    """In 1-D the channels-last strategies are the plain ones: the heuristic's ``loop_channels_last`` is the
+    candidate ``loop``, so that choice keeps its own layout (no entry in ``layouts``), and ``grouped`` returns
+    its result in the loop's layout."""
+    monkeypatch.setattr(backends, "fastest", lambda candidates, device, repeats=3: chosen)
+    torch.manual_seed(0)
+    layer = BatchedConv1d(3, 4, 6, 3, padding=1, dtype=torch.float64)
+    x = torch.randn(3, 5, 4, 9, dtype=torch.float64)
+    assert conv_impl.heuristic_strategy(x, layer.weight) == "loop_channels_last"
+    with backends.conv.flags(strategy="loop"):
+        expected = layer(x)
+    with backends.conv.flags(benchmark=True):
+        y = layer(x)
+    assert backends.conv.cache and set(backends.conv.cache.values()) == {chosen}
+    assert (backends.conv.layouts != {}) == (chosen == "grouped")
+    assert y.stride() == expected.stride()
+    assert_close(y, expected, msg=f"{chosen} against the loop")
+
+
 def test_benchmark_never_times_while_compiling(monkeypatch) -> None:
     monkeypatch.setattr(backends, "fastest", lambda *a, **k: pytest.fail("timed while compiling"))
     torch._dynamo.reset()

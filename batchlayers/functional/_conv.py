@@ -333,7 +333,9 @@ def _resolve(
     heuristic = (heuristic_transpose_strategy if transposed else heuristic_strategy)(x, weight)
     if not backends.conv.benchmark or torch.compiler.is_compiling():
         return heuristic, None
-    winner, layout = _measure(names, heuristic, (x, weight, bias), grad_needed, opts)
+    # (1-D: the channels-last strategies are the plain ones, and only those are candidates)
+    plain = heuristic if heuristic in names else heuristic.removesuffix("_channels_last")
+    winner, layout = _measure(names, plain, (x, weight, bias), grad_needed, opts)
     backends.conv.cache[key] = winner
     if layout is not None:
         backends.conv.layouts[key] = layout
