@@ -12,6 +12,7 @@ import torch
 from harness import assert_close, assert_uniform_init, compare_with_loop, unbatch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from models import CNN
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -24,6 +25,7 @@ from batchlayers.conv import (
     BatchedConvTranspose2d,
     BatchedConvTranspose3d,
 )
+from batchlayers.convert import stack
 from batchlayers.functional import _conv as conv_impl
 from batchlayers.functional._conv import conv
 
@@ -307,6 +309,31 @@ def test_benchmark_choice_in_1d_keeps_the_heuristic_layout(monkeypatch, chosen) 
     assert (backends.conv.layouts != {}) == (chosen == "grouped")
     assert y.stride() == expected.stride()
     assert_close(y, expected, msg=f"{chosen} against the loop")
+
+
+@pytest.mark.parametrize("chosen", backends.CONV_STRATEGIES)
+def test_benchmark_choices_in_a_stacked_resnet_match_the_models(monkeypatch, chosen) -> None:
+    """A stacked CIFAR-style ResNet (batch norm, in-place residual adds) with every convolution's benchmark
+    choice forced to one strategy, its result copied into the heuristic's layout: outputs, gradients and
+    running statistics are the original models' own."""
+    monkeypatch.setattr(backends, "fastest", lambda candidates, device, repeats=3: chosen)
+    torch.manual_seed(0)
+    models = [CNN().double() for _ in range(3)]
+    stacked = stack(models)
+    x = torch.randn(3, 4, 3, 8, 8, dtype=torch.float64)
+    with backends.conv.flags(benchmark=True):
+        out = stacked(x)
+    out.square().sum().backward()
+    assert set(backends.conv.cache.values()) == {chosen}
+    expected = torch.stack([model(x[m]) for m, model in enumerate(models)])
+    expected.square().sum().backward()
+    assert_close(out, expected, msg="outputs")
+    for name, tensor in [*stacked.named_parameters(), *stacked.named_buffers()]:
+        per_model = [dict([*m.named_parameters(), *m.named_buffers()])[name] for m in models]
+        if isinstance(tensor, nn.Parameter):
+            assert_close(tensor.grad, torch.stack([p.grad for p in per_model]), msg=f"{name}.grad")
+        else:
+            assert_close(tensor.to(per_model[0].dtype), torch.stack(per_model), msg=name)
 
 
 def test_benchmark_never_times_while_compiling(monkeypatch) -> None:
