@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ._utils import no_function_transforms
+from ._utils import no_function_transforms, stride_order
 
 __all__ = [
     "AVAILABLE",
@@ -171,7 +171,7 @@ def _dense(first: Tensor) -> bool:
     or channels-last tensor); not with gaps, overlaps or a size-1 dimension's free stride."""
     strides = first.stride()
     expected = 1
-    for d in sorted(range(first.dim()), key=lambda d: (strides[d], -d)):  # (from the smallest stride up)
+    for d in reversed(stride_order(first)):  # (from the smallest stride up)
         if strides[d] != expected:
             return False
         expected *= first.shape[d]
