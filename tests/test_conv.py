@@ -226,14 +226,26 @@ def test_benchmark_measures_once_per_key_and_caches(monkeypatch) -> None:
     assert len(measured) == 4 and recorder.ran[-1] == winner
 
 
+def _layout(t: torch.Tensor) -> list[tuple[int, int]]:
+    """``t``'s strides where they mean something: of the dimensions longer than 1."""
+    return [(d, stride) for d, (size, stride) in enumerate(zip(t.shape, t.stride())) if size > 1]
+
+
+# (models, batch, in, out, kernel, padding, spatial in of a convolution, of a transposed one): distinct sizes,
+# and sizes that coincide (M = B = channels = kernel = the spatial side) with a 1x1 side on one end
+LAYOUT_SIZES = {"distinct": (3, 5, 4, 6, 3, 1, (7, 6), (7, 6)), "coinciding": (4, 4, 4, 4, 4, 0, (4, 4), (1, 1))}
+
+
+@pytest.mark.parametrize("sizes", LAYOUT_SIZES.values(), ids=LAYOUT_SIZES.keys())
 @pytest.mark.parametrize("shared", [False, True], ids=["per-model", "shared"])
 @pytest.mark.parametrize("chosen", backends.CONV_STRATEGIES)
 @pytest.mark.parametrize("transposed", [False, True], ids=["conv", "transposed"])
-def test_benchmark_choice_keeps_the_heuristic_layout(monkeypatch, tmp_path, transposed, chosen, shared) -> None:
+def test_benchmark_choice_keeps_the_heuristic_layout(monkeypatch, tmp_path, transposed, chosen, shared, sizes) -> None:
     """``benchmark = True`` times every strategy with its result copied into the heuristic's layout, and one
     chosen over the heuristic returns its result so: the layers after it run as without benchmarking (in the
     strategy's own layout they ran up to 1.3x slower). Results and gradients stay the torch.nn loop's; the
     layout is saved with the cache, and ``tune`` (which times inside the step) drops it."""
+    num_models, batch, in_channels, out_channels, kernel, padding, conv_spatial, transposed_spatial = sizes
     timed: list[str] = []
 
     def choosing(candidates, device, repeats=3):
@@ -245,16 +257,19 @@ def test_benchmark_choice_keeps_the_heuristic_layout(monkeypatch, tmp_path, tran
     monkeypatch.setattr(backends, "fastest", choosing)
     torch.manual_seed(0)
     batched, torch_class = (BatchedConvTranspose2d, nn.ConvTranspose2d) if transposed else (BatchedConv2d, nn.Conv2d)
-    layer = batched(3, 4, 6, 3, padding=1, dtype=torch.float64)
-    modules = unbatch(layer, lambda: torch_class(4, 6, 3, padding=1, dtype=torch.float64))
-    x0 = torch.randn(3 if not shared else 1, 5, 4, 7, 6, dtype=torch.float64, requires_grad=True)
-    x = x0.expand(3, -1, -1, -1, -1)
+    layer = batched(num_models, in_channels, out_channels, kernel, padding=padding, dtype=torch.float64)
+    modules = unbatch(
+        layer, lambda: torch_class(in_channels, out_channels, kernel, padding=padding, dtype=torch.float64)
+    )
+    spatial = transposed_spatial if transposed else conv_spatial
+    x0 = torch.randn(1 if shared else num_models, batch, in_channels, *spatial, dtype=torch.float64, requires_grad=True)
+    x = x0.expand(num_models, -1, -1, -1, -1)
     heuristic = (conv_impl.heuristic_transpose_strategy if transposed else conv_impl.heuristic_strategy)(
         x, layer.weight
     )
     with backends.conv.flags(strategy=heuristic):
         heuristic_result = layer(x)
-    heuristic_strides = heuristic_result.stride()
+    heuristic_layout = _layout(heuristic_result)
     copied_into: list = []
     real_in_layout = conv_impl._in_layout
     monkeypatch.setattr(
@@ -266,12 +281,12 @@ def test_benchmark_choice_keeps_the_heuristic_layout(monkeypatch, tmp_path, tran
     assert copied_into[:4] == [conv_impl._dense_order(heuristic_result)] * 4, "timed in their own layouts"
     ((key, winner),) = backends.conv.cache.items()
     assert winner == chosen
-    assert y.stride() == heuristic_strides, f"{chosen} left its result in its own layout"
+    assert _layout(y) == heuristic_layout, f"{chosen} left its result in its own layout"
     assert (key in backends.conv.layouts) == (chosen != heuristic)
 
     grad = torch.randn_like(y)
     y.backward(grad)
-    inputs = [x0[0 if shared else m].detach().clone().requires_grad_(True) for m in range(3)]
+    inputs = [x0[0 if shared else m].detach().clone().requires_grad_(True) for m in range(num_models)]
     for m, (module, xm) in enumerate(zip(modules, inputs)):
         assert_close(y[m], module(xm), msg=f"model {m}'s output")
         module(xm).backward(grad[m])
@@ -286,7 +301,7 @@ def test_benchmark_choice_keeps_the_heuristic_layout(monkeypatch, tmp_path, tran
     assert backends.conv.layouts == {}
     assert backends.conv.load_cache(tmp_path / "conv.json") == 1
     assert backends.conv.layouts == layouts and backends.conv.cache == {key: chosen}
-    assert layer(x).stride() == heuristic_strides, "the loaded choice lost its layout"
+    assert _layout(layer(x)) == heuristic_layout, "the loaded choice lost its layout"
     backends.conv.tune(lambda: layer(x).sum().backward(), repeats=1)
     assert backends.conv.cache == {key: chosen} and backends.conv.layouts == {}, "tune kept a benchmark layout"
 
