@@ -190,6 +190,128 @@ def test_step_layouts_match_loop(kind, batch_first, input_size):
         assert_close(batched(x)[0], torch.stack([m(x[i])[0] for i, m in enumerate(modules)]), msg="no_grad output")
 
 
+def _count_native_lstm_steps(monkeypatch) -> list[int]:
+    """Count the LSTM backward's calls of batchlayers' C kernel (one per time step and layer)."""
+    calls: list[int] = []
+    kernel_of = _recurrent._lstm_backward_kernel
+
+    def counted(like):
+        kernel = kernel_of(like)
+        return None if kernel is None else (lambda *args: calls.append(1) or kernel(*args))
+
+    monkeypatch.setattr(_recurrent, "_lstm_backward_kernel", counted)
+    return calls
+
+
+LOSSES = {
+    # each gives the backward other gradient layouts: contiguous random ones (w: fixed random tensors), stride-0
+    # ones (a sum), a transposed output's, and the last step's alone (zeros elsewhere, none for h_n and c_n)
+    "random": lambda out, h, c, w: (out * w[0]).sum() + (h * h).sum() + (c * w[1]).sum(),
+    "sums": lambda out, h, c, w: out.sum() + h.sum() + c.sum(),
+    "transposed": lambda out, h, c, w: out.transpose(1, 2).contiguous().transpose(1, 2).sin().sum(),
+    "last_step": lambda out, h, c, w: out[:, :, -1].pow(2).sum() if out.shape[2] == T else out[:, -1].pow(2).sum(),
+}
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+@pytest.mark.parametrize("dtype", [F64, F32], ids=["f64", "f32"])
+@pytest.mark.parametrize("batch_first", [False, True], ids=["time_major", "batch_first"])
+@pytest.mark.parametrize("bidirectional", [False, True], ids=["uni", "bi"])
+@pytest.mark.parametrize("kind", ["LSTM", "LSTM_PROJ"])
+@pytest.mark.filterwarnings("ignore:LSTM with projections is not supported with oneDNN")
+def test_lstm_backward_native_kernel_matches_loop_and_torch_ops(
+    monkeypatch, kind, bidirectional, batch_first, dtype, loss
+):
+    """The LSTM backward's time steps in batchlayers' C kernel, two layers deep, against the torch.nn loop (the
+    contract) and against the same backward with torch's ops (the same arithmetic: equal up to how the CPU
+    rounds ``1 - t * t``), for gradients of every layout the loss gives the steps."""
+    calls = _count_native_lstm_steps(monkeypatch)
+    torch.manual_seed(0)
+    batched, make_torch = build(
+        kind, 3, num_layers=2, bidirectional=bidirectional, batch_first=batch_first, dtype=dtype
+    )
+    modules = unbatch(batched, make_torch)
+    x = network_input(3, batch_first, dtype)
+    hx = initial_state(kind, 3, (2 * (1 + bidirectional), B), dtype)
+    with torch.no_grad():
+        out, (h, c) = batched(x, hx)
+    weights = (torch.randn_like(out), torch.randn_like(c))
+
+    def gradients(run) -> list[torch.Tensor]:
+        xs, hs = _leaf(x), tuple(_leaf(t) for t in hx)
+        LOSSES[loss](*run(xs, hs), weights).backward()
+        return [xs.grad, *(t.grad for t in hs)]
+
+    def run_loop(xs, hs):
+        results = [m(xs[i], (hs[0][i], hs[1][i])) for i, m in enumerate(modules)]
+        return torch.stack([r[0] for r in results]), *(torch.stack([r[1][k] for r in results]) for k in (0, 1))
+
+    def run_batched(xs, hs):
+        out, (h, c) = batched(xs, hs)
+        return out, h, c
+
+    expected = gradients(run_loop) + [
+        torch.stack([m.get_parameter(n).grad for m in modules]) for n, _ in batched.named_parameters()
+    ]
+    found = {}
+    for native in (True, False):
+        monkeypatch.setattr(_recurrent, "native_kernel", native)
+        batched.zero_grad()
+        found[native] = gradients(run_batched) + [p.grad for p in batched.parameters()]
+        assert len(calls) == 2 * T, f"{len(calls)} calls of the kernel, expected one per step and layer"
+    tolerance = {"rtol": 1e-13, "atol": 1e-13} if dtype == F64 else {"rtol": 1e-5, "atol": 1e-6}
+    for k, (a, b, ref) in enumerate(zip(found[True], found[False], expected)):
+        assert_close(a, ref, msg=f"gradient {k}, kernel against the loop")
+        torch.testing.assert_close(a, b, **tolerance, msg=f"gradient {k}, kernel against torch's ops")
+
+
+def test_lstm_backward_native_kernel_matches_loop_over_options(monkeypatch):
+    """With the kernel, the whole comparison with the torch.nn loop (outputs, states, every gradient) over
+    shared and per-model inputs, with and without initial states and biases."""
+    calls = _count_native_lstm_steps(monkeypatch)
+    for shared, with_h0, bias in [(False, True, True), (True, False, True), (False, False, False)]:
+        torch.manual_seed(0)
+        batched, make_torch = build("LSTM", 3, bias=bias)
+        modules = unbatch(batched, make_torch)
+        hx = initial_state("LSTM", 3, (1, B)) if with_h0 else None
+        compare(batched, modules, network_input(None if shared else 3, False), hx, shared=shared)
+    assert len(calls) == 3 * T
+
+
+@pytest.mark.parametrize(
+    "case", ["setting off", "no library", "above the units limit", "bfloat16"], ids=lambda c: c.replace(" ", "_")
+)
+def test_lstm_backward_without_the_native_kernel(monkeypatch, case):
+    """Where the kernel does not serve (turned off, not built, a step too large, another dtype), the backward
+    takes torch's ops and still matches the loop."""
+    calls = _count_native_lstm_steps(monkeypatch)
+    dtype = torch.bfloat16 if case == "bfloat16" else F64
+    if case == "setting off":
+        monkeypatch.setattr(_recurrent, "native_kernel", _recurrent.native_kernel)  # (restored afterwards)
+        bl.backends.cpu.native_recurrent = False
+        assert bl.backends.cpu.native_recurrent is False
+    elif case == "no library":
+        monkeypatch.setattr(_recurrent._native, "library", lambda: None)
+    elif case == "above the units limit":
+        monkeypatch.setattr(_recurrent, "NATIVE_MAX_UNITS", 3 * B * H - 1)
+    torch.manual_seed(0)
+    batched, make_torch = build("LSTM", 3, dtype=dtype)
+    modules = unbatch(batched, make_torch)
+    x = network_input(3, False, dtype)
+    if dtype == F64:
+        compare(batched, modules, x, initial_state("LSTM", 3, (1, B)), shared=False)
+    else:
+        batched(x)[0].float().sum().backward()  # (the loop's bfloat16 kernels round otherwise: only that it runs)
+        assert all(p.grad is not None and p.grad.isfinite().all() for p in batched.parameters())
+    assert not calls
+    if case == "setting off":
+        bl.backends.cpu.native_recurrent = True
+        batched(x)[0].sum().backward()
+        assert len(calls) == T
+        with pytest.raises(TypeError, match="native_recurrent must be True or False"):
+            bl.backends.cpu.native_recurrent = 1
+
+
 def _force_per_model_kernels(monkeypatch) -> list[int]:
     """Make every LSTM take the per-model kernel path; returns a list that grows by one per call of it."""
     calls: list[int] = []

@@ -15,6 +15,8 @@
 #include <pthread.h>
 #include <stdint.h>
 
+#include "../_native.h"
+
 /* Adam's values: the hyperparameters, then the bias corrections 1 - beta1**t and (1 - beta2**t)**0.5 */
 enum { LR, BETA1, BETA2, EPS, WEIGHT_DECAY, BIAS_CORRECTION1, BIAS_CORRECTION2_SQRT, ADAM_VALUES };
 /* SGD's: lr, momentum, weight decay, and the momentum buffer's factors this step (buf = a * buf + b * grad) */
@@ -41,13 +43,6 @@ struct job {
 static inline double value(const job *job, int k, int64_t i, int64_t model) {
     return job->values[k][i * job->strides[2 * k] + model * job->strides[2 * k + 1]];
 }
-
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define CLONES
-#endif
-#define INLINE static inline __attribute__((always_inline))
 
 /* torch's CPU lerp(start, end, weight) is fmaf(coeff, end - start, base): coeff = weight and base = start where
  * |weight| < 0.5, else weight - 1 and end. */

@@ -1,41 +1,32 @@
-"""batchlayers' hand-written CPU optimizer kernel, ``_native.c``: one pass of Adam or AdamW over float32
-parameters stacked ``(M, *)``, every model with its own hyperparameters.
+"""batchlayers' hand-written CPU optimizer kernels, ``_native.c``: one pass of Adam, AdamW, SGD or RMSprop over
+float32 parameters stacked ``(M, *)``, every model with its own hyperparameters.
 
 torch's fused CPU kernels (``torch._fused_adam_``) take one float learning rate for every tensor; with an
 ``(M,)`` one, ``fused=True`` otherwise runs torch's kernel at a unit rate on scratch tensors (two passes
 more) or a ``torch.compile``'d kernel (dynamo's call around it costs tens of microseconds a step). This one
 reads each model's hyperparameters as it goes and makes a single pass, like torch's own.
 
-The source is compiled on first use with the system's C compiler (``$CC``, else ``cc``; 0.2 s here) into
-``$BATCHLAYERS_CACHE_DIR`` (default ``$XDG_CACHE_HOME/batchlayers`` or ``~/.cache/batchlayers``), keyed by a
-hash of the source, the command and the machine, and loaded with :mod:`ctypes` (no Python or torch headers).
-Where no compiler works, :func:`library` is ``None`` and the optimizers take their other kernels;
-:func:`unavailable_reason` says why (``batchlayers.backends.cpu.check_native_optimizers()`` raises it).
-``batchlayers.backends.cpu.native_optimizers = False`` turns it off.
+The source is compiled on first use, with batchlayers' other C kernels, into one library
+(:mod:`batchlayers._native`: where no compiler works, :func:`library` is ``None`` and the optimizers take their
+other kernels; :func:`unavailable_reason` says why, ``batchlayers.backends.cpu.check_native_optimizers()``
+raises it). ``batchlayers.backends.cpu.native_optimizers = False`` turns it off.
 """
 
 from __future__ import annotations
 
 import array
 import ctypes
-import functools
-import hashlib
 import itertools
 import math
-import os
-import pathlib
-import platform
-import shlex
-import subprocess
-import tempfile
-import threading
 from collections.abc import Sequence
 from operator import attrgetter
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 from torch.autograd.graph import increment_version
+
+from .._native import _load, library, unavailable_reason  # noqa: F401  (re-exported: the optimizers' and tests' names)
 
 __all__ = [
     "ADAM_VALUES",
@@ -55,10 +46,6 @@ __all__ = [
     "sgd_f32",
 ]
 
-SOURCE = pathlib.Path(__file__).with_name("_native.c")
-# -ffp-contract=off: no product fused into an add but the source's own fmaf (torch's rounding, op for op);
-# -fno-math-errno: sqrtf as one instruction, so the loop vectorises.
-FLAGS = ("-O3", "-std=gnu99", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-pthread")
 # The values _native.c reads, in its order: lr, beta1, beta2, eps, weight_decay, 1 - beta1**t and
 # (1 - beta2**t) ** 0.5 (t: each model's step count, this step included).
 ADAM_VALUES = 7
@@ -70,79 +57,6 @@ DECAY_NONE, DECAY_L2, DECAY_DECOUPLED = 0, 1, 2
 NESTEROV, NESTEROV_PLAIN_WITHOUT_MOMENTUM = 1, 2
 
 enabled = True
-_lock = threading.Lock()
-_reason = ""
-
-
-def _cache_dir() -> pathlib.Path:
-    configured = os.environ.get("BATCHLAYERS_CACHE_DIR")
-    if configured:
-        return pathlib.Path(configured)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return pathlib.Path(base) / "batchlayers"
-
-
-class _CompilerFailed(Exception):
-    """The compiler did not run or failed (its error is the ``__cause__``): another directory would not help."""
-
-
-def _compile(path: pathlib.Path, command: list[str]) -> None:
-    """Compile :data:`SOURCE` to ``path``, as checkpoints are written (a temporary file beside it, renamed):
-    processes compiling at once never load a half-written library. An :class:`OSError` is the directory's."""
-    from ..checkpoint import _replace_atomically
-
-    def write(temporary: str) -> None:
-        try:
-            subprocess.run([*command, "-o", temporary], check=True, capture_output=True, timeout=120)
-        except (OSError, subprocess.SubprocessError) as error:
-            raise _CompilerFailed from error
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _replace_atomically(str(path), str(path.parent), write)
-
-
-def library() -> ctypes.CDLL | None:
-    """The compiled kernel, compiling it on first use; ``None`` where that fails (see
-    :func:`unavailable_reason`)."""
-    with _lock:
-        return _load()
-
-
-@functools.cache
-def _load() -> ctypes.CDLL | None:
-    global _reason
-    compiler = shlex.split(os.environ.get("CC") or "cc")
-    command = [*compiler, *FLAGS, str(SOURCE), "-lm"]
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *command[:-2], platform.machine()]).encode()).hexdigest()
-    try:
-        path = _cache_dir() / f"native-{key[:16]}.so"
-        if not path.exists():
-            try:
-                _compile(path, command)
-            except OSError:  # a cache directory that cannot be written: one for this process
-                path = pathlib.Path(tempfile.mkdtemp(prefix="batchlayers-")) / path.name
-                _compile(path, command)
-        lib = ctypes.CDLL(str(path))
-        _reason = ""
-    except (OSError, _CompilerFailed) as failed:
-        error = failed.__cause__ if isinstance(failed, _CompilerFailed) else failed
-        detail = getattr(error, "stderr", b"") or b""
-        _reason = f"{type(error).__name__}: {error} {detail.decode(errors='replace')[-500:]}".strip()
-        return None
-    pointers, sizes = ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int64)
-    # (The tensors' pointers by address: an array.array of them, see operands().)
-    operand_types: list[Any] = [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, sizes, pointers, sizes]
-    for name, flags in (("adam", 3), ("sgd", 4), ("rmsprop", 5)):
-        kernel = getattr(lib, f"batchlayers_{name}_f32")
-        kernel.restype = None
-        # (then the step counts to count in, their elements and the thread count)
-        kernel.argtypes = [*operand_types, *[ctypes.c_int] * flags, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
-    return lib
-
-
-def unavailable_reason() -> str:
-    """Why :func:`library` is ``None`` (the compiler's error), or ``""``."""
-    return _reason
 
 
 _PLAIN = frozenset({Tensor, torch.nn.Parameter})

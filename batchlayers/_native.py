@@ -1,0 +1,113 @@
+"""batchlayers' hand-written CPU kernels, compiled into one library: the optimizers' (``optim/_native.c``, see
+:mod:`batchlayers.optim._native`) and the LSTM backward's time step (``functional/_recurrent_native.c``, see
+:mod:`batchlayers.functional._recurrent`).
+
+The sources are compiled on first use with the system's C compiler (``$CC``, else ``cc``; under a second here)
+into ``$BATCHLAYERS_CACHE_DIR`` (default ``$XDG_CACHE_HOME/batchlayers`` or ``~/.cache/batchlayers``), keyed by
+a hash of the sources, the command and the machine, and loaded with :mod:`ctypes` (no Python or torch
+headers). Where no compiler works, :func:`library` is ``None`` and every caller takes its other kernels;
+:func:`unavailable_reason` says why (``batchlayers.backends.cpu.check_native_optimizers()`` raises it).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import pathlib
+import platform
+import shlex
+import subprocess
+import tempfile
+import threading
+from typing import Any
+
+__all__ = ["FLAGS", "HEADER", "SOURCES", "library", "unavailable_reason"]
+
+_PACKAGE = pathlib.Path(__file__).parent
+SOURCES = (_PACKAGE / "optim" / "_native.c", _PACKAGE / "functional" / "_recurrent_native.c")
+HEADER = _PACKAGE / "_native.h"  # (included by both)
+# -ffp-contract=off: no product fused into an add but the sources' own fmaf (torch's rounding, op for op);
+# -fno-math-errno: sqrtf as one instruction, so the loop vectorises.
+FLAGS = ("-O3", "-std=gnu99", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-pthread")
+
+_lock = threading.Lock()
+_reason = ""
+
+
+def _cache_dir() -> pathlib.Path:
+    configured = os.environ.get("BATCHLAYERS_CACHE_DIR")
+    if configured:
+        return pathlib.Path(configured)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return pathlib.Path(base) / "batchlayers"
+
+
+class _CompilerFailed(Exception):
+    """The compiler did not run or failed (its error is the ``__cause__``): another directory would not help."""
+
+
+def _compile(path: pathlib.Path, command: list[str]) -> None:
+    """Compile :data:`SOURCES` to ``path``, as checkpoints are written (a temporary file beside it, renamed):
+    processes compiling at once never load a half-written library. An :class:`OSError` is the directory's."""
+    from .checkpoint import _replace_atomically
+
+    def write(temporary: str) -> None:
+        try:
+            subprocess.run([*command, "-o", temporary], check=True, capture_output=True, timeout=120)
+        except (OSError, subprocess.SubprocessError) as error:
+            raise _CompilerFailed from error
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _replace_atomically(str(path), str(path.parent), write)
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, compiling them on first use; ``None`` where that fails (see
+    :func:`unavailable_reason`)."""
+    with _lock:
+        return _load()
+
+
+@functools.cache
+def _load() -> ctypes.CDLL | None:
+    global _reason
+    compiler = shlex.split(os.environ.get("CC") or "cc")
+    command = [*compiler, *FLAGS, *map(str, SOURCES), "-lm"]
+    texts = [source.read_text() for source in (*SOURCES, HEADER)]
+    key = hashlib.sha256("\0".join([*texts, *command[: -len(SOURCES) - 1], platform.machine()]).encode()).hexdigest()
+    try:
+        path = _cache_dir() / f"native-{key[:16]}.so"
+        if not path.exists():
+            try:
+                _compile(path, command)
+            except OSError:  # a cache directory that cannot be written: one for this process
+                path = pathlib.Path(tempfile.mkdtemp(prefix="batchlayers-")) / path.name
+                _compile(path, command)
+        lib = ctypes.CDLL(str(path))
+        _reason = ""
+    except (OSError, _CompilerFailed) as failed:
+        error = failed.__cause__ if isinstance(failed, _CompilerFailed) else failed
+        detail = getattr(error, "stderr", b"") or b""
+        _reason = f"{type(error).__name__}: {error} {detail.decode(errors='replace')[-500:]}".strip()
+        return None
+    pointers, sizes = ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int64)
+    # (The tensors' pointers by address: an array.array of them, see optim/_native.py's operands().)
+    operand_types: list[Any] = [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, sizes, pointers, sizes]
+    for name, flags in (("adam", 3), ("sgd", 4), ("rmsprop", 5)):
+        kernel = getattr(lib, f"batchlayers_{name}_f32")
+        kernel.restype = None
+        # (then the step counts to count in, their elements and the thread count)
+        kernel.argtypes = [*operand_types, *[ctypes.c_int] * flags, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    for suffix in ("f32", "f64"):
+        kernel = getattr(lib, f"batchlayers_lstm_backward_step_{suffix}")
+        kernel.restype = None
+        # models, batch, hidden, then eight (pointer, model stride) pairs
+        kernel.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int64] * 8
+    return lib
+
+
+def unavailable_reason() -> str:
+    """Why :func:`library` is ``None`` (the compiler's error), or ``""``."""
+    return _reason

@@ -1,0 +1,67 @@
+/* batchlayers' hand-written kernel for one time step of the LSTM recurrence's backward (see _recurrent.py,
+ * _LSTMSteps.backward; batchlayers/_native.py compiles this file with the optimizer kernels on first use).
+ *
+ * The elementwise part of a step, for every model, sample and hidden unit in one pass, where torch's ops make
+ * ten passes (and ten calls): the gradient by o * tanh(c), by c, and by the four gates' pre-activations. The
+ * arithmetic is the ops', op for op and in their order (torch's CPU sigmoid_backward is a * (1 - b) * b, its
+ * tanh_backward a * (1 - b * b), whose 1 - b * b its AVX2 and AVX-512 kernels round once, as fma does here),
+ * built with -ffp-contract=off so that no other product is fused into an add.
+ *
+ * Operands are (N, B, K) with each model's (B, K) slice contiguous (K = H, or 4H for the gates, in i, f, g, o
+ * order) and a model stride of their own, in elements.
+ */
+#include <math.h>
+#include <stdint.h>
+
+#include "../_native.h"
+
+/* One sample's row of H units. grad_h_t: the gradient by h_t from the output; grad_h: from the next step (with
+ * second 0, grad_h_t is their sum already, as with a projection). acts: the sigmoid of every gate's
+ * pre-activation (the g slot unused), g: tanh of g's, c_prev: c_{t-1}, tanh_c: tanh(c_t). grad_c holds the
+ * gradient by c_t and is overwritten by the one by c_{t-1}; d receives the gradient by the four
+ * pre-activations. second is a constant where it is inlined: each case a loop without a branch, vectorised. */
+#define LSTM_BACKWARD_ROW(T, SUFFIX, FMA)                                                                     \
+    INLINE void lstm_backward_row_##SUFFIX(int64_t hidden, const T *restrict grad_h_t, const T *restrict grad_h, \
+                                           const int second, const T *restrict acts, const T *restrict g,       \
+                                           const T *restrict c_prev, const T *restrict tanh_c,                  \
+                                           T *restrict grad_c, T *restrict d) {                                 \
+        for (int64_t j = 0; j < hidden; j++) {                                                                  \
+            const T grad_r = second ? grad_h_t[j] + grad_h[j] : grad_h_t[j]; /* by o * tanh(c) */               \
+            const T i = acts[j], f = acts[hidden + j], o = acts[3 * hidden + j], t = tanh_c[j], gj = g[j];      \
+            const T by_o = grad_r * t;                                                                          \
+            const T by_c = grad_c[j] + (grad_r * o) * FMA(-t, t, (T)1);                                         \
+            const T by_i = by_c * gj, by_f = by_c * c_prev[j];                                                  \
+            d[j] = by_i * ((T)1 - i) * i;                                                                       \
+            d[hidden + j] = by_f * ((T)1 - f) * f;                                                              \
+            d[2 * hidden + j] = (by_c * i) * FMA(-gj, gj, (T)1);                                                \
+            d[3 * hidden + j] = by_o * ((T)1 - o) * o;                                                          \
+            grad_c[j] = by_c * f;                                                                               \
+        }                                                                                                       \
+    }
+
+/* Every model's and sample's row; grad_h NULL where grad_h_t is the sum already. */
+#define LSTM_BACKWARD_STEP(T, SUFFIX)                                                                           \
+    CLONES void batchlayers_lstm_backward_step_##SUFFIX(                                                        \
+        int64_t models, int64_t batch, int64_t hidden, const T *grad_h_t, int64_t grad_h_t_stride,             \
+        const T *grad_h, int64_t grad_h_stride, const T *acts, int64_t acts_stride, const T *g, int64_t g_stride, \
+        const T *c_prev, int64_t c_prev_stride, const T *tanh_c, int64_t tanh_c_stride, T *grad_c,             \
+        int64_t grad_c_stride, T *d, int64_t d_stride) {                                                        \
+        for (int64_t m = 0; m < models; m++) {                                                                  \
+            for (int64_t b = 0; b < batch; b++) {                                                               \
+                const int64_t row = b * hidden, gates_row = 4 * row;                                            \
+                const T *gh_t = grad_h_t + m * grad_h_t_stride + row, *a = acts + m * acts_stride + gates_row;  \
+                const T *gg = g + m * g_stride + row, *cp = c_prev + m * c_prev_stride + row;                   \
+                const T *tc = tanh_c + m * tanh_c_stride + row;                                                 \
+                T *gc = grad_c + m * grad_c_stride + row, *dd = d + m * d_stride + gates_row;                   \
+                if (grad_h)                                                                                     \
+                    lstm_backward_row_##SUFFIX(hidden, gh_t, grad_h + m * grad_h_stride + row, 1, a, gg, cp, tc, gc, dd); \
+                else                                                                                            \
+                    lstm_backward_row_##SUFFIX(hidden, gh_t, gh_t, 0, a, gg, cp, tc, gc, dd);                   \
+            }                                                                                                   \
+        }                                                                                                       \
+    }
+
+LSTM_BACKWARD_ROW(float, f32, fmaf)
+LSTM_BACKWARD_ROW(double, f64, fma)
+LSTM_BACKWARD_STEP(float, f32)
+LSTM_BACKWARD_STEP(double, f64)
