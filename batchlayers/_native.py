@@ -1,6 +1,6 @@
 """batchlayers' hand-written CPU kernels, compiled into one library: the optimizers' (``optim/_native.c``, see
-:mod:`batchlayers.optim._native`) and the LSTM backward's time step (``functional/_recurrent_native.c``, see
-:mod:`batchlayers.functional._recurrent`).
+:mod:`batchlayers.optim._native`) and the LSTM and GRU backward's time step (``functional/_recurrent_native.c``,
+see :mod:`batchlayers.functional._recurrent`).
 
 The sources are compiled on first use with the system's C compiler (``$CC``, else ``cc``; under a second here)
 into ``$BATCHLAYERS_CACHE_DIR`` (default ``$XDG_CACHE_HOME/batchlayers`` or ``~/.cache/batchlayers``), keyed by
@@ -105,6 +105,10 @@ def _load() -> ctypes.CDLL | None:
         kernel.restype = None
         # models, batch, hidden, then eight (pointer, model stride) pairs
         kernel.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int64] * 8
+        kernel = getattr(lib, f"batchlayers_gru_backward_step_{suffix}")
+        kernel.restype = None
+        # models, batch, hidden, then the inputs' and outputs' pointers and their strides (array addresses)
+        kernel.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 3
     return lib
 
 

@@ -190,26 +190,26 @@ def test_step_layouts_match_loop(kind, batch_first, input_size):
         assert_close(batched(x)[0], torch.stack([m(x[i])[0] for i, m in enumerate(modules)]), msg="no_grad output")
 
 
-def _count_native_lstm_steps(monkeypatch) -> list[int]:
-    """Count the LSTM backward's calls of batchlayers' C kernel (one per time step and layer)."""
-    calls: list[int] = []
-    kernel_of = _recurrent._lstm_backward_kernel
+def _count_native_steps(monkeypatch) -> list[str]:
+    """Count the LSTM and GRU backward's calls of batchlayers' C kernels (one per time step and layer)."""
+    calls: list[str] = []
+    kernel_of = _recurrent._backward_kernel
 
-    def counted(like):
-        kernel = kernel_of(like)
-        return None if kernel is None else (lambda *args: calls.append(1) or kernel(*args))
+    def counted(mode, like):
+        kernel = kernel_of(mode, like)
+        return None if kernel is None else (lambda *args: calls.append(mode) or kernel(*args))
 
-    monkeypatch.setattr(_recurrent, "_lstm_backward_kernel", counted)
+    monkeypatch.setattr(_recurrent, "_backward_kernel", counted)
     return calls
 
 
 LOSSES = {
     # each gives the backward other gradient layouts: contiguous random ones (w: fixed random tensors), stride-0
-    # ones (a sum), a transposed output's, and the last step's alone (zeros elsewhere, none for h_n and c_n)
-    "random": lambda out, h, c, w: (out * w[0]).sum() + (h * h).sum() + (c * w[1]).sum(),
-    "sums": lambda out, h, c, w: out.sum() + h.sum() + c.sum(),
-    "transposed": lambda out, h, c, w: out.transpose(1, 2).contiguous().transpose(1, 2).sin().sum(),
-    "last_step": lambda out, h, c, w: out[:, :, -1].pow(2).sum() if out.shape[2] == T else out[:, -1].pow(2).sum(),
+    # ones (a sum), a transposed output's, and the last step's alone (zeros elsewhere, none for the states)
+    "random": lambda out, states, w: (out * w[0]).sum() + sum((s * w[k + 1]).sum() for k, s in enumerate(states)),
+    "sums": lambda out, states, w: out.sum() + sum(s.sum() for s in states),
+    "transposed": lambda out, states, w: out.transpose(1, 2).contiguous().transpose(1, 2).sin().sum(),
+    "last_step": lambda out, states, w: (out[:, :, -1] if out.shape[2] == T else out[:, -1]).pow(2).sum(),
 }
 
 
@@ -217,42 +217,41 @@ LOSSES = {
 @pytest.mark.parametrize("dtype", [F64, F32], ids=["f64", "f32"])
 @pytest.mark.parametrize("batch_first", [False, True], ids=["time_major", "batch_first"])
 @pytest.mark.parametrize("bidirectional", [False, True], ids=["uni", "bi"])
-@pytest.mark.parametrize("kind", ["LSTM", "LSTM_PROJ"])
+@pytest.mark.parametrize("kind", ["LSTM", "LSTM_PROJ", "GRU"])
 @pytest.mark.filterwarnings("ignore:LSTM with projections is not supported with oneDNN")
-def test_lstm_backward_native_kernel_matches_loop_and_torch_ops(
-    monkeypatch, kind, bidirectional, batch_first, dtype, loss
-):
-    """The LSTM backward's time steps in batchlayers' C kernel, two layers deep, against the torch.nn loop (the
-    contract) and against the same backward with torch's ops (the same arithmetic: equal up to how the CPU
-    rounds ``1 - t * t``), for gradients of every layout the loss gives the steps."""
-    calls = _count_native_lstm_steps(monkeypatch)
+def test_backward_native_kernel_matches_loop_and_torch_ops(monkeypatch, kind, bidirectional, batch_first, dtype, loss):
+    """The LSTM and GRU backward's time steps in batchlayers' C kernels, two layers deep, against the torch.nn
+    loop (the contract) and against the same backward with torch's ops (the same arithmetic: equal up to how the
+    CPU rounds ``1 - t * t``), for gradients of every layout the loss gives the steps."""
+    calls = _count_native_steps(monkeypatch)
     torch.manual_seed(0)
     batched, make_torch = build(
         kind, 3, num_layers=2, bidirectional=bidirectional, batch_first=batch_first, dtype=dtype
     )
     modules = unbatch(batched, make_torch)
     x = network_input(3, batch_first, dtype)
-    hx = initial_state(kind, 3, (2 * (1 + bidirectional), B), dtype)
+    hx = _flatten_state(initial_state(kind, 3, (2 * (1 + bidirectional), B), dtype))
     with torch.no_grad():
-        out, (h, c) = batched(x, hx)
-    weights = (torch.randn_like(out), torch.randn_like(c))
+        out, states = batched(x, tuple(hx) if len(hx) == 2 else hx[0])
+    weights = (torch.randn_like(out), *(torch.randn_like(s) for s in _flatten_state(states)))
 
     def gradients(run) -> list[torch.Tensor]:
-        xs, hs = _leaf(x), tuple(_leaf(t) for t in hx)
-        LOSSES[loss](*run(xs, hs), weights).backward()
+        xs, hs = _leaf(x), [_leaf(t) for t in hx]
+        out, states = run(xs, hs)
+        LOSSES[loss](out, states, weights).backward()
         return [xs.grad, *(t.grad for t in hs)]
 
     def run_loop(xs, hs):
-        results = [m(xs[i], (hs[0][i], hs[1][i])) for i, m in enumerate(modules)]
-        return torch.stack([r[0] for r in results]), *(torch.stack([r[1][k] for r in results]) for k in (0, 1))
+        results = [m(xs[i], tuple(h[i] for h in hs) if len(hs) == 2 else hs[0][i]) for i, m in enumerate(modules)]
+        states = [_flatten_state(r[1]) for r in results]
+        return torch.stack([r[0] for r in results]), [torch.stack([s[k] for s in states]) for k in range(len(hs))]
 
     def run_batched(xs, hs):
-        out, (h, c) = batched(xs, hs)
-        return out, h, c
+        out, states = batched(xs, tuple(hs) if len(hs) == 2 else hs[0])
+        return out, _flatten_state(states)
 
-    expected = gradients(run_loop) + [
-        torch.stack([m.get_parameter(n).grad for m in modules]) for n, _ in batched.named_parameters()
-    ]
+    expected = gradients(run_loop)
+    expected += [torch.stack([m.get_parameter(name).grad for m in modules]) for name, _ in batched.named_parameters()]
     found = {}
     for native in (True, False):
         monkeypatch.setattr(_recurrent, "native_kernel", native)
@@ -265,15 +264,16 @@ def test_lstm_backward_native_kernel_matches_loop_and_torch_ops(
         torch.testing.assert_close(a, b, **tolerance, msg=f"gradient {k}, kernel against torch's ops")
 
 
-def test_lstm_backward_native_kernel_matches_loop_over_options(monkeypatch):
-    """With the kernel, the whole comparison with the torch.nn loop (outputs, states, every gradient) over
+@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+def test_backward_native_kernel_matches_loop_over_options(monkeypatch, kind):
+    """With the kernels, the whole comparison with the torch.nn loop (outputs, states, every gradient) over
     shared and per-model inputs, with and without initial states and biases."""
-    calls = _count_native_lstm_steps(monkeypatch)
+    calls = _count_native_steps(monkeypatch)
     for shared, with_h0, bias in [(False, True, True), (True, False, True), (False, False, False)]:
         torch.manual_seed(0)
-        batched, make_torch = build("LSTM", 3, bias=bias)
+        batched, make_torch = build(kind, 3, bias=bias)
         modules = unbatch(batched, make_torch)
-        hx = initial_state("LSTM", 3, (1, B)) if with_h0 else None
+        hx = initial_state(kind, 3, (1, B)) if with_h0 else None
         compare(batched, modules, network_input(None if shared else 3, False), hx, shared=shared)
     assert len(calls) == 3 * T
 
@@ -281,10 +281,11 @@ def test_lstm_backward_native_kernel_matches_loop_over_options(monkeypatch):
 @pytest.mark.parametrize(
     "case", ["setting off", "no library", "above the units limit", "bfloat16"], ids=lambda c: c.replace(" ", "_")
 )
-def test_lstm_backward_without_the_native_kernel(monkeypatch, case):
-    """Where the kernel does not serve (turned off, not built, a step too large, another dtype), the backward
+@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+def test_backward_without_the_native_kernel(monkeypatch, kind, case):
+    """Where the kernels do not serve (turned off, not built, a step too large, another dtype), the backward
     takes torch's ops and still matches the loop."""
-    calls = _count_native_lstm_steps(monkeypatch)
+    calls = _count_native_steps(monkeypatch)
     dtype = torch.bfloat16 if case == "bfloat16" else F64
     if case == "setting off":
         monkeypatch.setattr(_recurrent, "native_kernel", _recurrent.native_kernel)  # (restored afterwards)
@@ -295,11 +296,11 @@ def test_lstm_backward_without_the_native_kernel(monkeypatch, case):
     elif case == "above the units limit":
         monkeypatch.setattr(_recurrent, "NATIVE_MAX_UNITS", 3 * B * H - 1)
     torch.manual_seed(0)
-    batched, make_torch = build("LSTM", 3, dtype=dtype)
+    batched, make_torch = build(kind, 3, dtype=dtype)
     modules = unbatch(batched, make_torch)
     x = network_input(3, False, dtype)
     if dtype == F64:
-        compare(batched, modules, x, initial_state("LSTM", 3, (1, B)), shared=False)
+        compare(batched, modules, x, initial_state(kind, 3, (1, B)), shared=False)
     else:
         batched(x)[0].float().sum().backward()  # (the loop's bfloat16 kernels round otherwise: only that it runs)
         assert all(p.grad is not None and p.grad.isfinite().all() for p in batched.parameters())

@@ -15,6 +15,7 @@ ops per step here.
 
 from __future__ import annotations
 
+import array
 from collections.abc import Sequence
 from typing import cast
 
@@ -653,7 +654,7 @@ class _LSTMSteps(torch.autograd.Function):
         grad_pre = _workspace.empty(acts, n, steps, batch, gates)
         grad_out = _workspace.empty(acts, *hs.shape) if w_proj is not None else None  # of h_t, all paths
         grad_h, grad_c = _lstm_backward_steps(
-            _lstm_backward_kernel(acts), grad_hs, grad_h_last, grad_c_last, acts, g_acts, cs, tanh_cs, grad_pre,
+            _backward_kernel("lstm", acts), grad_hs, grad_h_last, grad_c_last, acts, g_acts, cs, tanh_cs, grad_pre,
             grad_out, w_rec, w_proj,
         )  # fmt: skip
         grad_b = grad_pre.sum((1, 2)) if ctx.has_bias and ctx.needs_input_grad[1] else None
@@ -681,7 +682,7 @@ def _lstm_backward_steps(
 ) -> tuple[Tensor, Tensor]:
     """:class:`_LSTMSteps`'s backward through every step: writes the pre-activations' gradient into
     ``grad_pre`` and, with a projection, ``grad_out``; returns the gradients by ``h0`` and ``c0``. Each step's
-    elementwise part with torch's ops, or with ``kernel`` (:func:`_lstm_backward_kernel`) in one pass."""
+    elementwise part with torch's ops, or with ``kernel`` (:func:`_backward_kernel`) in one pass."""
     steps, n, batch, gates = acts.shape
     hidden = gates // 4
     if kernel is not None:
@@ -714,32 +715,79 @@ def _lstm_backward_steps(
     return grad_h, grad_c
 
 
-# Whether the LSTM backward's time steps may run batchlayers' C kernel (``_recurrent_native.c``), see
+# Whether the LSTM and GRU backward's time steps may run batchlayers' C kernels (``_recurrent_native.c``), see
 # ``batchlayers.backends.cpu.native_recurrent``.
 native_kernel = True
-_KERNELS = {torch.float32: "batchlayers_lstm_backward_step_f32", torch.float64: "batchlayers_lstm_backward_step_f64"}
+_SUFFIXES = {torch.float32: "f32", torch.float64: "f64"}
 # Up to this many units a step (models x samples x hidden units) the kernel, one thread, does a step's
-# elementwise part; above, torch's ops on several threads. Measured on a 2-core CPU (2 threads, float32, the
-# backward of all steps, medians): 16k units (the benchmark's LSTM policy, 32 x 8 x 64) 3.70 -> 2.49 ms,
+# elementwise part; above, torch's ops on several threads. Measured on a 2-core CPU (2 threads, float32, an
+# LSTM's backward of all steps, medians): 16k units (the benchmark's LSTM policy, 32 x 8 x 64) 3.70 -> 2.49 ms,
 # 65k 10.3 -> 10.1 ms and 8.7 -> 5.6, 131k 15.2 -> 14.9 and 16.3 -> 15.8; 262k 41.2 -> 42.1 and 28.8 -> 30.6.
 NATIVE_MAX_UNITS = 1 << 17
 
 
-def _lstm_backward_kernel(like: Tensor):
-    """The C kernel of one LSTM backward step for ``like`` (every step's gates, ``(T, N, B, 4H)``), or ``None``:
-    off, another dtype than float32 and float64, not on the CPU, more than :data:`NATIVE_MAX_UNITS` units a
-    step, or no library (see :mod:`batchlayers._native`)."""
-    name = _KERNELS.get(like.dtype)
+def _backward_kernel(mode: str, like: Tensor):
+    """The C kernel of one ``mode`` (``"lstm"``, ``"gru"``) backward step for ``like`` (every step's gates,
+    ``(T, N, B, G*H)``), or ``None``: off, another dtype than float32 and float64, not on the CPU, more than
+    :data:`NATIVE_MAX_UNITS` units a step, or no library (see :mod:`batchlayers._native`)."""
+    suffix = _SUFFIXES.get(like.dtype)
     if (
         not native_kernel
-        or name is None
+        or suffix is None
         or like.device.type != "cpu"
         or type(like) is not Tensor
-        or like[0].numel() // 4 > NATIVE_MAX_UNITS
+        or like[0].numel() // GATES[mode.upper()] > NATIVE_MAX_UNITS
     ):
         return None
     lib = _native.library()
-    return None if lib is None else getattr(lib, name)
+    return None if lib is None else getattr(lib, f"batchlayers_{mode}_backward_step_{suffix}")
+
+
+def _gru_native_steps(
+    kernel,
+    grad_hs: Tensor,
+    grad_last: Tensor,
+    h0: Tensor,
+    w_rec: Tensor,
+    saved: tuple[Tensor, Tensor, Tensor, Tensor],
+    grad_in: Tensor,
+    grad_rec: Tensor,
+) -> Tensor:
+    """:class:`_GRUSteps`'s backward through every step, each step's elementwise part in the C kernel:
+    writes ``grad_in`` and ``grad_rec``, returns the gradient by ``h0``. ``saved`` is ``(ghs, rzs, news, hs)``."""
+    ghs, rzs, news, hs = saved
+    steps, n, batch, gates = ghs.shape
+    hidden = gates // 3
+    size = ghs.element_size()
+    grad_hs, h0 = _units_contiguous(grad_hs), _units_contiguous(h0)
+    # Two buffers in turn for z times the gradient by h_t, onto which the product accumulates the gradient by
+    # h_{t-1}: step t writes buffers[t % 2] and reads the other (the last step reads grad_last's copy).
+    buffers = [ghs.new_empty(n, batch, hidden), ghs.new_empty(n, batch, hidden)]
+    grad_h = buffers[steps % 2].copy_(grad_last)
+    gh_n = ghs[..., 2 * hidden :]
+    inputs, outputs = array.array("Q", [0] * 6), array.array("Q", [0] * 3)
+    # (model, row) strides: grad_h_t, grad_h, rz, new, gh_n, h_prev, grad_in, grad_rec, grad_direct
+    parts = (grad_hs[:, 0], grad_h, rzs[0], news[0], gh_n[0], hs[:, 0], grad_in[:, 0], grad_rec[:, 0], grad_h)
+    strides = array.array("q", [s for t in parts for s in t.stride()[:2]])
+    h0_strides = array.array("q", h0.stride()[:2])
+    for t in reversed(range(steps)):
+        grad_direct = buffers[t % 2]
+        h_prev = h0 if t == 0 else hs[:, t - 1]
+        if t == 0:
+            strides[10:12] = h0_strides
+        inputs[:] = array.array("Q", [
+            grad_hs.data_ptr() + t * grad_hs.stride(1) * size, grad_h.data_ptr(), rzs[t].data_ptr(),
+            news[t].data_ptr(), gh_n[t].data_ptr(), h_prev.data_ptr(),
+        ])  # fmt: skip
+        outputs[:] = array.array("Q", [grad_in[:, t].data_ptr(), grad_rec[:, t].data_ptr(), grad_direct.data_ptr()])
+        kernel(n, batch, hidden, inputs.buffer_info()[0], outputs.buffer_info()[0], strides.buffer_info()[0])
+        grad_h = grad_direct.baddbmm_(grad_rec[:, t], w_rec)
+    return grad_h
+
+
+def _units_contiguous(x: Tensor) -> Tensor:
+    """``x`` with its last dimension contiguous, as the GRU kernel reads it (any other strides)."""
+    return x if type(x) is Tensor and (x.stride(-1) == 1 or x.shape[-1] <= 1) else x.contiguous().as_subclass(Tensor)
 
 
 def _rows_contiguous(x: Tensor) -> Tensor:
@@ -840,7 +888,12 @@ class _GRUSteps(torch.autograd.Function):
             grad_in_rz.unbind(1), grad_in_n.unbind(1), grad_rec.unbind(1), grad_rec_rz.unbind(1),
             grad_rec_n.unbind(1),
         )  # fmt: skip
-        grad_h = grad_last
+        kernel = _backward_kernel("gru", ghs)
+        if kernel is not None:
+            grad_h = _gru_native_steps(kernel, grad_hs, grad_last, h0, w_rec, (ghs, rzs, news, hs), grad_in, grad_rec)
+            views = zip()  # (the steps are done)
+        else:
+            grad_h = grad_last
         for grad_h_t, rz, r, z, new, gh_n, h_prev, d_in_rz, d_in_n, d_rec, d_rec_rz, d_rec_n in reversed(list(views)):
             grad = grad_h_t + grad_h
             grad_direct = grad * z

@@ -65,3 +65,51 @@ LSTM_BACKWARD_ROW(float, f32, fmaf)
 LSTM_BACKWARD_ROW(double, f64, fma)
 LSTM_BACKWARD_STEP(float, f32)
 LSTM_BACKWARD_STEP(double, f64)
+
+/* One GRU backward step, for _GRUSteps.backward. Operands are (N, B, K) with a model stride and a row (sample)
+ * stride of their own, units contiguous: grad_h_t and grad_h as above (grad_h never NULL here), rz: the
+ * activated r and z (z at +H), new: n, gh_n: h_{t-1} W_hn^T + b_hn, h_prev: h_{t-1}. Written: grad_in, the
+ * gradient by the projected input's r, z and n (at +0, +H, +2H); grad_rec, by h_{t-1} W_hh^T + b_hh's (r and z
+ * as grad_in's, then r times n's); grad_direct, z times the gradient by h_t (the part of the gradient by
+ * h_{t-1} that skips the matrix product, which then accumulates onto it). torch's ops, op for op. */
+#define GRU_BACKWARD_STEP(T, SUFFIX, FMA)                                                                      \
+    INLINE void gru_backward_row_##SUFFIX(int64_t hidden, const T *restrict grad_h_t, const T *restrict grad_h, \
+                                          const T *restrict rz, const T *restrict new, const T *restrict gh_n,  \
+                                          const T *restrict h_prev, T *restrict grad_in, T *restrict grad_rec,  \
+                                          T *restrict grad_direct) {                                            \
+        for (int64_t j = 0; j < hidden; j++) {                                                                  \
+            const T r = rz[j], z = rz[hidden + j], nj = new[j];                                                 \
+            const T grad = grad_h_t[j] + grad_h[j];                                                             \
+            const T direct = grad * z;                                                                          \
+            const T grad_new = (grad - direct) * FMA(-nj, nj, (T)1);                                            \
+            const T by_r = grad_new * gh_n[j], by_z = grad * (h_prev[j] - nj);                                  \
+            const T in_r = by_r * ((T)1 - r) * r, in_z = by_z * ((T)1 - z) * z;                                 \
+            grad_in[j] = in_r;                                                                                  \
+            grad_in[hidden + j] = in_z;                                                                         \
+            grad_in[2 * hidden + j] = grad_new;                                                                 \
+            grad_rec[j] = in_r;                                                                                 \
+            grad_rec[hidden + j] = in_z;                                                                        \
+            grad_rec[2 * hidden + j] = grad_new * r;                                                            \
+            grad_direct[j] = direct;                                                                            \
+        }                                                                                                       \
+    }                                                                                                           \
+    CLONES void batchlayers_gru_backward_step_##SUFFIX(int64_t models, int64_t batch, int64_t hidden,          \
+                                                       const T *const *inputs, T *const *outputs,              \
+                                                       const int64_t *strides) {                               \
+        /* inputs: grad_h_t, grad_h, rz, new, gh_n, h_prev; outputs: grad_in, grad_rec, grad_direct; strides: \
+         * each operand's (model, row) strides in that order */                                                \
+        for (int64_t m = 0; m < models; m++) {                                                                  \
+            for (int64_t b = 0; b < batch; b++) {                                                               \
+                const T *in[6];                                                                                 \
+                T *out[3];                                                                                      \
+                for (int k = 0; k < 6; k++) in[k] = inputs[k] + m * strides[2 * k] + b * strides[2 * k + 1];   \
+                for (int k = 0; k < 3; k++)                                                                     \
+                    out[k] = outputs[k] + m * strides[12 + 2 * k] + b * strides[13 + 2 * k];                    \
+                gru_backward_row_##SUFFIX(hidden, in[0], in[1], in[2], in[3], in[4], in[5], out[0], out[1],      \
+                                          out[2]);                                                              \
+            }                                                                                                   \
+        }                                                                                                       \
+    }
+
+GRU_BACKWARD_STEP(float, f32, fmaf)
+GRU_BACKWARD_STEP(double, f64, fma)
