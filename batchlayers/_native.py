@@ -75,9 +75,10 @@ def _load() -> ctypes.CDLL | None:
     global _reason
     compiler = shlex.split(os.environ.get("CC") or "cc")
     command = [*compiler, *FLAGS, *map(str, SOURCES), "-lm"]
-    texts = [source.read_text() for source in (*SOURCES, HEADER)]
-    key = hashlib.sha256("\0".join([*texts, *command[: -len(SOURCES) - 1], platform.machine()]).encode()).hexdigest()
     try:
+        texts = [source.read_text() for source in (*SOURCES, HEADER)]  # (a broken install may lack one: OSError)
+        build = [*command[: -len(SOURCES) - 1], platform.machine()]  # (the command without the sources' paths)
+        key = hashlib.sha256("\0".join([*texts, *build]).encode()).hexdigest()
         path = _cache_dir() / f"native-{key[:16]}.so"
         if not path.exists():
             try:

@@ -313,6 +313,24 @@ def test_backward_without_the_native_kernel(monkeypatch, kind, case):
             bl.backends.cpu.native_recurrent = 1
 
 
+def test_a_missing_kernel_source_leaves_the_kernels_out(monkeypatch, tmp_path):
+    """An install that lacks one of the C sources (or the header) has no kernels, with the reason kept, instead
+    of raising from every optimizer step and LSTM backward; the backward then takes torch's ops."""
+    monkeypatch.setenv("BATCHLAYERS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(_recurrent._native, "HEADER", tmp_path / "missing.h")
+    _recurrent._native._load.cache_clear()
+    try:
+        assert _recurrent._native.library() is None
+        assert "missing.h" in _recurrent._native.unavailable_reason()
+        calls = _count_native_steps(monkeypatch)
+        torch.manual_seed(0)
+        batched, make_torch = build("LSTM", 3)
+        compare(batched, unbatch(batched, make_torch), network_input(3, False), None, shared=False)
+        assert not calls
+    finally:
+        _recurrent._native._load.cache_clear()  # (the next use loads the real library again)
+
+
 def _force_per_model_kernels(monkeypatch) -> list[int]:
     """Make every LSTM take the per-model kernel path; returns a list that grows by one per call of it."""
     calls: list[int] = []
