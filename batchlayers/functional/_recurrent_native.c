@@ -1,14 +1,15 @@
-/* batchlayers' hand-written kernel for one time step of the LSTM recurrence's backward (see _recurrent.py,
- * _LSTMSteps.backward; batchlayers/_native.py compiles this file with the optimizer kernels on first use).
+/* batchlayers' hand-written kernels for one time step of the LSTM and GRU recurrences' backward (see
+ * _recurrent.py, _LSTMSteps.backward and _GRUSteps.backward; batchlayers/_native.py compiles this file with the
+ * optimizer kernels on first use).
  *
  * The elementwise part of a step, for every model, sample and hidden unit in one pass, where torch's ops make
- * ten passes (and ten calls): the gradient by o * tanh(c), by c, and by the four gates' pre-activations. The
- * arithmetic is the ops', op for op and in their order (torch's CPU sigmoid_backward is a * (1 - b) * b, its
- * tanh_backward a * (1 - b * b), whose 1 - b * b its AVX2 and AVX-512 kernels round once, as fma does here),
- * built with -ffp-contract=off so that no other product is fused into an add.
+ * about ten passes (and calls): for an LSTM the gradient by o * tanh(c), by c, and by the four gates'
+ * pre-activations. The arithmetic is the ops', op for op and in their order (torch's CPU sigmoid_backward is
+ * a * (1 - b) * b, its tanh_backward a * (1 - b * b), whose 1 - b * b its AVX2 and AVX-512 kernels round once,
+ * as fma does here), built with -ffp-contract=off so that no other product is fused into an add.
  *
- * Operands are (N, B, K) with each model's (B, K) slice contiguous (K = H, or 4H for the gates, in i, f, g, o
- * order) and a model stride of their own, in elements.
+ * The LSTM's operands are (N, B, K) with each model's (B, K) slice contiguous (K = H, or 4H for the gates, in
+ * i, f, g, o order) and a model stride of their own, in elements.
  */
 #include <math.h>
 #include <stdint.h>
