@@ -259,7 +259,7 @@ def test_backward_native_kernel_matches_loop_and_torch_ops(monkeypatch, kind, bi
         found[native] = gradients(run_batched) + [p.grad for p in batched.parameters()]
         assert len(calls) == 2 * T, f"{len(calls)} calls of the kernel, expected one per step and layer"
     tolerance = {"rtol": 1e-13, "atol": 1e-13} if dtype == F64 else {"rtol": 1e-5, "atol": 1e-6}
-    for k, (a, b, ref) in enumerate(zip(found[True], found[False], expected)):
+    for k, (a, b, ref) in enumerate(zip(found[True], found[False], expected, strict=True)):
         assert_close(a, ref, msg=f"gradient {k}, kernel against the loop")
         torch.testing.assert_close(a, b, **tolerance, msg=f"gradient {k}, kernel against torch's ops")
 
