@@ -264,6 +264,30 @@ def test_backward_native_kernel_matches_loop_and_torch_ops(monkeypatch, kind, bi
         torch.testing.assert_close(a, b, **tolerance, msg=f"gradient {k}, kernel against torch's ops")
 
 
+@pytest.mark.parametrize("sizes", [(3, 3, 3, 3), (3, 1, 3, 1), (1, 3, 1, 3)], ids=["M=B=T=H", "B=1,H=1", "M=1,T=1"])
+@pytest.mark.parametrize("batch_first", [False, True], ids=["time_major", "batch_first"])
+@pytest.mark.parametrize("kind", ["LSTM", "LSTM_PROJ", "GRU"])
+@pytest.mark.filterwarnings("ignore:LSTM with projections is not supported with oneDNN")
+def test_backward_native_kernel_with_sizes_that_coincide(monkeypatch, kind, batch_first, sizes):
+    """The kernels take every size from the saved gates and every stride from the tensors: models, samples,
+    steps and hidden units all equal, or ones among them, still give the loop's numbers, with the kernel run."""
+    calls = _count_native_steps(monkeypatch)
+    num_models, batch, steps, hidden = sizes
+    torch.manual_seed(0)
+    options = {"proj_size": 1} if kind == "LSTM_PROJ" else {}
+    batched_cls, torch_cls, _ = NETWORKS[kind]
+    batched = batched_cls(
+        num_models, I, hidden + 1 if options else hidden, batch_first=batch_first, **options, dtype=F64
+    )
+    modules = unbatch(batched, lambda: torch_cls(I, batched.hidden_size, batch_first=batch_first, **options, dtype=F64))
+    x = torch.randn(num_models, *((batch, steps) if batch_first else (steps, batch)), I, dtype=F64)
+    out_size = 1 if options else hidden
+    h0 = torch.randn(num_models, 1, batch, out_size, dtype=F64)
+    hx = (h0, torch.randn(num_models, 1, batch, batched.hidden_size, dtype=F64)) if "LSTM" in kind else h0
+    compare(batched, modules, x, hx, shared=False)
+    assert len(calls) == steps
+
+
 @pytest.mark.parametrize("kind", ["LSTM", "GRU"])
 def test_backward_native_kernel_matches_loop_over_options(monkeypatch, kind):
     """With the kernels, the whole comparison with the torch.nn loop (outputs, states, every gradient) over
