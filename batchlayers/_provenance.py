@@ -91,6 +91,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from ._numbers import FoldedInt, FoldedSize, FoldedValue, close_call, differs, open_call, plain_number_message
+from .functional import _kept
 
 __all__ = ["FoldedInt", "FoldedSize", "FoldedValue", "Lost", "PerModel", "Tracker", "get_tag", "set_tag"]
 
@@ -1707,6 +1708,42 @@ def _global_pool_channels_last(ctx, func, args, kwargs, tagged) -> Tensor | None
         return None
     out = MeanWithExpandedGradient.apply(x)
     set_tag(out, 0)
+    return out
+
+
+def _kept_relu(ctx, func, args, kwargs, tagged) -> Tensor | None:
+    """``F.relu(x)``, ``torch.relu(x)``, ``x.relu()`` of a large tensor (not in place): through
+    :func:`batchlayers.functional._kept.relu`, its result and gradient in kept memory, tagged as the plain
+    call's. The benchmark's small CNN at M=16 and its ResNet at M=4 (2-core CPU): see that module. None (the
+    plain call) otherwise."""
+    x = args[0] if args else kwargs.get("input")
+    if not isinstance(x, Tensor) or _arg(args, kwargs, 1, "inplace", False):
+        return None
+    out = _kept.relu(x)
+    if out is not None:
+        entry = _RULES[func]
+        entry.rule(ctx, entry.name, args, kwargs, out, tagged)
+    return out
+
+
+def _kept_max_pool2d(ctx, func, args, kwargs, tagged) -> Tensor | None:
+    """``F.max_pool2d(x, ...)`` of a large batch of images that records gradients: through
+    :func:`batchlayers.functional._kept.max_pool2d`, its input gradient in kept memory, tagged as the plain
+    call's. None (the plain call) otherwise."""
+    x = args[0] if args else kwargs.get("input")
+    if not isinstance(x, Tensor) or len(tagged) != 1 or _arg(args, kwargs, 6, "return_indices", False):
+        return None
+    out = _kept.max_pool2d(
+        x,
+        _arg(args, kwargs, 1, "kernel_size"),
+        _arg(args, kwargs, 2, "stride"),
+        _arg(args, kwargs, 3, "padding", 0),
+        _arg(args, kwargs, 4, "dilation", 1),
+        _arg(args, kwargs, 5, "ceil_mode", False),
+    )
+    if out is not None:
+        entry = _RULES[func]
+        entry.rule(ctx, entry.name, args, kwargs, out, tagged)
     return out
 
 
@@ -3423,6 +3460,9 @@ dropout2d dropout3d
     method=False,
 )
 _RULES[F.adaptive_avg_pool2d] = _RULES[F.adaptive_avg_pool2d]._replace(compute=_global_pool_channels_last)
+for _fn in (F.relu, torch.relu, Tensor.relu):
+    _RULES[_fn] = _RULES[_fn]._replace(compute=_kept_relu)
+_RULES[F.max_pool2d] = _RULES[F.max_pool2d]._replace(compute=_kept_max_pool2d)
 _add(_batch_norm, "batch_norm", method=False, torch_=False)
 _add(_recurrent, "lstm gru rnn_tanh rnn_relu", method=False, functional=False)
 _add(_batch_first, "lstm_cell gru_cell rnn_tanh_cell rnn_relu_cell _native_multi_head_attention", method=False)

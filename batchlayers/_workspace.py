@@ -40,6 +40,7 @@ __all__ = [
     "empty",
     "release",
     "returned",
+    "returned_like",
     "stack",
     "take",
     "unbind",
@@ -199,12 +200,25 @@ def _stacks(tensors: Sequence[Tensor]) -> bool:
     )
 
 
+def _on_kept_memory(like: Tensor, shape: Sequence[int], strides: Sequence[int]) -> Tensor:
+    """A new tensor of ``shape`` and ``strides`` (dense) on a kept buffer's memory, the smallest free one that
+    fits: as :func:`returned`, its own tensor and not a view, so that autograd treats it as a fresh result."""
+    buffer = take(like, math.prod(shape), fits=True)
+    return like.new_empty(0).set_(buffer.untyped_storage(), 0, tuple(shape), tuple(strides))
+
+
+def returned_like(x: Tensor) -> Tensor:
+    """``torch.empty_like(x)`` of a dense ``x`` (see :func:`_dense`: the same shape and strides, contiguous or
+    channels-last), on kept memory where :func:`applies`; a result the caller hands out, as :func:`returned`."""
+    if not applies(x, x.numel()):
+        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+    return _on_kept_memory(x, x.shape, x.stride())
+
+
 def _stacked_empty(first: Tensor, count: int) -> Tensor:
     """A new ``(count, *first.shape)`` tensor whose slices are laid out as ``first``, on a kept buffer's memory
-    (as :func:`returned`: its own tensor, not a view, so that autograd treats it as a fresh result)."""
-    buffer = take(first, count * first.numel(), fits=True)  # (first is dense: checked by _stacks)
-    out = first.new_empty(0)
-    return out.set_(buffer.untyped_storage(), 0, (count, *first.shape), (first.numel(), *first.stride()))
+    (first is dense: checked by :func:`_stacks`)."""
+    return _on_kept_memory(first, (count, *first.shape), (first.numel(), *first.stride()))
 
 
 def _stacked_copy(tensors: Sequence[Tensor]) -> Tensor:

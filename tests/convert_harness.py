@@ -83,6 +83,24 @@ def compare_training(
                     q.grad = None
 
 
+def compare_gradient_penalty(stacked: nn.Module, models: Sequence[nn.Module], x: Tensor) -> None:
+    """The stacked model's output for ``x`` ``(M, B, *)``, its gradient by the input, and a penalty on that
+    gradient differentiated again (``create_graph=True``) into the parameters, against each original model's."""
+    x = x.detach().requires_grad_()
+    out = stacked(x)
+    (by_input,) = torch.autograd.grad(out.pow(2).sum(), x, create_graph=True)
+    by_input.pow(2).sum().backward()
+    for i, model in enumerate(models):
+        xi = x[i].detach().requires_grad_()
+        expected = model(xi)
+        assert_close(out[i], expected, msg=f"model {i}: output")
+        (own,) = torch.autograd.grad(expected.pow(2).sum(), xi, create_graph=True)
+        own.pow(2).sum().backward()
+        assert_close(by_input[i], own, msg=f"model {i}: input gradient")
+        for name, p in model.named_parameters():
+            assert_close(stacked.get_parameter(name).grad[i], p.grad, msg=f"model {i}: {name}'s penalty gradient")
+
+
 def assert_exact_or_refused(
     factory: Callable[[], nn.Module], num_models: int, make_input: Callable[[Sequence[int]], Tensor], batch: int
 ) -> str:

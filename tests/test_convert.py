@@ -9,7 +9,7 @@ import models as zoo
 import pytest
 import torch
 import torch.nn.functional as F
-from convert_harness import assert_unchanged, compare_training, seeded, snapshot
+from convert_harness import assert_unchanged, compare_gradient_penalty, compare_training, seeded, snapshot
 from harness import assert_close
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -507,19 +507,7 @@ def test_global_average_pooling_is_exact_with_a_channels_last_gradient(module: b
     the original models'."""
     models = [seeded(lambda: _GlobalPool(module), i) for i in range(3)]
     stacked = stack(models)
-    x = torch.randn(3, 2, 3, 6, 6, dtype=torch.float64, requires_grad=True)
-    out = stacked(x)
-    (by_input,) = torch.autograd.grad(out.pow(2).sum(), x, create_graph=True)
-    by_input.pow(2).sum().backward()
-    for i, model in enumerate(models):
-        xi = x[i].detach().requires_grad_()
-        expected = model(xi)
-        assert_close(out[i], expected, msg=f"model {i}: output")
-        (own,) = torch.autograd.grad(expected.pow(2).sum(), xi, create_graph=True)
-        own.pow(2).sum().backward()
-        assert_close(by_input[i], own, msg=f"model {i}: input gradient")
-        for name, p in model.named_parameters():
-            assert_close(stacked.get_parameter(name).grad[i], p.grad, msg=f"model {i}: {name}'s penalty gradient")
+    compare_gradient_penalty(stacked, models, torch.randn(3, 2, 3, 6, 6, dtype=torch.float64))
 
 
 def test_the_pooled_gradient_is_an_expand_the_activation_reads_channels_last() -> None:
