@@ -8,7 +8,9 @@ allocate such buffers for every step's gates and cell states, the fused linear c
 buffer that an earlier call allocated and nobody holds any more, so the pages stay mapped; the fused chain's
 weight gradients, which autograd keeps as the parameters' ``.grad``, come from :func:`returned`, and the
 per-model convolution loops and LSTM kernels stack their models' results (and, in backward, their input and
-weight gradients) with :func:`stack` and :func:`unbind`, into the smallest free buffer that fits.
+weight gradients) with :func:`stack` and :func:`unbind`, into the smallest free buffer that fits, and a stacked
+model's own ReLU and max pooling (``batchlayers/functional/_kept.py``) write their results and input gradients
+into one through :func:`returned_like`.
 
 A kept buffer is handed out only when the pool holds the one reference to it and to its storage: a buffer
 saved for a backward that has not run, viewed, or held by a gradient is never reused. Buffers are kept per

@@ -314,8 +314,9 @@ class CpuSettings:
 
         The recurrent layers' kernels allocate every step's gates and cell states, and their gradients, as a few
         buffers of several MiB, and so does ``BatchedSequential``'s fused Linear-activation-Linear chain for its
-        hidden activations at large M, and the per-model convolution loops and LSTM kernels for their stacked
-        outputs and gradients; kept (from 1 MiB on), they are not page-faulted in afresh each training step.
+        hidden activations at large M, the per-model convolution loops and LSTM kernels for their stacked
+        outputs and gradients, and a stacked model for its own ReLU's and max pooling's results and gradients;
+        kept (from 1 MiB on), they are not page-faulted in afresh each training step.
         A buffer is reused only once nothing holds it any more (not a pending backward, a view or a gradient),
         per thread; when the shapes change the free ones are dropped. The cost is memory: the last call's
         buffers stay allocated (:meth:`release_workspace` frees them). Unlike :meth:`keep_freed_memory`, no
