@@ -11,8 +11,8 @@ pooling run and differentiate with) into kept buffers: the same numbers bit for 
 
 Measured on a 2-core CPU, 2 threads, without ``keep_freed_memory()``: the small CNN's training step went from
 173.6 to 109.0 ms (medians of five alternating fresh processes each; the loop 146.6 ms), 41-45k to 2-12k page
-faults a step; in a ``python -m benchmarks --quick --workloads cnn resnet`` run 1.36x the loop with no page
-faults. The price is memory: the buffers are kept between steps, and one step's greedy reuse leaves four
+faults a step; in three ``python -m benchmarks --quick`` runs 1.60-1.61x the loop (0.88-1.15x before) with no
+page faults. The price is memory: the buffers are kept between steps, and one step's greedy reuse leaves four
 (32, 32, 32 and 16 MiB) where three would do, so the CNN's held memory plus step peak went from 0.95x to
 1.11x ``torch.func``'s (141 -> 165 MB; keeping only results of 32 MiB and more, which glibc always maps
 afresh, gave the same 1.11x: what is not kept counts in the step's peak instead). The ResNet's (M=4) stayed
@@ -91,7 +91,6 @@ class _MaxPool2d(torch.autograd.Function):
         out, indices = torch._C._nn.max_pool2d_with_indices(x, kernel_size, stride, padding, dilation, ceil_mode)
         ctx.save_for_backward(x, indices)
         ctx.arguments = (kernel_size, stride, padding, dilation, ceil_mode)
-        ctx.mark_non_differentiable(indices)
         return out
 
     @staticmethod
