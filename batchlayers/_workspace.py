@@ -16,7 +16,8 @@ A kept buffer is handed out only when the pool holds the one reference to it and
 saved for a backward that has not run, viewed, or held by a gradient is never reused. Buffers are kept per
 thread, and only on the CPU (CUDA's caching allocator reuses memory itself). When no kept buffer fits (the
 first calls, or another sequence length), free buffers are dropped while they add up to more than the most
-ever in use at once, and the pool never holds more than :data:`MAX_KEPT`.
+ever in use at once, and a miss for a flat buffer (``fits``) drops the free ones too small for it; the pool
+never holds more than :data:`MAX_KEPT`.
 ``batchlayers.backends.cpu.reuse_workspace = False`` turns this off,
 ``batchlayers.backends.cpu.release_workspace()`` drops the calling thread's buffers.
 """
@@ -159,11 +160,26 @@ def take(like: Tensor, *shape: int, fits: bool = False) -> Tensor:
     _local.peak = max(_local.peak, sum(u.nbytes for u in pool) - free_bytes + t.nbytes)  # (in use now)
     excess = free_bytes - _local.peak
     dropped = set()
+    if fits:
+        # A free flat buffer too small for this request goes: the new one (of its dtype, made in or out of
+        # inference mode as it was) serves its requests too. The small CNN's first step otherwise left a 16 MiB
+        # buffer beside three of 32 MiB that serve every step (its held memory plus step peak 1.11x
+        # torch.func's, 1.00x without it).
+        dropped = {
+            i
+            for i in free
+            if pool[i].dim() == 1
+            and pool[i].numel() < shape[0]
+            and pool[i].dtype == t.dtype
+            and pool[i].is_inference() == t.is_inference()
+        }
+        excess -= sum(pool[i].nbytes for i in dropped)
     for i in free:
         if excess <= 0:
             break
-        dropped.add(i)
-        excess -= pool[i].nbytes
+        if i not in dropped:
+            dropped.add(i)
+            excess -= pool[i].nbytes
     pool[:] = [pool[i] for i in range(len(pool)) if i not in dropped][-(MAX_KEPT - 1) :]
     pool.append(t)
     return t

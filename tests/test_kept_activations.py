@@ -222,3 +222,45 @@ def test_inference_mode_and_no_grad_between_training_steps(calls) -> None:
             for m in models:
                 m.zero_grad(set_to_none=True)
     assert calls == {"relu": 2 * 5, "max_pool2d": 2}, calls
+
+
+def test_a_free_buffer_too_small_for_a_missed_request_is_dropped(monkeypatch) -> None:
+    """The small CNN's order of kept results, in units of 8 MiB: conv1's output (4) that ReLU (4) consumes,
+    conv2's (2) and its ReLU's (2); in backward the ReLU's gradient (2), conv2's input gradient (1), the
+    pooling's (4) and the first ReLU's (4), while the first ReLU's output is saved. A miss for 4 while a free
+    buffer of 2 waits drops it (the new one serves its requests too): three buffers, which the next steps reuse,
+    where keeping it made four."""
+    monkeypatch.setattr(_workspace, "MIN_BYTES", 0)
+    _workspace.release()
+    like = torch.empty(0)
+
+    def step() -> None:
+        conv1 = _workspace.take(like, 4, fits=True)
+        relu1 = _workspace.take(like, 4, fits=True)
+        del conv1
+        conv2 = _workspace.take(like, 2, fits=True)
+        relu2 = _workspace.take(like, 2, fits=True)
+        del conv2
+        relu2_grad = _workspace.take(like, 2, fits=True)
+        del relu2
+        conv2_grad = _workspace.take(like, 1, fits=True)
+        del relu2_grad
+        pool_grad = _workspace.take(like, 4, fits=True)
+        del conv2_grad
+        relu1_grad = _workspace.take(like, 4, fits=True)
+        del pool_grad, relu1_grad, relu1
+
+    step()
+    kept = [id(t) for t in _workspace._pool()]
+    assert sorted(t.numel() for t in _workspace._pool()) == [4, 4, 4]
+    for _ in range(2):
+        step()
+        assert sorted(id(t) for t in _workspace._pool()) == sorted(kept), "new buffers where kept ones would do"
+    # A free buffer of another dtype serves none of this one's requests: it stays.
+    held = [_workspace.take(like, 4, fits=True) for _ in range(3)]
+    other = _workspace.take(torch.empty(0, dtype=torch.float64), 1, fits=True)
+    del other
+    larger = _workspace.take(like, 8, fits=True)
+    assert [t.dtype for t in _workspace._pool()].count(torch.float64) == 1
+    del held, larger
+    _workspace.release()
