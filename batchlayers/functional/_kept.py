@@ -12,11 +12,12 @@ pooling run and differentiate with) into kept buffers: the same numbers bit for 
 Measured on a 2-core CPU, 2 threads, without ``keep_freed_memory()``: the small CNN's training step went from
 173.6 to 109.0 ms (medians of five alternating fresh processes each; the loop 146.6 ms), 41-45k to 2-12k page
 faults a step; in three ``python -m benchmarks --quick`` runs 1.60-1.61x the loop (0.88-1.15x before) with no
-page faults. The price is memory: the buffers are kept between steps, and one step's greedy reuse leaves four
-(32, 32, 32 and 16 MiB) where three would do, so the CNN's held memory plus step peak went from 0.95x to
-1.11x ``torch.func``'s (141 -> 165 MB; keeping only results of 32 MiB and more, which glibc always maps
-afresh, gave the same 1.11x: what is not kept counts in the step's peak instead). The ResNet's (M=4) stayed
-below ``torch.func``'s (0.85x) and its step within noise (medians 107.9 and 111.7 ms).
+page faults. The price is memory: the buffers are kept between steps, and the CNN's held memory plus step
+peak went from 0.95x to 1.11x ``torch.func``'s (141 -> 165 MB, four buffers of 32, 32, 32 and 16 MiB; keeping
+only results of 32 MiB and more, which glibc always maps afresh, gave the same 1.11x: what is not kept counts
+in the step's peak instead), and to 1.00x once a miss dropped the free buffers too small for it (three
+buffers, see :func:`batchlayers._workspace.take`). The ResNet's (M=4) stayed below ``torch.func``'s (0.69x)
+and its step within noise (medians 107.9 and 111.7 ms).
 
 Each function returns None where it does not apply, and the caller makes torch's call: a tensor below
 :data:`batchlayers._workspace.MIN_BYTES`, not on the CPU, a subclass (a tracer's fake tensor), one that is not
