@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import models as zoo
 import pytest
 import torch
 import torch.nn.functional as F
@@ -264,3 +265,34 @@ def test_a_free_buffer_too_small_for_a_missed_request_is_dropped(monkeypatch) ->
     assert [t.dtype for t in _workspace._pool()].count(torch.float64) == 1
     del held, larger
     _workspace.release()
+
+
+@pytest.mark.parametrize("factory", ["ReluPoolNet", "CNN-BN-residual"])
+def test_training_steps_reuse_the_buffers_kept_in_the_first_ones(calls, factory: str) -> None:
+    """Every buffer kept (the convolutions', batch norms', ReLUs' and pooling's results of every size): from the
+    third training step on, no step takes a new buffer, and the steps still equal the original models'."""
+
+    def make():
+        if factory == "ReluPoolNet":
+            return ReluPoolNet("F.relu", POOLS["3-s2-p1"], torch.channels_last, False)
+        return zoo.CNN()
+
+    models = [seeded(make, i) for i in range(3)]
+    batched = stack([seeded(make, i) for i in range(3)])
+    for step in range(5):
+        x = _images((3, 4))
+        out = batched(x)
+        expected = torch.stack([m(x[i]) for i, m in enumerate(models)])
+        assert_close(out, expected, msg=f"output, step {step}")
+        out.sum().backward()
+        expected.sum().backward()
+        for name, p in batched.named_parameters():
+            assert_close(p.grad, torch.stack([m.get_parameter(name).grad for m in models]), msg=f"{name}, step {step}")
+        batched.zero_grad(set_to_none=True)
+        for m in models:
+            m.zero_grad(set_to_none=True)
+        if step == 1:
+            kept = sorted(id(t) for t in _workspace._pool())
+        elif step > 1:
+            assert sorted(id(t) for t in _workspace._pool()) == kept, f"step {step} took new buffers"
+    assert calls["relu"] > 0
