@@ -91,6 +91,28 @@ def test_matches_the_original_models(calls, relu: str, pool: str, memory_format:
     assert calls == {"relu": 2 * 4, "max_pool2d": 4}, calls
 
 
+@pytest.mark.parametrize("relu", ["F.relu", "nn.ReLU"])
+@pytest.mark.parametrize("sizes", [(4, 4, 4), (1, 1, 4), (4, 1, 2), (2, 4, 4)], ids=lambda s: "M{}-B{}-HW{}".format(*s))
+def test_sizes_that_coincide(calls, relu: str, sizes) -> None:
+    """Models, samples, channels (4 after the convolution) and pixels equal, or ones among them: the same
+    results as the original models."""
+    num_models, batch, side = sizes
+
+    def factory():
+        return ReluPoolNet(relu, POOLS["2"], torch.channels_last, False)
+
+    batched = stack([seeded(factory, i) for i in range(num_models)])
+    compare_training(
+        batched,
+        [seeded(factory, i) for i in range(num_models)],
+        lambda lead: torch.randn(*lead, 3, side, side, dtype=torch.float64),
+        batch=batch,
+    )
+    # (one sample in all: the convolution's output has a size-1 dimension's free stride, not dense: torch's ReLU)
+    relus = 1 if num_models * batch == 1 else 2
+    assert calls == {"relu": relus * 3, "max_pool2d": 3}, calls
+
+
 @pytest.mark.parametrize("memory_format", list(FORMATS))
 def test_input_gradients_and_gradients_of_gradients(calls, memory_format: str) -> None:
     """The gradient by the input, and a penalty on it differentiated again (``create_graph=True``: torch's

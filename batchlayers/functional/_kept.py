@@ -39,9 +39,8 @@ __all__ = ["max_pool2d", "relu"]
 
 def _keeps(x: Tensor) -> bool:
     return (
-        type(x) is Tensor
-        and x.is_floating_point()
-        and _workspace.applies(x, x.numel())
+        x.is_floating_point()
+        and _workspace.applies(x, x.numel())  # (a plain CPU tensor: no subclass)
         and _workspace._dense(x)
         and _workspace._own_functions_run()
     )
