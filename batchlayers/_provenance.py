@@ -91,7 +91,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from ._numbers import FoldedInt, FoldedSize, FoldedValue, close_call, differs, open_call, plain_number_message
-from .functional import _kept
+from .functional import _kept, _short_attention
 
 __all__ = ["FoldedInt", "FoldedSize", "FoldedValue", "Lost", "PerModel", "Tracker", "get_tag", "set_tag"]
 
@@ -1740,6 +1740,26 @@ def _kept_max_pool2d(ctx, func, args, kwargs, tagged) -> Tensor | None:
         _arg(args, kwargs, 3, "padding", 0),
         _arg(args, kwargs, 4, "dilation", 1),
         _arg(args, kwargs, 5, "ceil_mode", False),
+    )
+    if out is not None:
+        entry = _RULES[func]
+        entry.rule(ctx, entry.name, args, kwargs, out, tagged)
+    return out
+
+
+def _explicit_short_attention(ctx, func, args, kwargs, tagged) -> Tensor | None:
+    """``F.scaled_dot_product_attention`` over short sequences on the CPU: through
+    :func:`batchlayers.functional._short_attention.attention` (faster than torch's flash kernel there, see that
+    module), tagged as the plain call's. None (the plain call) otherwise."""
+    out = _short_attention.attention(
+        _arg(args, kwargs, 0, "query"),
+        _arg(args, kwargs, 1, "key"),
+        _arg(args, kwargs, 2, "value"),
+        _arg(args, kwargs, 3, "attn_mask"),
+        _arg(args, kwargs, 4, "dropout_p", 0.0),
+        _arg(args, kwargs, 5, "is_causal", False),
+        scale=kwargs.get("scale"),
+        enable_gqa=kwargs.get("enable_gqa", False),
     )
     if out is not None:
         entry = _RULES[func]
@@ -3496,6 +3516,9 @@ for _names, _default in (
 for _fft in ("fftshift", "ifftshift"):
     _RULES[getattr(torch.fft, _fft)] = _Rule(_dim_rule(1, "dim", None), f"torch.fft.{_fft}")
 _add(_sdpa, "scaled_dot_product_attention")
+_RULES[F.scaled_dot_product_attention] = _RULES[F.scaled_dot_product_attention]._replace(
+    compute=_explicit_short_attention
+)
 _RULES[torch.einsum] = _Rule(_einsum, "torch.einsum", _einsum_over_samples, _einsum_pairs)
 _RULES[torch.cdist] = _Rule(_cdist, "torch.cdist", compute=_cdist_per_model)
 _RULES[torch._pack_padded_sequence] = _Rule(_packed, "torch.nn.utils.rnn.pack_padded_sequence")

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from batchlayers.attention import BatchedMultiheadAttention
+from batchlayers.functional._short_attention import MAX_LENGTH
 
 M, B, L, S, E, HEADS = 3, 2, 4, 5, 8, 2
 
@@ -115,10 +116,12 @@ def test_shared_query_is_not_copied() -> None:
 
 def test_heads_reach_scaled_dot_product_attention_without_copies() -> None:
     """Self-attention without weights: the heads are views of the packed projection, as torch's own attention
-    passes them, in forward and backward; no copy the size of q, k, v or the attention's output is made."""
+    passes them, in forward and backward; no copy the size of q, k, v or the attention's output is made. (A
+    sequence longer than ``_short_attention.MAX_LENGTH``: shorter ones are computed explicitly, whose batched
+    products copy the heads, see tests/test_short_attention.py.)"""
     batched = BatchedMultiheadAttention(M, E, HEADS, batch_first=True, dtype=torch.float64)
-    # 5 steps: no weight or weight gradient has the size of q, k or v
-    x = torch.randn(M, B, 5, E, dtype=torch.float64, requires_grad=True)
+    # no weight or weight gradient has the size of q, k or v
+    x = torch.randn(M, B, MAX_LENGTH + 1, E, dtype=torch.float64, requires_grad=True)
     with RecordOps() as ops:
         out, _ = batched(x, x, x, need_weights=False)
         out.backward(torch.randn_like(out))

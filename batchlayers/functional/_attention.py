@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .._utils import check_call_input, check_parameter, check_size, check_weight
+from . import _short_attention
 from ._linear import unchecked_linear as linear
 
 __all__ = ["multi_head_attention"]
@@ -148,7 +149,8 @@ def multi_head_attention(
                 if attn_mask.dim() == 3 and attn_mask.shape[0] == 1
                 else (attn_mask.view(folded, num_heads, -1, src_len))
             )
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal)
+        explicit = _short_attention.attention(q, k, v, attn_mask, dropout_p, is_causal)  # (short sequences)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal) if explicit is None else explicit
     out = out.transpose(1, 2).reshape(num_models, batch * tgt_len, embed_dim)
     out = linear(out, out_proj_weight, out_proj_bias).view(num_models, batch, tgt_len, -1)
     return out, weights
