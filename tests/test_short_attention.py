@@ -13,6 +13,7 @@ from harness import assert_close
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+import batchlayers as bl
 from batchlayers.convert import stack
 from batchlayers.functional import _short_attention
 from batchlayers.functional._short_attention import MAX_LENGTH, attention
@@ -226,3 +227,27 @@ def test_batched_multihead_attention_matches_torch(is_causal, calls) -> None:
     models = [seeded(Encoder, i) for i in range(3)]
     compare_training(stack(models), models, lambda lead: torch.randn(*lead, 5, 8, dtype=F64))
     assert len(calls) == (0 if is_causal else 3), "explicit where nothing is masked, torch's call where causal"
+
+
+@pytest.mark.parametrize("limit", [0, 4, 5], ids=["off", "below", "at"])
+def test_the_length_limit_is_a_setting(limit, calls) -> None:
+    """``bl.backends.cpu.explicit_attention_max_length``: sequences up to it are explicit, longer ones (and all
+    with 0) torch's; the results are torch's either way."""
+    before = bl.backends.cpu.explicit_attention_max_length
+    q, k, v = _inputs((2, 2, 5, 4), 5, 4, "split-heads", F64)
+    try:
+        bl.backends.cpu.explicit_attention_max_length = limit
+        out = attention(q, k, v)
+    finally:
+        bl.backends.cpu.explicit_attention_max_length = before
+    assert (out is not None) == (limit >= 5) and len(calls) == (limit >= 5)
+    if out is not None:
+        assert_close(out, F.scaled_dot_product_attention(q, k, v))
+
+
+@pytest.mark.parametrize("bad,error", [(-1, ValueError), (True, TypeError), (64.0, TypeError), ("64", TypeError)])
+def test_the_length_limit_refuses_what_is_not_a_length(bad, error) -> None:
+    before = bl.backends.cpu.explicit_attention_max_length
+    with pytest.raises(error, match="explicit_attention_max_length"):
+        bl.backends.cpu.explicit_attention_max_length = bad
+    assert bl.backends.cpu.explicit_attention_max_length == before

@@ -35,7 +35,8 @@ from .._utils import autocast_enabled, no_function_transforms
 
 __all__ = ["MAX_LENGTH", "attention"]
 
-# The longest query or key sequence computed explicitly (see the module docstring).
+# The longest query or key sequence computed explicitly (see the module docstring); 0: none.
+# ``batchlayers.backends.cpu.explicit_attention_max_length`` sets it.
 MAX_LENGTH = 64
 
 
