@@ -9,9 +9,8 @@ forward and backward of contiguous ``(N, heads, T, d)`` inputs, flash's time ove
 1.43x (16, 8, 128, 64), 0.95x (8, 8, 256, 64) and 0.56x (4, 12, 512, 64), where the explicit ops' ``L x S``
 matrices also cost memory; the benchmark's stacked ``nn.TransformerEncoder`` (T=32, M=8, batch 16) trained
 in 38.4 and 40.8 ms a step against 42.5 and 43.6 ms with torch's call (two processes, steps alternating, 100
-each). With ``is_causal`` (GPT-mini, T=32) the step took the same time either way (46.9-49.6 ms; the explicit
-ops recomputing the probabilities in backward, as flash does, were no faster), so causal attention stays
-torch's.
+each). With ``is_causal`` (GPT-mini, T=32) the step took the same time either way (46.9-49.6 ms, explicit ops
+saving the probabilities or recomputing them in backward as flash does), so causal attention stays torch's.
 
 So query and key sequences of at most :data:`MAX_LENGTH` positions without a mask take :func:`attention`:
 ``softmax(q @ k^T * scale) @ v`` by torch's ops, recorded by autograd as they run (the probabilities are saved
