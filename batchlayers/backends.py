@@ -402,8 +402,9 @@ class CpuSettings:
     @property
     def explicit_attention_max_length(self) -> int:
         """The longest query or key sequence whose attention without a mask runs as explicit matrix products and
-        a softmax on the CPU instead of torch's flash kernel, in ``BatchedMultiheadAttention`` and in a stacked
-        model's own ``F.scaled_dot_product_attention`` (default 64; 0 leaves every call to torch). The explicit
+        a softmax on the CPU instead of torch's flash kernel while gradients are recorded, in
+        ``BatchedMultiheadAttention`` and in a stacked model's own ``F.scaled_dot_product_attention`` (default 64;
+        0 leaves every call to torch). The explicit
         ops save the ``heads x L x S`` probabilities for backward where the flash kernel saves ``L`` numbers a
         head. Measured on a 2-core CPU (float32, forward and backward of the op): 1.4-2.3x faster up to 64
         positions, 1.43x at 128 (16 samples, 8 heads of 64), 0.95x at 256, 0.56x at 512; the benchmark's stacked

@@ -83,11 +83,9 @@ def test_matches_torch_forward_and_backward(dtype, layout, shape, scale, calls) 
     assert out.stride() == expected.stride(), "laid out as torch's result"
     for name, got, want in zip("qkv", torch.autograd.grad(out, (q, k, v), grad), expected_grads):
         assert_close(got, want, msg=f"gradient by {name}")
-    with torch.no_grad():
-        plain = attention(q, k, v, scale=scale)
-    assert plain is not None and plain.grad_fn is None
-    assert_close(plain, expected.detach(), msg="output without gradients")
-    assert plain.stride() == expected.stride()
+    with torch.no_grad():  # (measured no faster without gradients: torch's call)
+        assert attention(q, k, v, scale=scale) is None
+    assert attention(*(t.detach() for t in (q, k, v)), scale=scale) is None
 
 
 def test_second_derivatives_match_torch() -> None:
@@ -130,7 +128,9 @@ def _refused_inputs():
 
 @pytest.mark.parametrize("case", list(_refused_inputs()))
 def test_other_calls_are_left_to_torch(case) -> None:
+    """Each case alone keeps a call that records gradients (else explicit) on torch's path."""
     (q, k, v), kwargs = _refused_inputs()[case]
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
     assert attention(q, k, v, **kwargs) is None
 
 
@@ -138,7 +138,8 @@ def test_other_calls_are_left_to_torch(case) -> None:
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
 @pytest.mark.parametrize("context", ["autocast", "vmap", "forward-ad"])
 def test_left_to_torch_under_autocast_and_transforms(context) -> None:
-    q, k, v = (torch.randn(2, 2, 5, 4) for _ in range(3))
+    q, k, v = (torch.randn(2, 2, 5, 4, requires_grad=True) for _ in range(3))
+    assert attention(q, k, v) is not None  # (explicit outside the context)
     if context == "autocast":
         with torch.autocast("cpu", dtype=torch.bfloat16):
             assert attention(q, k, v) is None
