@@ -408,7 +408,7 @@ class CpuSettings:
         ops save the ``heads x L x S`` probabilities for backward where the flash kernel saves ``L`` numbers a
         head. Measured on a 2-core CPU (float32, forward and backward of the op): 1.4-2.3x faster up to 64
         positions, 1.43x at 128 (16 samples, 8 heads of 64), 0.95x at 256, 0.56x at 512; the benchmark's stacked
-        ``nn.TransformerEncoder`` (T=32) trains 6-10% faster. Causal attention, masks and dropout always take
+        ``nn.TransformerEncoder`` (T=32) trains 3-10% faster. Causal attention, masks and dropout always take
         torch's call (see ``batchlayers/functional/_short_attention.py``)."""
         from .functional import _short_attention
 

@@ -10,7 +10,8 @@ forward and backward of contiguous ``(N, heads, T, d)`` inputs, flash's time ove
 matrices also cost memory; with the heads viewed from a packed projection (as user code and
 ``BatchedMultiheadAttention`` make them; the products copy them) 1.16-1.74x at T=24-64, d=8-32. The
 benchmark's stacked ``nn.TransformerEncoder`` (T=32, M=8, batch 16) trained in 38.4 and 40.8 ms a step against
-42.5 and 43.6 ms with torch's call (two processes, steps alternating, 100 each). With ``is_causal`` (GPT-mini,
+42.5 and 43.6 ms with torch's call (two processes, steps alternating, 100 each; 3-10% faster over six such
+processes). With ``is_causal`` (GPT-mini,
 T=32) the step took the same time either way (46.9-49.6 ms, explicit ops saving the probabilities or
 recomputing them in backward as flash does), so causal attention stays torch's.
 
