@@ -1711,6 +1711,15 @@ def _global_pool_channels_last(ctx, func, args, kwargs, tagged) -> Tensor | None
     return out
 
 
+def _tagged_by_own_rule(ctx, func, args, kwargs, tagged, out: Tensor | None) -> Tensor | None:
+    """``out``, a compute rule's result for ``func`` (None: the plain call), tagged by ``func``'s own rule as the
+    plain call's result would be."""
+    if out is not None:
+        entry = _RULES[func]
+        entry.rule(ctx, entry.name, args, kwargs, out, tagged)
+    return out
+
+
 def _kept_relu(ctx, func, args, kwargs, tagged) -> Tensor | None:
     """``F.relu(x)``, ``torch.relu(x)``, ``x.relu()`` of a large tensor (not in place): through
     :func:`batchlayers.functional._kept.relu`, its result and gradient in kept memory, tagged as the plain
@@ -1720,10 +1729,7 @@ def _kept_relu(ctx, func, args, kwargs, tagged) -> Tensor | None:
     if not isinstance(x, Tensor) or _arg(args, kwargs, 1, "inplace", False):
         return None
     out = _kept.relu(x)
-    if out is not None:
-        entry = _RULES[func]
-        entry.rule(ctx, entry.name, args, kwargs, out, tagged)
-    return out
+    return _tagged_by_own_rule(ctx, func, args, kwargs, tagged, out)
 
 
 def _kept_max_pool2d(ctx, func, args, kwargs, tagged) -> Tensor | None:
@@ -1741,10 +1747,7 @@ def _kept_max_pool2d(ctx, func, args, kwargs, tagged) -> Tensor | None:
         _arg(args, kwargs, 4, "dilation", 1),
         _arg(args, kwargs, 5, "ceil_mode", False),
     )
-    if out is not None:
-        entry = _RULES[func]
-        entry.rule(ctx, entry.name, args, kwargs, out, tagged)
-    return out
+    return _tagged_by_own_rule(ctx, func, args, kwargs, tagged, out)
 
 
 def _explicit_short_attention(ctx, func, args, kwargs, tagged) -> Tensor | None:
@@ -1761,10 +1764,7 @@ def _explicit_short_attention(ctx, func, args, kwargs, tagged) -> Tensor | None:
         scale=kwargs.get("scale"),
         enable_gqa=kwargs.get("enable_gqa", False),
     )
-    if out is not None:
-        entry = _RULES[func]
-        entry.rule(ctx, entry.name, args, kwargs, out, tagged)
-    return out
+    return _tagged_by_own_rule(ctx, func, args, kwargs, tagged, out)
 
 
 def _recurrent(ctx, name, args, kwargs, out, tagged) -> None:

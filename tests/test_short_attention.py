@@ -183,6 +183,20 @@ def test_stacked_model_matches_the_originals(is_causal, scale, shared, calls) ->
     assert len(calls) == (0 if is_causal else 3)
 
 
+@pytest.mark.parametrize(
+    "num_models,batch,length",
+    [(2, 2, 4), (4, 1, 4), (2, 4, 8), (1, 4, 4), (3, 1, 1)],
+    ids=["MB=T=d", "B=1,M=T=d", "MB=T=C", "M=1,B=T=d", "B=T=1"],
+)
+def test_stacked_model_matches_the_originals_where_sizes_coincide(num_models, batch, length, calls) -> None:
+    """Sizes that coincide (models x samples equal to the sequence length, the head size or the width; one
+    sample, one position): the explicit attention of the folded samples is each model's own."""
+    models = [seeded(lambda: SdpaNet(False, None), i) for i in range(num_models)]
+    stacked = stack(models)
+    compare_training(stacked, models, lambda lead: torch.randn(*lead, length, 8, dtype=F64), batch=batch)
+    assert len(calls) == 3
+
+
 def test_stacked_model_second_derivatives_match_the_originals(calls) -> None:
     models = [seeded(lambda: SdpaNet(False, None), i) for i in range(3)]
     stacked = stack(models)
