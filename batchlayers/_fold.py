@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from . import _workspace
 from ._numbers import _Marked, close_call
 from ._provenance import (
     UNTRACKED,
@@ -45,7 +46,7 @@ from ._provenance import (
     set_tag,
     untracked,
 )
-from ._utils import layer_name
+from ._utils import global_module_hooks, layer_name
 
 __all__ = [
     "attach_leaf_hooks",
@@ -787,13 +788,16 @@ class FoldLeafOutput:
             return None  # the pre-hook refused the input
         broadcast, dim, leading_one, picked = stack.pop()
         try:
-            return None if output is None else self._fold(layer, output, call, broadcast, dim, leading_one, picked)
+            if output is None:
+                return None
+            return self._fold(layer, args, output, call, broadcast, dim, leading_one, picked)
         finally:
             call.tracker.resume()
 
     def _fold(
         self,
         layer: nn.Module,
+        args: tuple,
         output: object,
         call: _Call,
         broadcast: bool,
@@ -824,7 +828,10 @@ class FoldLeafOutput:
             # The memory format the batched layer produced (channels-last stays channels-last): torch.nn layers
             # accept any, and a .view() that needs torch.nn's layout is made of a copy (Tracker._view). A
             # compiled graph has no tracker to do that, and inductor plans its own layouts: contiguous there.
-            t = t.reshape(num_models * t.shape[1], *t.shape[2:])
+            if _folds_as_own_tensor(layer, output, t, args):
+                t = _FoldedOwnTensor.apply(t)
+            else:
+                t = t.reshape(num_models * t.shape[1], *t.shape[2:])
             if torch.compiler.is_compiling():
                 t = t.contiguous()
             if dim:
@@ -833,6 +840,62 @@ class FoldLeafOutput:
             return t
 
         return map_tensors(output, fold)
+
+
+# The smallest output :func:`_folds_as_own_tensor` folds into a tensor of its own: the Function costs about
+# 60 us a call forward and backward (2-core CPU), where no in-place write follows for nothing; an in-place
+# write's copies of a smaller output cost less than that.
+OWN_TENSOR_MIN_BYTES = 1 << 20
+
+
+class _FoldedOwnTensor(torch.autograd.Function):
+    """A batched layer's ``(M, n, *)`` output as ``(M * n, *)``, on the same memory and with the same version
+    counter (a write into either is seen by autograd's checks of both), but not a view of it.
+
+    An in-place op on a view makes autograd rewrite the view's base: in backward it copies the whole base's
+    gradient into a new tensor, and the op's own gradient into that (``CopySlices``). Folded as a view,
+    ``nn.ReLU(inplace=True)`` and ``out += identity`` on a batch norm's output (torchvision's and timm's
+    ResNets) cost those copies in a stacked model and not in the original, whose batch norm's output is a
+    tensor of its own. Measured on the benchmark's ResNet written that way (``resnet-tv``, M=4, 2-core CPU): see
+    ``docs/guides/performance.md``."""
+
+    @staticmethod
+    def forward(ctx: Any, t: Tensor) -> Tensor:
+        ctx.shape = t.shape
+        # .detach(): not a view of t for autograd, and (detach's) t's version counter
+        return t.reshape(t.shape[0] * t.shape[1], *t.shape[2:]).detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        return grad.reshape(ctx.shape)
+
+
+def _folds_as_own_tensor(layer: nn.Module, output: object, t: Tensor, args: tuple) -> bool:
+    """Whether ``t``, ``layer``'s whole output, folds into a tensor of its own (:class:`_FoldedOwnTensor`): a
+    large batch of images or volumes (``(M, n, C, *spatial)``, where torchvision and timm write in-place
+    activations and residual adds) that one of batchlayers' layers computed while autograd records (where
+    torch.func, forward AD and compile run torch's ops), that no other hook sees, on memory of this call's own
+    (not an input's, a parameter's or a buffer's; it may be a view of the layer's own result). Nothing but
+    autograd's saved tensors, which share its version counter, can then read ``t`` after a write into its
+    fold."""
+    if torch.compiler.is_compiling():
+        return False  # (before reading anything of t: dynamo traces this hook)
+    if not (
+        output is t
+        and t.dim() >= 5
+        and t.grad_fn is not None
+        and t.nbytes >= OWN_TENSOR_MIN_BYTES
+        and type(layer).__module__.startswith("batchlayers.")  # (a user's registered layer might keep it)
+        and only_fold_hooks(layer)
+        and not global_module_hooks()
+        and torch.is_grad_enabled()
+        and _workspace._own_functions_run()
+    ):
+        return False
+    memory = t.untyped_storage().data_ptr()
+    own = (*layer._parameters.values(), *layer._buffers.values()) if not layer._modules else ()
+    others = (*args, *own) if not layer._modules else (*args, *layer.parameters(), *layer.buffers())
+    return all(not isinstance(a, Tensor) or a.untyped_storage().data_ptr() != memory for a in others)
 
 
 def only_fold_hooks(layer: nn.Module | None) -> bool:

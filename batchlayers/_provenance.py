@@ -1721,14 +1721,16 @@ def _tagged_by_own_rule(ctx, func, args, kwargs, tagged, out: Tensor | None) -> 
 
 
 def _kept_relu(ctx, func, args, kwargs, tagged) -> Tensor | None:
-    """``F.relu(x)``, ``torch.relu(x)``, ``x.relu()`` of a large tensor (not in place): through
+    """``F.relu(x)``, ``torch.relu(x)``, ``x.relu()`` of a large tensor: through
     :func:`batchlayers.functional._kept.relu`, its result and gradient in kept memory, tagged as the plain
-    call's. The benchmark's small CNN at M=16 and its ResNet at M=4 (2-core CPU): see that module. None (the
-    plain call) otherwise."""
+    call's. The benchmark's small CNN at M=16 and its ResNet at M=4 (2-core CPU): see that module. In place
+    (``F.relu(x, inplace=True)``, ``nn.ReLU(inplace=True)``, ``torch.relu_``, ``x.relu_()``), through
+    :func:`batchlayers.functional._kept.relu_`: its gradient in kept memory. None (the plain call) otherwise."""
     x = args[0] if args else kwargs.get("input")
-    if not isinstance(x, Tensor) or _arg(args, kwargs, 1, "inplace", False):
+    if not isinstance(x, Tensor):
         return None
-    out = _kept.relu(x)
+    in_place = func in (torch.relu_, Tensor.relu_) or _arg(args, kwargs, 1, "inplace", False)
+    out = _kept.relu_(x) if in_place else _kept.relu(x)
     return _tagged_by_own_rule(ctx, func, args, kwargs, tagged, out)
 
 
@@ -3480,7 +3482,7 @@ dropout2d dropout3d
     method=False,
 )
 _RULES[F.adaptive_avg_pool2d] = _RULES[F.adaptive_avg_pool2d]._replace(compute=_global_pool_channels_last)
-for _fn in (F.relu, torch.relu, Tensor.relu):
+for _fn in (F.relu, torch.relu, Tensor.relu, torch.relu_, Tensor.relu_):
     _RULES[_fn] = _RULES[_fn]._replace(compute=_kept_relu)
 _RULES[F.max_pool2d] = _RULES[F.max_pool2d]._replace(compute=_kept_max_pool2d)
 _add(_batch_norm, "batch_norm", method=False, torch_=False)

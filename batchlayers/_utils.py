@@ -8,6 +8,7 @@ from typing import cast
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules import module as _module
 
 __all__ = [
     "check_call_input",
@@ -250,6 +251,20 @@ def function_transform_active() -> bool:
     """A ``torch.func`` transform (``vmap``, ``grad``, ...) is active: tensor values cannot be read (under
     ``vmap``) and batchlayers' own autograd Functions have no rule."""
     return torch._C._are_functorch_transforms_active()
+
+
+_GLOBAL_HOOKS = (
+    "_global_forward_pre_hooks",
+    "_global_forward_hooks",
+    "_global_backward_pre_hooks",
+    "_global_backward_hooks",
+)
+
+
+def global_module_hooks() -> bool:
+    """Whether a hook registered for every module (``nn.modules.module.register_module_forward_hook``, ...) is
+    set: it sees each layer's own tensors."""
+    return any(getattr(_module, name) for name in _GLOBAL_HOOKS)
 
 
 def no_function_transforms() -> bool:

@@ -6,10 +6,9 @@ from collections.abc import Sequence
 from typing import cast
 
 from torch import Tensor, nn
-from torch.nn.modules import module as _module
 
 from . import _fold
-from ._utils import check_input, is_shared, layer_name
+from ._utils import check_input, global_module_hooks, is_shared, layer_name
 from .functional._mlp import chain_fuses, fusable_context, fused_linear_chain
 from .linear import BatchedLinear
 
@@ -129,14 +128,6 @@ def _activation(module: nn.Module | None) -> tuple[str, object] | None:
     return None
 
 
-_GLOBAL_HOOKS = (
-    "_global_forward_pre_hooks",
-    "_global_forward_hooks",
-    "_global_backward_pre_hooks",
-    "_global_backward_hooks",
-)
-
-
 class BatchedSequential(nn.Sequential):
     r"""A :class:`torch.nn.Sequential` that computes each run of batched linear layers with elementwise
     activations between them as one autograd node.
@@ -173,7 +164,7 @@ class BatchedSequential(nn.Sequential):
 
     def forward(self, input):
         modules = list(self._modules.values())
-        hooked = any(getattr(_module, name) for name in _GLOBAL_HOOKS)
+        hooked = global_module_hooks()
         i = 0
         while i < len(modules):
             end = i if hooked or not isinstance(input, Tensor) else _run_end(modules, i)
