@@ -72,19 +72,46 @@ class _BasicBlock(nn.Module):
         return F.relu(self.bn2(self.conv2(out)) + self.shortcut(x))
 
 
+class _TorchvisionBlock(_BasicBlock):
+    """:class:`_BasicBlock` as torchvision writes it: one ``nn.ReLU(inplace=True)``, the shortcut added in place."""
+
+    def __init__(self, in_channels: int, channels: int, stride: int = 1) -> None:
+        super().__init__(in_channels, channels, stride)
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        out += self.shortcut(x)
+        return self.relu(out)
+
+
 class SmallResNet(nn.Module):
     """A small ResNet with BatchNorm: a stem and two basic blocks (16 and 32 channels)."""
 
+    block: type[_BasicBlock] = _BasicBlock
+    relu_in_place = False
+
     def __init__(self, num_classes: int = 10) -> None:
         super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU())
-        self.layer1 = _BasicBlock(16, 16)
-        self.layer2 = _BasicBlock(16, 32, stride=2)
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(inplace=self.relu_in_place)
+        )
+        self.layer1 = self.block(16, 16)
+        self.layer2 = self.block(16, 32, stride=2)
         self.fc = nn.Linear(32, num_classes)
 
     def forward(self, x: Tensor) -> Tensor:
         x = self.layer2(self.layer1(self.stem(x)))
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+class TorchvisionStyleResNet(SmallResNet):
+    """:class:`SmallResNet` written as torchvision writes its ResNets: ``nn.ReLU(inplace=True)`` and
+    ``out += identity`` on batch norm's outputs (timm's are written so too)."""
+
+    block = _TorchvisionBlock
+    relu_in_place = True
 
 
 class _CausalSelfAttention(nn.Module):
@@ -348,6 +375,15 @@ WORKLOADS: dict[str, Workload] = {
             _classification_data((3, 32, 32), 10),
             batch_size=32,
             num_models=(4, 8),
+            quick_num_models=(4,),
+        ),
+        Workload(
+            "resnet-tv",
+            "the small ResNet written as torchvision writes it (nn.ReLU(inplace=True), out += identity), stacked",
+            TorchvisionStyleResNet,
+            _classification_data((3, 32, 32), 10),
+            batch_size=32,
+            num_models=(4,),
             quick_num_models=(4,),
         ),
         Workload(
