@@ -882,6 +882,7 @@ def _folds_as_own_tensor(layer: nn.Module, output: object, t: Tensor, args: tupl
         return False  # (before reading anything of t: dynamo traces this hook)
     if not (
         output is t
+        and type(t) is Tensor  # (no subclass: a tracer's fake tensor, a transform's wrapper)
         and t.dim() >= 5
         and t.grad_fn is not None
         and t.nbytes >= OWN_TENSOR_MIN_BYTES
@@ -892,10 +893,13 @@ def _folds_as_own_tensor(layer: nn.Module, output: object, t: Tensor, args: tupl
         and _workspace._own_functions_run()
     ):
         return False
-    memory = t.untyped_storage().data_ptr()
     own = (*layer._parameters.values(), *layer._buffers.values()) if not layer._modules else ()
     others = (*args, *own) if not layer._modules else (*args, *layer.parameters(), *layer.buffers())
-    return all(not isinstance(a, Tensor) or a.untyped_storage().data_ptr() != memory for a in others)
+    try:
+        memory = t.untyped_storage().data_ptr()
+        return all(not isinstance(a, Tensor) or a.untyped_storage().data_ptr() != memory for a in others)
+    except (RuntimeError, NotImplementedError):  # an input without storage (sparse, a subclass): as a view
+        return False
 
 
 def only_fold_hooks(layer: nn.Module | None) -> bool:

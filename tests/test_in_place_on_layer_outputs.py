@@ -108,6 +108,47 @@ def test_matches_the_original_models(taken, relu: str, add: str, memory_format: 
     assert taken["relu_"] == per_pass * passes, taken
 
 
+class OtherActivations(nn.Module):
+    """The convolution's output added in place to the batch norm's, then timm's and torchvision's other in-place
+    activations (or ``mul_`` and ``clamp_`` in place)."""
+
+    def __init__(self, act: str) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.fc = nn.Linear(4, 5)
+        self.act = {
+            "SiLU": nn.SiLU(inplace=True),
+            "Hardswish": nn.Hardswish(inplace=True),
+            "ReLU6": nn.ReLU6(inplace=True),
+            "LeakyReLU": nn.LeakyReLU(0.1, inplace=True),
+            "ELU": nn.ELU(inplace=True),
+        }.get(act)
+        self.name = act
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.conv(x)
+        out = self.bn(h)
+        out += h
+        if self.act is not None:
+            out = self.act(out)
+        else:
+            out.mul_(2).clamp_(-1, 1)
+        return self.fc(out.mean((2, 3)))
+
+
+@pytest.mark.parametrize("act", ["SiLU", "Hardswish", "ReLU6", "LeakyReLU", "ELU", "mul_ clamp_"])
+def test_other_writes_in_place(taken, act: str) -> None:
+    """Torch's own in-place ops on the batch norm's output (a tensor of its own): as the original models."""
+
+    def factory():
+        return OtherActivations(act)
+
+    batched = stack([seeded(factory, i) for i in range(3)])
+    compare_training(batched, [seeded(factory, i) for i in range(3)], _images)
+    assert taken["own"] == 2 * 3, taken  # (conv, bn; fc's output is a view)
+
+
 @pytest.mark.parametrize("memory_format", list(FORMATS))
 def test_same_results_folded_as_views(monkeypatch, memory_format: str) -> None:
     """Below the size (the default here: these outputs are small) each output folds as a view, as before: the
