@@ -893,8 +893,10 @@ def _folds_as_own_tensor(layer: nn.Module, output: object, t: Tensor, args: tupl
         and _workspace._own_functions_run()
     ):
         return False
-    own = (*layer._parameters.values(), *layer._buffers.values()) if not layer._modules else ()
-    others = (*args, *own) if not layer._modules else (*args, *layer.parameters(), *layer.buffers())
+    if layer._modules:
+        others = (*args, *layer.parameters(), *layer.buffers())
+    else:  # (a leaf: its own dictionaries, without parameters()' walk over the submodules)
+        others = (*args, *layer._parameters.values(), *layer._buffers.values())
     try:
         memory = t.untyped_storage().data_ptr()
         return all(not isinstance(a, Tensor) or a.untyped_storage().data_ptr() != memory for a in others)
