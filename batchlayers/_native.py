@@ -1,6 +1,7 @@
 """batchlayers' hand-written CPU kernels, compiled into one library: the optimizers' (``optim/_native.c``, see
-:mod:`batchlayers.optim._native`) and the LSTM and GRU backward's time step (``functional/_recurrent_native.c``,
-see :mod:`batchlayers.functional._recurrent`).
+:mod:`batchlayers.optim._native`), the LSTM and GRU backward's time step (``functional/_recurrent_native.c``,
+see :mod:`batchlayers.functional._recurrent`) and the two-class cross entropy (``_losses_native.c``, see
+:mod:`batchlayers.losses`).
 
 The sources are compiled on first use with the system's C compiler (``$CC``, else ``cc``; under a second here)
 into ``$BATCHLAYERS_CACHE_DIR`` (default ``$XDG_CACHE_HOME/batchlayers`` or ``~/.cache/batchlayers``), keyed by
@@ -26,11 +27,27 @@ from typing import Any
 __all__ = ["FLAGS", "HEADER", "SOURCES", "library", "unavailable_reason"]
 
 _PACKAGE = pathlib.Path(__file__).parent
-SOURCES = (_PACKAGE / "optim" / "_native.c", _PACKAGE / "functional" / "_recurrent_native.c")
-HEADER = _PACKAGE / "_native.h"  # (included by both)
+SOURCES = (
+    _PACKAGE / "optim" / "_native.c",
+    _PACKAGE / "functional" / "_recurrent_native.c",
+    _PACKAGE / "_losses_native.c",
+)
+HEADER = _PACKAGE / "_native.h"  # (included by all)
 # -ffp-contract=off: no product fused into an add but the sources' own fmaf (torch's rounding, op for op);
-# -fno-math-errno: sqrtf as one instruction, so the loop vectorises.
-FLAGS = ("-O3", "-std=gnu99", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-pthread")
+# -fno-math-errno: sqrtf as one instruction, so the loop vectorises; -fno-trapping-math: a loop with a
+# comparison or a float-to-int conversion vectorises too (no floating-point exception is ever read; results
+# are unchanged); -fopenmp-simd: the loss's ``omp simd`` reduction vectorises (no OpenMP runtime).
+FLAGS = (
+    "-O3",
+    "-std=gnu99",
+    "-ffp-contract=off",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-fopenmp-simd",
+    "-fPIC",
+    "-shared",
+    "-pthread",
+)
 
 _lock = threading.Lock()
 _reason = ""
@@ -110,6 +127,15 @@ def _load() -> ctypes.CDLL | None:
         kernel.restype = None
         # models, batch, hidden, then the inputs' and outputs' pointers and their strides (array addresses)
         kernel.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 3
+    for suffix, value in (("f32", ctypes.c_float), ("f64", ctypes.c_double)):
+        kernel = getattr(lib, f"batchlayers_two_class_forward_{suffix}")
+        kernel.restype = ctypes.c_int
+        # models, batch, the logits and their model stride, the targets and theirs, the divisor, two outputs
+        kernel.argtypes = [*[ctypes.c_int64] * 2, *[ctypes.c_void_p, ctypes.c_int64] * 2, value, *[ctypes.c_void_p] * 2]
+        kernel = getattr(lib, f"batchlayers_two_class_backward_{suffix}")
+        kernel.restype = None
+        # models, batch, the signed probabilities, the gradient and its stride, the divisor, the output
+        kernel.argtypes = [*[ctypes.c_int64] * 2, *[ctypes.c_void_p] * 2, ctypes.c_int64, value, ctypes.c_void_p]
     return lib
 
 

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import _native
 from ._utils import function_transform_active, is_shared, no_function_transforms
 
 __all__ = [
@@ -418,10 +419,23 @@ class _TwoClassCrossEntropyReduced(torch.autograd.Function):
     reshape, sum and division nodes cost more than the loss itself on a small batch."""
 
     @staticmethod
-    def forward(ctx, input: Tensor, target: Tensor, ignore_index: int, sign: Tensor, divisor: float) -> Tensor:
+    def forward(
+        ctx,
+        input: Tensor,
+        target: Tensor,
+        ignore_index: int,
+        sign: Tensor | None,
+        divisor: float,
+        native: tuple[Tensor, Tensor] | None,
+    ) -> Tensor:
+        """``native``: :func:`_native_two_class_terms`' result, else ``sign`` is :func:`_two_class_sign`'s."""
         ctx.ignore_index = ignore_index
         ctx.divisor = divisor
-        terms = _two_class_terms(input, sign)
+        if native is not None:
+            ctx.recorded = False
+            ctx.save_for_backward(input, target, native[1])
+            return native[0]
+        terms = _two_class_terms(input, sign)  # type: ignore[arg-type]  # (a Tensor without native)
         ctx.recorded = terms is None
         if terms is None:
             signed_probability, loss = None, _torch_two_class_loss(input, target, ignore_index)
@@ -432,13 +446,85 @@ class _TwoClassCrossEntropyReduced(torch.autograd.Function):
         return total if divisor == 1 else total.div_(divisor)
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None, None]:
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None, None, None]:
         input, target, signed_probability = ctx.saved_tensors
+        if not ctx.recorded and not torch.is_grad_enabled():
+            native = _native_two_class_input_grad(signed_probability, grad, ctx.divisor, input.shape)
+            if native is not None:
+                return native, None, None, None, None, None
         scale = grad if ctx.divisor == 1 else grad / ctx.divisor
         scale = scale.view(-1, *[1] * (target.dim() - 1))
         if ctx.recorded or torch.is_grad_enabled():
-            return _recorded_input_grad(input, target, ctx.ignore_index, scale), None, None, None, None
-        return _two_class_input_grad(signed_probability, scale, input.shape), None, None, None, None
+            return _recorded_input_grad(input, target, ctx.ignore_index, scale), None, None, None, None, None
+        return _two_class_input_grad(signed_probability, scale, input.shape), None, None, None, None, None
+
+
+# Whether two classes' reduced loss may run batchlayers' C kernels (``_losses_native.c``, compiled with the
+# optimizers', see :mod:`batchlayers._native`): ``backends.cpu.native_losses``. One call forward and one
+# backward where the formula above makes about twenty torch calls (a few microseconds each on a 2-core CPU).
+native_kernel = True
+_NATIVE_SUFFIXES = {torch.float32: "f32", torch.float64: "f64"}
+
+
+def _native_kernel(direction: str, dtype: torch.dtype):
+    suffix = _NATIVE_SUFFIXES.get(dtype)
+    if not native_kernel or suffix is None:
+        return None
+    lib = _native.library()
+    return None if lib is None else getattr(lib, f"batchlayers_two_class_{direction}_{suffix}")
+
+
+def _native_two_class_terms(input: Tensor, target: Tensor, divisor: float) -> tuple[Tensor, Tensor] | None:
+    """The C kernel's ``(M,)`` loss, each model's sum divided by ``divisor``, and the ``(M, B)`` signed
+    probability of :func:`_two_class_terms`, for float32 or float64 logits ``(M, B, 2)`` on the CPU whose
+    ``(B, 2)`` rows are contiguous and int64 targets ``(M, B)`` whose rows are (a shared row too: model stride
+    0). ``None`` where it does not apply, or where a target is neither 0 nor 1 or some ``x_1 - x_0`` is not
+    finite: the caller's other paths then decide, as without the kernel."""
+    if input.dim() != 3 or type(input) is not Tensor or type(target) is not Tensor or target.dtype != torch.int64:
+        return None
+    num_models, batch = target.shape
+    if input.stride(2) != 1 or (batch > 1 and (input.stride(1) != 2 or target.stride(1) != 1)) or input.is_neg():
+        return None
+    kernel = _native_kernel("forward", input.dtype)
+    if kernel is None:
+        return None
+    signed_probability = input.new_empty(num_models, batch)
+    total = input.new_empty(num_models)
+    failed = kernel(
+        num_models,
+        batch,
+        input.data_ptr(),
+        input.stride(0),
+        target.data_ptr(),
+        target.stride(0),
+        divisor,
+        signed_probability.data_ptr(),
+        total.data_ptr(),
+    )
+    return None if failed else (total, signed_probability)
+
+
+def _native_two_class_input_grad(
+    signed_probability: Tensor, grad: Tensor, divisor: float, input_shape: torch.Size
+) -> Tensor | None:
+    """:func:`_two_class_input_grad` of ``grad / divisor`` (``grad``: ``(M,)``) by the C kernel, for ``(M, B, 2)``
+    logits; ``None`` where it does not apply."""
+    if (
+        len(input_shape) != 3
+        or type(grad) is not Tensor
+        or grad.dtype != signed_probability.dtype
+        or grad.device.type != "cpu"
+        or not signed_probability.is_contiguous()
+    ):
+        return None
+    kernel = _native_kernel("backward", signed_probability.dtype)
+    if kernel is None:
+        return None
+    grad_input = signed_probability.new_empty(input_shape)
+    num_models, batch = signed_probability.shape
+    pointers = (signed_probability.data_ptr(), grad.data_ptr(), grad.stride(0), divisor, grad_input.data_ptr())
+    kernel(num_models, batch, *pointers)
+    return grad_input
 
 
 def _two_class_cross_entropy(input: Tensor, target: Tensor, ignore_index: int, reduction: str) -> Tensor | None:
@@ -447,11 +533,12 @@ def _two_class_cross_entropy(input: Tensor, target: Tensor, ignore_index: int, r
     # ignore_index 0 or 1 is a real class: its targets are ignored, so not every target counts
     ignores_a_class = ignore_index in (0, 1)
     if reduction != "none" and not ignores_a_class:
-        sign = _two_class_sign_if_counted(target, input.dtype)
-        if sign is not None:
-            num_models = input.shape[0]
-            divisor = float(int(target.numel()) // num_models) if reduction == "mean" else 1.0
-            return _TwoClassCrossEntropyReduced.apply(input, target, ignore_index, sign, divisor)
+        num_models = input.shape[0]
+        divisor = float(int(target.numel()) // num_models) if reduction == "mean" else 1.0
+        native = _native_two_class_terms(input, target, divisor)
+        sign = None if native is not None else _two_class_sign_if_counted(target, input.dtype)
+        if native is not None or sign is not None:
+            return _TwoClassCrossEntropyReduced.apply(input, target, ignore_index, sign, divisor, native)
     second = target == 1
     classes = second | (target == 0)
     counted: Tensor | None = classes

@@ -436,3 +436,179 @@ def test_two_class_cross_entropy_infinite_logits_follow_torch(ignore_index, redu
     check_against_loop(
         BL.cross_entropy, F.cross_entropy, input, target, equal_nan=True, reduction=reduction, ignore_index=ignore_index
     )
+
+
+# batchlayers' C kernels for two classes (``_losses_native.c``, ``bl.backends.cpu.native_losses``).
+
+
+def count_native_kernel_calls(monkeypatch) -> list[str]:
+    """The directions (``forward``, ``backward``) whose C kernel the two-class path called, in order; a forward
+    that declined (a target not 0 or 1, a difference of logits not finite) as ``forward declined``."""
+    calls: list[str] = []
+    found = BL._native_kernel
+
+    def counting(direction, dtype):
+        kernel = found(direction, dtype)
+        if kernel is None:
+            return None
+
+        def call(*args):
+            declined = kernel(*args)
+            calls.append(f"{direction} declined" if declined else direction)
+            return declined
+
+        return call
+
+    monkeypatch.setattr(BL, "_native_kernel", counting)
+    return calls
+
+
+def transposed_logits(m, b):
+    return logits(m, 2, b).transpose(1, 2)  # (M, B, 2) whose rows are not contiguous
+
+
+BOTH, BACKWARD, DECLINED = ["forward", "backward"], ["backward"], ["forward declined"]
+NATIVE_CASES = [
+    # (id, logits, target, reduction, the kernels that run: the backward's also after the formula's forward)
+    ("mean", lambda: logits(M, B, 2), lambda: torch.randint(0, 2, (M, B)), "mean", BOTH),
+    ("sum", lambda: logits(M, B, 2), lambda: torch.randint(0, 2, (M, B)), "sum", BOTH),
+    ("shared-target", lambda: logits(M, B, 2), lambda: torch.randint(0, 2, (B,)).expand(M, B), "mean", BOTH),
+    ("float32", lambda: logits(M, B, 2, dtype=torch.float32), lambda: torch.randint(0, 2, (M, B)), "mean", BOTH),
+    ("one-sample", lambda: logits(M, 1, 2), lambda: torch.randint(0, 2, (M, 1)), "mean", BOTH),
+    ("uint8-target", lambda: logits(M, B, 2), lambda: torch.randint(0, 2, (M, B), dtype=torch.uint8), "mean", BACKWARD),
+    ("strided-rows", lambda: transposed_logits(M, B), lambda: torch.randint(0, 2, (M, B)), "mean", BACKWARD),
+    ("strided-target", lambda: logits(M, B, 2), lambda: torch.randint(0, 2, (B, M)).t(), "sum", BACKWARD),
+    # (the formula's probabilities then follow the logits' layout, not contiguous: torch's ops backward too)
+    ("models-inner", lambda: logits(B, M, 2).transpose(0, 1), lambda: torch.randint(0, 2, (M, B)), "mean", []),
+    ("none", lambda: logits(M, B, 2), lambda: torch.randint(0, 2, (M, B)), "none", []),
+    ("spatial", lambda: logits(M, B, 2, 3), lambda: torch.randint(0, 2, (M, B, 3)), "mean", []),
+    ("target-ignored", lambda: logits(M, B, 2), lambda: torch.tensor([[0, 1, -100, 1, 0]] * M), "mean", DECLINED),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", NATIVE_CASES, ids=[c[0] for c in NATIVE_CASES])
+def test_two_class_native_kernels_run_where_they_apply(case, monkeypatch) -> None:
+    """int64 targets 0 or 1, ``(B, 2)`` rows contiguous, reduced per model: the C kernels compute the loss and
+    its gradient (the backward's also the formula's gradient); elsewhere torch's ops. All equal torch's cross
+    entropy model by model."""
+    _, make_logits, make_target, reduction, kernels = case
+    torch.manual_seed(0)
+    input, target = make_logits(), make_target()
+    calls = count_native_kernel_calls(monkeypatch)
+    check_against_loop(BL.cross_entropy, F.cross_entropy, input, target, reduction=reduction)
+    assert calls == kernels, calls
+
+
+def test_two_class_native_kernel_declines_rows_apart(monkeypatch) -> None:
+    """Logits ``(M, B, 2)`` sliced from wider rows (each pair contiguous, pairs 3 apart): the forward kernel
+    declines (it reads pairs 2 apart); the formula's gradient is contiguous, so the backward kernel writes
+    it. The gradient reaches the wider tensor's first two columns, as torch's."""
+    torch.manual_seed(0)
+    wide, target = logits(M, B, 3).requires_grad_(True), torch.randint(0, 2, (M, B))
+    calls = count_native_kernel_calls(monkeypatch)
+    BL.cross_entropy(wide[..., :2], target).sum().backward()
+    assert calls == ["backward"], calls
+    for m in range(M):
+        own = wide[m].detach().requires_grad_(True)
+        expected = F.cross_entropy(own[:, :2], target[m])
+        expected.backward()
+        assert_close(wide.grad[m], own.grad, msg=f"gradient of model {m}")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_two_class_native_kernels_equal_the_formula(reduction, monkeypatch) -> None:
+    """float64: the kernels give the formula's values and gradients to rounding, also for a gradient that
+    differs by model (a weighted sum of the losses) and for logits shared by every model (a stride-0 expand,
+    whose gradient sums the models')."""
+    torch.manual_seed(0)
+    base = logits(1, 64, 2).requires_grad_(True)
+    input = logits(M, 64, 2).requires_grad_(True)
+    target = torch.randint(0, 2, (M, 64))
+    weights = torch.rand(M, dtype=torch.float64) + 0.5
+    results = []
+    for enabled in (True, False):
+        monkeypatch.setattr(BL, "native_kernel", enabled)
+        calls = count_native_kernel_calls(monkeypatch)
+        losses = BL.cross_entropy(input, target, reduction=reduction)
+        shared = BL.cross_entropy(base.expand(M, 64, 2), target, reduction=reduction)
+        (by_input,) = torch.autograd.grad((losses * weights).sum(), input)
+        (by_base,) = torch.autograd.grad((shared * weights).sum(), base)
+        assert calls == (["forward", "forward", "backward", "backward"] if enabled else []), calls
+        results.append((losses, by_input, shared, by_base))
+    for name, got, expected in zip(["losses", "gradient", "shared losses", "shared gradient"], *results):
+        torch.testing.assert_close(got, expected, rtol=1e-14, atol=0, msg=name)
+    for m in range(M):
+        x, xs = input[m].detach().requires_grad_(True), base[0].detach().requires_grad_(True)
+        own, own_shared = (F.cross_entropy(t, target[m], reduction=reduction) for t in (x, xs))
+        (own * weights[m]).backward()
+        assert_close(results[0][0][m], own, msg=f"loss of model {m}")
+        assert_close(results[0][1][m], x.grad, msg=f"gradient of model {m}")
+        assert_close(results[0][2][m], own_shared, msg=f"shared logits: loss of model {m}")
+    expected_base = sum(
+        torch.autograd.grad(F.cross_entropy(base[0], target[m], reduction=reduction) * weights[m], base)[0]
+        for m in range(M)
+    )
+    assert_close(results[0][3], expected_base, msg="shared logits: gradient summed over the models")
+
+
+def test_two_class_native_float32_is_accurate_over_the_whole_logit_range(monkeypatch) -> None:
+    """float32 computes exp and log1p with polynomials of its own: over differences of the logits from -110 to
+    110 (sigmoid subnormal at one end, softplus past its linear threshold at the other) the losses and
+    gradients are within a few float32 ulp of the exact values: the formula in float64 on the same logits,
+    ``softplus(z)`` and ``sign * sigmoid(z)`` (torch's float64 cross entropy rounds ``p - 1`` where p is near
+    1, so it is no reference for the smallest gradients)."""
+    torch.manual_seed(0)
+    difference = torch.cat([torch.linspace(-110, 110, 20000), torch.randn(4000) * 8])
+    input = torch.stack([torch.randn_like(difference), torch.empty_like(difference)], dim=-1)
+    input[:, 1] = input[:, 0] + difference
+    calls = count_native_kernel_calls(monkeypatch)
+    # one sample a model (every loss seen alone), and 6000 (a model's sum, accumulated in float64)
+    for batch, reduction in ((1, "sum"), (6000, "sum"), (6000, "mean")):
+        x = input.detach().view(-1, batch, 2).requires_grad_(True)
+        target = torch.randint(0, 2, x.shape[:2])
+        sign = 1.0 - 2.0 * target.double()
+        z = (x[..., 1] - x[..., 0]).detach().double() * sign  # (the difference rounded to float32, as torch's)
+        scale = 1.0 / batch if reduction == "mean" else 1.0
+        loss = BL.cross_entropy(x, target, reduction=reduction)
+        (grad,) = torch.autograd.grad(loss.sum(), x)
+        expected = F.softplus(z, threshold=1000.0).sum(dim=1) * scale
+        by_second = sign * torch.sigmoid(z) * scale
+        # each to 3 ulp (subnormal floats to a few of their spacings, 1.4e-45)
+        torch.testing.assert_close(loss.double(), expected, rtol=4e-7, atol=1e-44, msg=f"{batch}: losses")
+        for got, exact in ((grad[..., 1], by_second), (grad[..., 0], -by_second)):
+            torch.testing.assert_close(got.double(), exact, rtol=4e-7, atol=1e-44, msg=f"{batch}: gradient")
+    assert calls == ["forward", "backward"] * 3, calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("bad", [INF, -INF, float("nan")])
+def test_two_class_native_kernel_declines_logits_that_are_not_finite(bad, dtype, monkeypatch) -> None:
+    """An infinite or NaN logit anywhere: the forward kernel declines and torch's ops decide (a +inf logit
+    makes torch's loss and gradient NaN, a -inf one alone does not), every model as torch."""
+    torch.manual_seed(0)
+    input, target = logits(M, B, 2, dtype=dtype), torch.randint(0, 2, (M, B))
+    input[1, 2, int(target[1, 2])] = bad
+    calls = count_native_kernel_calls(monkeypatch)
+    check_against_loop(BL.cross_entropy, F.cross_entropy, input, target, equal_nan=True)
+    assert calls[0] == "forward declined", calls
+
+
+def test_two_class_native_kernels_off_or_unavailable(monkeypatch) -> None:
+    """``bl.backends.cpu.native_losses = False``, or no C compiler: torch's ops, the same results."""
+    import batchlayers as bl
+    from batchlayers import _native
+
+    with pytest.raises(TypeError, match="native_losses must be True or False"):
+        bl.backends.cpu.native_losses = 1
+    torch.manual_seed(0)
+    input, target = logits(M, B, 2), torch.randint(0, 2, (M, B))
+    calls = count_native_kernel_calls(monkeypatch)
+    try:
+        bl.backends.cpu.native_losses = False
+        assert BL.native_kernel is False and bl.backends.cpu.native_losses is False
+        check_against_loop(BL.cross_entropy, F.cross_entropy, input, target)
+    finally:
+        bl.backends.cpu.native_losses = True
+    monkeypatch.setattr(_native, "library", lambda: None)
+    check_against_loop(BL.cross_entropy, F.cross_entropy, input, target)
+    assert calls == [], calls
