@@ -479,8 +479,18 @@ def _native_two_class_terms(input: Tensor, target: Tensor, divisor: float) -> tu
     probability of :func:`_two_class_terms`, for float32 or float64 logits ``(M, B, 2)`` on the CPU whose
     ``(B, 2)`` rows are contiguous and int64 targets ``(M, B)`` whose rows are (a shared row too: model stride
     0). ``None`` where it does not apply, or where a target is neither 0 nor 1 or some ``x_1 - x_0`` is not
-    finite: the caller's other paths then decide, as without the kernel."""
-    if input.dim() != 3 or type(input) is not Tensor or type(target) is not Tensor or target.dtype != torch.int64:
+    finite: the caller's other paths then decide, as without the kernel. The kernel reads memory by address:
+    only dense tensors of the CPU (a target on another device, a meta one's address 0, a sparse one, go to
+    torch's ops and their errors)."""
+    if (
+        input.dim() != 3
+        or type(input) is not Tensor
+        or type(target) is not Tensor
+        or target.dtype != torch.int64
+        or target.device != input.device
+        or input.layout != torch.strided
+        or target.layout != torch.strided
+    ):
         return None
     num_models, batch = target.shape
     if input.stride(2) != 1 or (batch > 1 and (input.stride(1) != 2 or target.stride(1) != 1)) or input.is_neg():
@@ -513,7 +523,8 @@ def _native_two_class_input_grad(
         len(input_shape) != 3
         or type(grad) is not Tensor
         or grad.dtype != signed_probability.dtype
-        or grad.device.type != "cpu"
+        or grad.device != signed_probability.device
+        or grad.layout != torch.strided
         or not signed_probability.is_contiguous()
     ):
         return None

@@ -499,6 +499,40 @@ def test_two_class_native_kernels_run_where_they_apply(case, monkeypatch) -> Non
     assert calls == kernels, calls
 
 
+UNREADABLE = [
+    ("meta-target", lambda: logits(M, B, 2), lambda: torch.zeros(M, B, dtype=torch.long, device="meta")),
+    ("sparse-target", lambda: logits(M, B, 2), lambda: torch.randint(0, 2, (M, B)).to_sparse()),
+    ("sparse-target-one-sample", lambda: logits(M, 1, 2), lambda: torch.randint(0, 2, (M, 1)).to_sparse()),
+    ("sparse-logits", lambda: logits(M, B, 2).to_sparse(), lambda: torch.randint(0, 2, (M, B))),
+]
+
+
+def _outcome(fn):
+    try:
+        return "result", fn()
+    except Exception as error:  # (what torch's ops raise, compared below)
+        return "error", f"{type(error).__name__}: {error}"
+
+
+@pytest.mark.parametrize("case", UNREADABLE, ids=[c[0] for c in UNREADABLE])
+def test_two_class_native_kernel_never_reads_what_it_cannot(case, monkeypatch) -> None:
+    """The kernel reads memory by address: a meta target (address 0: a crash once), a sparse one or sparse
+    logits never reach it, and the call does what it does without the kernel."""
+    _, make_logits, make_target = case
+    torch.manual_seed(0)
+    input, target = make_logits(), make_target()
+    calls = count_native_kernel_calls(monkeypatch)
+    with_kernel = _outcome(lambda: BL.cross_entropy(input, target))
+    monkeypatch.setattr(BL, "native_kernel", False)
+    without = _outcome(lambda: BL.cross_entropy(input, target))
+    assert calls == [], calls
+    assert with_kernel[0] == without[0], (with_kernel, without)
+    if with_kernel[0] == "error":
+        assert with_kernel[1] == without[1]
+    else:
+        torch.testing.assert_close(with_kernel[1], without[1], rtol=0, atol=0)
+
+
 def test_two_class_native_kernel_declines_rows_apart(monkeypatch) -> None:
     """Logits ``(M, B, 2)`` sliced from wider rows (each pair contiguous, pairs 3 apart): the forward kernel
     declines (it reads pairs 2 apart); the formula's gradient is contiguous, so the backward kernel writes
