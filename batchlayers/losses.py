@@ -251,6 +251,11 @@ def cross_entropy(
 
     Returns:
         ``(M,)`` (or the unreduced ``(M, B, *d)`` for ``reduction='none'``). Train with ``.sum()``.
+
+    Two classes on the CPU (class indices, no ``weight`` or ``label_smoothing``) take a direct formula,
+    ``softplus`` of the logits' difference, instead of torch's log-softmax; reduced per model with int64
+    targets and ``(M, B, 2)`` logits whose rows are contiguous, one C call forward and one backward
+    (:attr:`batchlayers.backends.cpu.native_losses`). Values and gradients equal torch's to rounding.
     """
     if (
         isinstance(input, Tensor)
