@@ -57,6 +57,11 @@ def _check_tensor(name: str, what: str, x: object, min_ndim: int, layout: str) -
         raise ValueError(
             f"batchlayers.losses.{name}: expected {what} {layout} (models first), got shape {_fmt(x.shape)}"
         )
+    if what == "input" and x.shape[0] == 0:  # (torch's reshapes, or a division by M, would raise instead)
+        raise ValueError(
+            f"batchlayers.losses.{name}: expected {what} {layout} of at least one model (M >= 1), got shape "
+            f"{_fmt(x.shape)}"
+        )
     return x
 
 

@@ -177,6 +177,11 @@ BAD = [
     ),
     ("mse-not-tensor", BL.mse_loss, lambda: ([1.0], torch.randn(M, B)), TypeError, "input to be a Tensor"),
     ("mse-1d", BL.mse_loss, lambda: (torch.randn(M), torch.randn(M)), ValueError, r"\(M, B, \*\)"),
+    # no models: a clear error (was torch's reshape error, or a ZeroDivisionError for two classes)
+    ("mse-no-models", BL.mse_loss, lambda: (torch.randn(0, B), torch.randn(0, B)), ValueError, r"M >= 1.*\(0, 5\)"),
+    ("ce-no-models", BL.cross_entropy, lambda: (torch.randn(0, B, C), class_target(0, B)), ValueError, r"M >= 1"),
+    ("ce2-no-models", BL.cross_entropy, lambda: (torch.randn(0, B, 2), class_target(0, B) % 2), ValueError, r"M >= 1"),
+    ("nll-no-models", BL.nll_loss, lambda: (torch.randn(0, B, C), class_target(0, B)), ValueError, r"M >= 1"),
 ]
 
 
