@@ -29,7 +29,7 @@ INLINE float power_of_two_f32(int32_t k) {
  * that a result below FLT_MIN rounds once, to the subnormal float). Below -104 the result is 0, as expf's. */
 INLINE float exp_nonpositive_f32(float x) {
     const float shift = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
-    x = x < -104.0f ? -104.0f : x;
+    x = x >= -104.0f ? x : -104.0f; /* (NaN too: no NaN reaches the conversion to int below) */
     const float t = x * 1.44269504f + shift;
     const float n = t - shift;
     const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f; /* ln2 in two parts: n * 0.693359375 is exact */
