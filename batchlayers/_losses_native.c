@@ -8,7 +8,8 @@
  *
  * Both come from e = exp(-|z|): softplus(z) = max(z, 0) + log1p(e), sigmoid(z) = 1 / (1 + e) for z >= 0 and
  * e / (1 + e) below. float64 calls libm's exp and log1p; float32 computes them with the polynomials below, which
- * vectorise (a libm call per element would not), to within 2 ulp of the exact values.
+ * vectorise (a libm call per element would not): losses within 3 ulp of the exact values, probabilities within 2
+ * (measured over z in [-110, 110]: 2.6 and 1.7; tests/test_losses.py asserts 3 ulp).
  */
 #include <math.h>
 #include <stdint.h>
