@@ -24,7 +24,9 @@ import tempfile
 import threading
 from typing import Any
 
-__all__ = ["FLAGS", "HEADER", "SOURCES", "library", "unavailable_reason"]
+import torch
+
+__all__ = ["FLAGS", "HEADER", "SOURCES", "kernel", "library", "unavailable_reason"]
 
 _PACKAGE = pathlib.Path(__file__).parent
 SOURCES = (
@@ -137,6 +139,19 @@ def _load() -> ctypes.CDLL | None:
         # models, batch, the signed probabilities, the gradient and its stride, the divisor, the output
         kernel.argtypes = [*[ctypes.c_int64] * 2, *[ctypes.c_void_p] * 2, ctypes.c_int64, value, ctypes.c_void_p]
     return lib
+
+
+_SUFFIXES = {torch.float32: "f32", torch.float64: "f64"}
+
+
+def kernel(name: str, dtype: torch.dtype) -> Any:
+    """The compiled ``batchlayers_<name>_f32`` or ``_f64`` for a float32 or float64 ``dtype``; ``None`` for
+    another dtype, or where no library is built (:func:`unavailable_reason`)."""
+    suffix = _SUFFIXES.get(dtype)
+    if suffix is None:
+        return None
+    lib = library()
+    return None if lib is None else getattr(lib, f"batchlayers_{name}_{suffix}")
 
 
 def unavailable_reason() -> str:

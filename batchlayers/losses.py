@@ -473,15 +473,10 @@ class _TwoClassCrossEntropyReduced(torch.autograd.Function):
 # optimizers', see :mod:`batchlayers._native`): ``backends.cpu.native_losses``. One call forward and one
 # backward where the formula above makes about twenty torch calls (a few microseconds each on a 2-core CPU).
 native_kernel = True
-_NATIVE_SUFFIXES = {torch.float32: "f32", torch.float64: "f64"}
 
 
 def _native_kernel(direction: str, dtype: torch.dtype):
-    suffix = _NATIVE_SUFFIXES.get(dtype)
-    if not native_kernel or suffix is None:
-        return None
-    lib = _native.library()
-    return None if lib is None else getattr(lib, f"batchlayers_two_class_{direction}_{suffix}")
+    return _native.kernel(f"two_class_{direction}", dtype) if native_kernel else None
 
 
 def _native_two_class_terms(input: Tensor, target: Tensor, divisor: float) -> tuple[Tensor, Tensor] | None:

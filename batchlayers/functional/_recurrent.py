@@ -720,7 +720,6 @@ def _lstm_backward_steps(
 # Whether the LSTM and GRU backward's time steps may run batchlayers' C kernels (``_recurrent_native.c``), see
 # ``batchlayers.backends.cpu.native_recurrent``.
 native_kernel = True
-_SUFFIXES = {torch.float32: "f32", torch.float64: "f64"}
 # Up to this many units a step (models x samples x hidden units) the kernel, one thread, does a step's
 # elementwise part; above, torch's ops on several threads. Measured on a 2-core CPU (2 threads, float32, an
 # LSTM's backward of all steps, medians): 16k units (the benchmark's LSTM policy, 32 x 8 x 64) 3.70 -> 2.49 ms,
@@ -732,17 +731,14 @@ def _backward_kernel(mode: str, like: Tensor):
     """The C kernel of one ``mode`` (``"lstm"``, ``"gru"``) backward step for ``like`` (every step's gates,
     ``(T, N, B, G*H)``), or ``None``: off, another dtype than float32 and float64, not on the CPU, more than
     :data:`NATIVE_MAX_UNITS` units a step, or no library (see :mod:`batchlayers._native`)."""
-    suffix = _SUFFIXES.get(like.dtype)
     if (
         not native_kernel
-        or suffix is None
         or like.device.type != "cpu"
         or type(like) is not Tensor
         or like[0].numel() // GATES[mode.upper()] > NATIVE_MAX_UNITS
     ):
         return None
-    lib = _native.library()
-    return None if lib is None else getattr(lib, f"batchlayers_{mode}_backward_step_{suffix}")
+    return _native.kernel(f"{mode}_backward_step", like.dtype)
 
 
 def _gru_native_steps(
