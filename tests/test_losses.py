@@ -485,6 +485,10 @@ NATIVE_CASES = [
     ("strided-target", lambda: logits(M, B, 2), lambda: torch.randint(0, 2, (B, M)).t(), "sum", BACKWARD),
     # (the formula's probabilities then follow the logits' layout, not contiguous: torch's ops backward too)
     ("models-inner", lambda: logits(B, M, 2).transpose(0, 1), lambda: torch.randint(0, 2, (M, B)), "mean", []),
+    # sizes that coincide (models = samples = classes = 2): read by strides, never guessed from sizes
+    ("all-two", lambda: logits(2, 2, 2), lambda: torch.randint(0, 2, (2, 2)), "mean", BOTH),
+    ("all-two-transposed", lambda: logits(2, 2, 2).transpose(0, 1), lambda: torch.randint(0, 2, (2, 2)), "sum", []),
+    ("all-two-target-transposed", lambda: logits(2, 2, 2), lambda: torch.randint(0, 2, (2, 2)).t(), "mean", BACKWARD),
     ("none", lambda: logits(M, B, 2), lambda: torch.randint(0, 2, (M, B)), "none", []),
     ("spatial", lambda: logits(M, B, 2, 3), lambda: torch.randint(0, 2, (M, B, 3)), "mean", []),
     ("target-ignored", lambda: logits(M, B, 2), lambda: torch.tensor([[0, 1, -100, 1, 0]] * M), "mean", DECLINED),
