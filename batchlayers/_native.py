@@ -1,7 +1,8 @@
 """batchlayers' hand-written CPU kernels, compiled into one library: the optimizers' (``optim/_native.c``, see
 :mod:`batchlayers.optim._native`), the LSTM and GRU backward's time step (``functional/_recurrent_native.c``,
-see :mod:`batchlayers.functional._recurrent`) and the two-class cross entropy (``_losses_native.c``, see
-:mod:`batchlayers.losses`).
+see :mod:`batchlayers.functional._recurrent`), the two-class cross entropy (``_losses_native.c``, see
+:mod:`batchlayers.losses`) and the small ReLU MLPs' linear chain (``functional/_mlp_native.c``, see
+:mod:`batchlayers.functional._mlp`).
 
 The sources are compiled on first use with the system's C compiler (``$CC``, else ``cc``; under a second here)
 into ``$BATCHLAYERS_CACHE_DIR`` (default ``$XDG_CACHE_HOME/batchlayers`` or ``~/.cache/batchlayers``), keyed by
@@ -33,6 +34,7 @@ SOURCES = (
     _PACKAGE / "optim" / "_native.c",
     _PACKAGE / "functional" / "_recurrent_native.c",
     _PACKAGE / "_losses_native.c",
+    _PACKAGE / "functional" / "_mlp_native.c",
 )
 HEADER = _PACKAGE / "_native.h"  # (included by all)
 # -ffp-contract=off: no product fused into an add but the sources' own fmaf (torch's rounding, op for op);
@@ -138,6 +140,10 @@ def _load() -> ctypes.CDLL | None:
         kernel.restype = None
         # models, batch, the signed probabilities, the gradient and its stride, the divisor, the output
         kernel.argtypes = [*[ctypes.c_int64] * 2, *[ctypes.c_void_p] * 2, ctypes.c_int64, value, ctypes.c_void_p]
+        for direction in ("forward", "backward"):
+            kernel = getattr(lib, f"batchlayers_chain_{direction}_{suffix}")
+            kernel.restype = None
+            kernel.argtypes = [ctypes.c_void_p]  # the address of a chain (_mlp._Chain)
     return lib
 
 

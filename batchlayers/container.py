@@ -9,7 +9,13 @@ from torch import Tensor, nn
 
 from . import _fold
 from ._utils import check_input, global_module_hooks, is_shared, layer_name
-from .functional._mlp import chain_fuses, fusable_context, fused_linear_chain
+from .functional._mlp import (
+    chain_fuses,
+    chain_fuses_natively,
+    chain_may_fuse_natively,
+    fusable_context,
+    fused_linear_chain,
+)
 from .linear import BatchedLinear
 
 __all__ = ["BatchedSequential", "Folded"]
@@ -221,10 +227,13 @@ def _fused(run: list[nn.Module], x: Tensor) -> Tensor | None:
     """The run as one node where :func:`chain_fuses` and the layers chain; None where they must run one by one."""
     layers = cast(list[BatchedLinear], run[0::2])
     first = layers[0]
-    # Decided from the sizes first, so that a run too small to fuse costs no more than nn.Sequential.
+    activations = tuple(cast(tuple[str, object], _activation(act)) for act in run[1::2])
+    # Decided from the sizes first, so that a run too small to fuse costs no more than nn.Sequential; a ReLU
+    # run may still fuse with the C kernels (decided below, once the layers are known to chain).
     rows = x.numel() // max(first.in_features, 1)
     macs = rows * sum(layer.in_features * layer.out_features for layer in layers)
-    if not chain_fuses(macs):  # the context was checked by _run_chain
+    large = chain_fuses(macs)  # (the context was checked by _run_chain)
+    if not large and not chain_may_fuse_natively(x, activations):
         return None
     check_input(first, x, trailing=[("in_features", first.in_features)], layout="(M, *, in_features)")
     weights: list[Tensor] = [layer.weight for layer in layers]
@@ -235,7 +244,8 @@ def _fused(run: list[nn.Module], x: Tensor) -> Tensor | None:
     if not chained:  # the layers raise their own errors
         return None
     x3 = x if x.dim() == 3 else x.reshape(first.num_models, -1, first.in_features)
-    activations = tuple(cast(tuple[str, object], _activation(act)) for act in run[1::2])
+    if not large and not chain_fuses_natively(x3, weights, biases, activations):
+        return None
     y = fused_linear_chain(x3, weights, biases, activations)
     return y if x.dim() == 3 else y.view(*x.shape[:-1], layers[-1].out_features)
 

@@ -59,10 +59,12 @@ STRUCTURES = {
 SAMPLE = {name: (5,) for name in STRUCTURES} | {"run-in-middle": (2, 3)}
 
 
-@pytest.fixture(autouse=True)
-def _always_fuse(monkeypatch):
-    # Runs fuse above a work size only; these tests' tiny layers are forced through the fused path.
+@pytest.fixture(autouse=True, params=[True, False], ids=["native", "torch-ops"])
+def _always_fuse(request, monkeypatch):
+    # Runs fuse above a work size only; these tests' tiny layers are forced through the fused path, computed by
+    # the C kernels where they serve (ReLU runs: see test_native_kernels_serve) and by torch's ops.
     monkeypatch.setattr(mlp_module, "CHAIN_MIN_MACS", 0)
+    monkeypatch.setattr(mlp_module, "native_kernel", request.param)
 
 
 def _build(structure, dtype=F64) -> tuple[BatchedSequential, list[nn.Sequential]]:
@@ -237,7 +239,7 @@ def test_inplace_leaky_relu_with_negative_slope_runs_module_by_module():
         y.sum().backward()
 
 
-@pytest.mark.parametrize("structure", ["relu-tanh-3", "gelu-silu-leaky"])
+@pytest.mark.parametrize("structure", ["relu", "relu-tanh-3", "gelu-silu-leaky"])
 def test_gradient_penalty_matches_loop(structure):
     # create_graph=True: the run's backward is recomputed with recorded ops, so it differentiates again.
     model, loops = _build(STRUCTURES[structure])
@@ -260,7 +262,7 @@ def test_gradient_penalty_matches_loop(structure):
                 assert_close(got[m], p.grad, msg=f"{name} of model {m}")
 
 
-@pytest.mark.parametrize("structure", ["relu-tanh-3", "gelu-silu-leaky"])
+@pytest.mark.parametrize("structure", ["relu", "relu-tanh-3", "gelu-silu-leaky"])
 def test_gradgradcheck(structure):
     model, _ = _build(STRUCTURES[structure])
     x = _input(structure, (M, 3)).requires_grad_()
@@ -398,11 +400,16 @@ def test_fused_matches_unfused_in_float32_training():
         assert_close(got, want, msg=name)
 
 
-@pytest.mark.parametrize("num_models, fused", [(2, False), (64, True)])
-def test_small_runs_are_not_fused(num_models, fused, monkeypatch):
-    # The measured rule: a 10-20-2 MLP on 64 samples fuses from M=64 on (983k multiply-adds), not at M=2.
+@pytest.mark.parametrize(
+    "num_models, activation, native, fused",
+    [(2, nn.Tanh, True, False), (64, nn.Tanh, True, True), (2, nn.ReLU, False, False), (2, nn.ReLU, True, True)],
+)
+def test_small_runs_are_not_fused(num_models, activation, native, fused, monkeypatch):
+    # The measured rule: a 10-20-2 MLP on 64 samples fuses from M=64 on (983k multiply-adds), not at M=2;
+    # with ReLU, at any size where the C kernels compute it.
     monkeypatch.undo()
-    model = BatchedSequential(BatchedLinear(num_models, 10, 20), nn.ReLU(), BatchedLinear(num_models, 20, 2))
+    monkeypatch.setattr(mlp_module, "native_kernel", native)
+    model = BatchedSequential(BatchedLinear(num_models, 10, 20), activation(), BatchedLinear(num_models, 20, 2))
     y = model(torch.randn(num_models, 64, 10))
     assert (FUSED in _graph_names(y)) == fused
 
@@ -452,6 +459,194 @@ def test_strided_input_matches_loop():
     y.sum().backward()
     expected.sum().backward()
     assert_close(xb.grad, xr.grad, msg="input gradient")
+
+
+# -- batchlayers' own C kernels (functional/_mlp_native.c) for ReLU runs --------------------------------------
+
+
+class _Calls:
+    """Counts the calls of the C kernels' Python wrappers (which a monkeypatch replaces)."""
+
+    def __init__(self, monkeypatch):
+        self.forward = self.backward = 0
+        forward, backward = mlp_module._native_forward, mlp_module._native_backward
+
+        def counted_forward(*args):
+            self.forward += 1
+            return forward(*args)
+
+        def counted_backward(*args):
+            self.backward += 1
+            return backward(*args)
+
+        monkeypatch.setattr(mlp_module, "_native_forward", counted_forward)
+        monkeypatch.setattr(mlp_module, "_native_backward", counted_backward)
+
+
+def _view(leaf, layout):
+    """The (M, B, F) input the case passes, a view of ``leaf``."""
+    if layout == "shared":
+        return leaf.expand(M, *leaf.shape)  # (model stride 0)
+    if layout == "rows-apart":
+        return leaf[..., :-2]  # rows 2 elements longer than the features
+    if layout == "features-apart":
+        return leaf.transpose(1, 2)  # (M, F, B) transposed: a feature's samples are adjacent
+    if layout == "models-inner":
+        return leaf.transpose(0, 1)  # (B, M, F) transposed
+    return leaf
+
+
+def _leaf_shape(layout, batch, features):
+    return {
+        "shared": (batch, features),
+        "rows-apart": (M, batch, features + 2),
+        "features-apart": (M, features, batch),
+        "models-inner": (batch, M, features),
+    }.get(layout, (M, batch, features))
+
+
+# id -> (layers as in STRUCTURES, dtype, layout, samples, whether the C kernels compute it)
+NATIVE_CASES = {
+    "float64": ([(5, 7), nn.ReLU(), (7, 2)], F64, "per-model", 4, True),
+    "float32": ([(5, 7), nn.ReLU(), (7, 2)], torch.float32, "per-model", 4, True),
+    "shared": ([(5, 7), nn.ReLU(), (7, 2)], F64, "shared", 4, True),
+    "one-sample": ([(5, 7), nn.ReLU(), (7, 2)], F64, "per-model", 1, True),
+    "37-samples-float32": ([(5, 7), nn.ReLU(), (7, 2)], torch.float32, "per-model", 37, True),
+    "37-samples-float64": ([(5, 7), nn.ReLU(), (7, 2)], F64, "shared", 37, True),
+    "four-layers-mixed-bias": (
+        [(5, 9, False), nn.ReLU(inplace=True), (9, 6), nn.ReLU(), (6, 4, False), nn.ReLU(), (4, 3)],
+        F64,
+        "per-model",
+        19,
+        True,
+    ),
+    "one-feature": ([(1, 1), nn.ReLU(), (1, 1)], F64, "per-model", 9, True),
+    "64-features": ([(64, 64), nn.ReLU(), (64, 64)], torch.float32, "per-model", 33, True),
+    "rows-apart": ([(5, 7), nn.ReLU(), (7, 2)], F64, "rows-apart", 4, True),
+    "models-inner": ([(5, 7), nn.ReLU(), (7, 2)], F64, "models-inner", 4, True),
+    "features-apart": ([(5, 7), nn.ReLU(), (7, 2)], F64, "features-apart", 4, False),
+    "65-inputs": ([(65, 7), nn.ReLU(), (7, 2)], F64, "per-model", 4, False),
+    "65-hidden": ([(5, 65), nn.ReLU(), (65, 2)], F64, "per-model", 4, False),
+    "tanh": ([(5, 7), nn.Tanh(), (7, 2)], F64, "per-model", 4, False),
+    "relu-then-tanh": ([(5, 7), nn.ReLU(), (7, 4), nn.Tanh(), (4, 2)], F64, "per-model", 4, False),
+}
+
+
+@pytest.mark.parametrize("input_grad", [False, True], ids=["data", "input-grad"])
+@pytest.mark.parametrize("case", list(NATIVE_CASES))
+def test_native_kernels_serve(case, input_grad, monkeypatch, request):
+    """Which runs the C kernels compute (ReLU runs of float32 or float64 layers at most 64 features wide, fed
+    rows of contiguous features, any model stride), each against the loop of torch.nn models: outputs, the
+    input's gradient through its view, and every parameter's gradient."""
+    structure, dtype, layout, batch, native = NATIVE_CASES[case]
+    native = native and request.node.callspec.params["_always_fuse"]  # (torch-ops: the kernels are off)
+    calls = _Calls(monkeypatch)
+    model, loops = _build(structure, dtype)
+    base = torch.randn(_leaf_shape(layout, batch, structure[0][0]), dtype=dtype)
+    leaf_b, leaf_r = base.clone().requires_grad_(input_grad), base.clone().requires_grad_(input_grad)
+    xb, xr = _view(leaf_b, layout), _view(leaf_r, layout)
+    y = model(xb)
+    expected = torch.stack([loops[m](xr[m]) for m in range(M)])
+    assert_close(y, expected, msg="output")
+    assert y.is_contiguous()
+    grad = torch.randn(*expected.shape[:-1], expected.shape[-1] + 3, dtype=dtype)[..., :-3]  # (rows apart)
+    y.backward(grad)
+    expected.backward(grad)
+    assert (calls.forward, calls.backward) == ((1, 1) if native else (0, 0))
+    if input_grad:
+        assert_close(leaf_b.grad, leaf_r.grad, msg="input gradient")
+    batched = dict(model.named_parameters())
+    for m in range(M):
+        for name, p in loops[m].named_parameters():
+            assert_close(batched[name].grad[m], p.grad, msg=f"{name} gradient of model {m}")
+    with torch.no_grad():
+        assert_close(model(xb), expected, msg="no_grad output")
+    assert calls.forward == (2 if native else 0)
+
+
+@pytest.mark.parametrize("layout", ["sum", "transposed", "shared-by-models"])
+def test_native_backward_takes_any_gradient_layout(layout, monkeypatch):
+    """The gradient by the output as autograd hands it over: y.sum()'s (every stride 0), a transposed one
+    (a feature's samples adjacent) and one shared by the models (model stride 0)."""
+    calls = _Calls(monkeypatch)
+    model, loops = _build([(5, 7), nn.ReLU(), (7, 3)])
+    x = torch.randn(M, 6, 5, dtype=F64)
+    xb, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y = model(xb)
+    expected = torch.stack([loops[m](xr[m]) for m in range(M)])
+    if layout == "sum":
+        y.sum().backward()
+        expected.sum().backward()
+    else:
+        grad = torch.randn(M, 3, 6, dtype=F64).transpose(1, 2)
+        if layout == "shared-by-models":
+            grad = torch.randn(6, 3, dtype=F64).expand(M, 6, 3)
+        y.backward(grad)
+        expected.backward(grad)
+    assert calls.backward == (1 if mlp_module.native_kernel else 0)
+    assert_close(xb.grad, xr.grad, msg="input gradient")
+    batched = dict(model.named_parameters())
+    for m in range(M):
+        for name, p in loops[m].named_parameters():
+            assert_close(batched[name].grad[m], p.grad, msg=f"{name} gradient of model {m}")
+
+
+def test_native_kernels_off_or_unavailable(monkeypatch):
+    """``bl.backends.cpu.native_chain = False``, or no C compiler: torch's ops, the same results."""
+    import batchlayers as bl
+    from batchlayers import _native
+
+    with pytest.raises(TypeError, match="native_chain must be True or False"):
+        bl.backends.cpu.native_chain = 1
+    calls = _Calls(monkeypatch)
+    model, loops = _build(STRUCTURES["relu"])
+    bl.backends.cpu.native_chain = False  # (the fixture's monkeypatch restores the module's flag)
+    assert mlp_module.native_kernel is False and bl.backends.cpu.native_chain is False
+    _compare(model, loops, _input("relu", (M, 4)), False, True)
+    bl.backends.cpu.native_chain = True
+    assert mlp_module.native_kernel is True
+    monkeypatch.setattr(_native, "library", lambda: None)
+    monkeypatch.setattr(mlp_module, "_KERNELS", {})  # (the kernels found before)
+    _compare(model, loops, _input("relu", (M, 4)), False, True)
+    assert (calls.forward, calls.backward) == (0, 0)
+
+
+def test_native_kernels_keep_torchs_nan(monkeypatch):
+    """NaN and infinite inputs: ReLU keeps NaN (torch's relu is clamp_min) and its backward passes no
+    gradient where its output is NaN (threshold_backward), so outputs and gradients carry NaN where the loop's
+    do."""
+    calls = _Calls(monkeypatch)
+    model, loops = _build([(3, 4), nn.ReLU(), (4, 2)])
+    x = torch.randn(M, 9, 3, dtype=F64)
+    x[0, 1, 0], x[1, 2, 2], x[2, 8, 1] = float("nan"), float("inf"), float("-inf")
+    xb, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y = model(xb)
+    expected = torch.stack([loops[m](xr[m]) for m in range(M)])
+    grad = torch.randn_like(expected)
+    y.backward(grad)
+    expected.backward(grad)
+    assert calls.backward == (1 if mlp_module.native_kernel else 0)
+    torch.testing.assert_close(y, expected, equal_nan=True, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(xb.grad, xr.grad, equal_nan=True, rtol=1e-10, atol=1e-10)
+    batched = dict(model.named_parameters())
+    for m in range(M):
+        for name, p in loops[m].named_parameters():
+            torch.testing.assert_close(batched[name].grad[m], p.grad, equal_nan=True, rtol=1e-10, atol=1e-10)
+
+
+def test_native_kernels_match_torchs_ops_closely():
+    """float64, against the same run computed by torch's ops: equal up to summation order (1e-13 where the
+    loop's tolerance is 1e-10)."""
+    model, _ = _build([(10, 20), nn.ReLU(), (20, 16), nn.ReLU(), (16, 2)])
+    x = torch.randn(M, 45, 10, dtype=F64, requires_grad=True)
+    grad = torch.randn(M, 45, 2, dtype=F64)
+    results = []
+    for native in (True, False):
+        mlp_module.native_kernel = native
+        y = model(x)
+        results.append([y, *torch.autograd.grad(y, [x, *model.parameters()], grad)])
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-13)
 
 
 # -- inside stacked models: bl.stack turns an nn.Sequential holding a run into a BatchedSequential -----------
@@ -565,6 +760,7 @@ def test_kept_weight_gradients_are_never_written_while_held(monkeypatch, structu
     monkeypatch.setattr(linear_module, "OUT_MAJOR_MIN_MACS", 0)
     if not fused:
         monkeypatch.setattr(mlp_module, "CHAIN_MIN_MACS", 1 << 62)
+        monkeypatch.setattr(mlp_module, "native_kernel", False)  # (which fuses a ReLU run at any size)
     _workspace.release()
     model, loops = _build(STRUCTURES[structure])
     weights = [p for name, p in model.named_parameters() if name.endswith("weight")]
