@@ -428,13 +428,14 @@ class CpuSettings:
 
     @property
     def native_chain(self) -> bool:
-        """Whether ``BatchedSequential`` (and a stacked model's ``nn.Sequential``) may compute a run of linear
+        """Whether ``BatchedSequential`` (and a stacked model's ``nn.Sequential``) may compute a run of small linear
         layers with ReLU between them with batchlayers' own C kernels: the whole run in one call forward and one
         backward, where torch's ops take a batched product, a bias add and an activation a layer, and autograd a
-        node each (default ``True``). float32 and float64 on the CPU, every layer at most 64 features wide
-        (wider ones run faster in torch's GEMM), inputs whose rows of features are contiguous; inside a model
-        the kernels hold each tensor feature-major, so every product is vectorised over the samples. Results
-        equal torch's up to each product's summation order. Such a run then fuses at any size
+        node each (default ``True``). float32 and float64 on the CPU, inputs whose rows of features are
+        contiguous, every layer at most 400 multiply-adds a sample (``in_features * out_features``; larger ones
+        ran as fast or faster in torch's batched GEMM: see ``batchlayers.functional._mlp.NATIVE_MAX_LAYER_MACS``).
+        Inside a model the kernels hold each tensor feature-major, so every product is vectorised over the
+        samples. Results equal torch's up to each product's summation order. Such a run fuses at any size
         (``batchlayers.functional._mlp.CHAIN_MIN_MACS`` is for the other runs). The kernels are compiled with the
         optimizers' (:attr:`native_optimizers`, :meth:`check_native_optimizers`); where that fails the run takes
         torch's ops. Measured on a 2-core CPU (2 threads, float32, the benchmark's 10-20-2 MLP training step with

@@ -521,12 +521,13 @@ NATIVE_CASES = {
         True,
     ),
     "one-feature": ([(1, 1), nn.ReLU(), (1, 1)], F64, "per-model", 9, True),
-    "64-features": ([(64, 64), nn.ReLU(), (64, 64)], torch.float32, "per-model", 33, True),
+    "400-a-sample": ([(20, 20), nn.ReLU(), (20, 20)], torch.float32, "per-model", 33, True),
+    "one-wide-layer": ([(1, 400), nn.ReLU(), (400, 1)], F64, "per-model", 4, True),
     "rows-apart": ([(5, 7), nn.ReLU(), (7, 2)], F64, "rows-apart", 4, True),
     "models-inner": ([(5, 7), nn.ReLU(), (7, 2)], F64, "models-inner", 4, True),
     "features-apart": ([(5, 7), nn.ReLU(), (7, 2)], F64, "features-apart", 4, False),
-    "65-inputs": ([(65, 7), nn.ReLU(), (7, 2)], F64, "per-model", 4, False),
-    "65-hidden": ([(5, 65), nn.ReLU(), (65, 2)], F64, "per-model", 4, False),
+    "401-a-sample-first": ([(401, 1), nn.ReLU(), (1, 2)], F64, "per-model", 4, False),
+    "401-a-sample-last": ([(5, 7), nn.ReLU(), (7, 1), nn.ReLU(), (1, 401)], F64, "per-model", 4, False),
     "tanh": ([(5, 7), nn.Tanh(), (7, 2)], F64, "per-model", 4, False),
     "relu-then-tanh": ([(5, 7), nn.ReLU(), (7, 4), nn.Tanh(), (4, 2)], F64, "per-model", 4, False),
 }
@@ -535,9 +536,9 @@ NATIVE_CASES = {
 @pytest.mark.parametrize("input_grad", [False, True], ids=["data", "input-grad"])
 @pytest.mark.parametrize("case", list(NATIVE_CASES))
 def test_native_kernels_serve(case, input_grad, monkeypatch, request):
-    """Which runs the C kernels compute (ReLU runs of float32 or float64 layers at most 64 features wide, fed
-    rows of contiguous features, any model stride), each against the loop of torch.nn models: outputs, the
-    input's gradient through its view, and every parameter's gradient."""
+    """Which runs the C kernels compute (ReLU runs of float32 or float64 layers of at most 400 multiply-adds a
+    sample, fed rows of contiguous features, any model stride), each against the loop of torch.nn models:
+    outputs, the input's gradient through its view, and every parameter's gradient."""
     structure, dtype, layout, batch, native = NATIVE_CASES[case]
     native = native and request.node.callspec.params["_always_fuse"]  # (torch-ops: the kernels are off)
     calls = _Calls(monkeypatch)
