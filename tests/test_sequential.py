@@ -493,6 +493,8 @@ def _view(leaf, layout):
         return leaf.transpose(1, 2)  # (M, F, B) transposed: a feature's samples are adjacent
     if layout == "models-inner":
         return leaf.transpose(0, 1)  # (B, M, F) transposed
+    if layout == "negative-view":
+        return torch._neg_view(leaf)  # (its memory holds the values' negatives)
     return leaf
 
 
@@ -526,6 +528,7 @@ NATIVE_CASES = {
     "rows-apart": ([(5, 7), nn.ReLU(), (7, 2)], F64, "rows-apart", 4, True),
     "models-inner": ([(5, 7), nn.ReLU(), (7, 2)], F64, "models-inner", 4, True),
     "features-apart": ([(5, 7), nn.ReLU(), (7, 2)], F64, "features-apart", 4, False),
+    "negative-view": ([(5, 7), nn.ReLU(), (7, 2)], F64, "negative-view", 4, False),
     "401-a-sample-first": ([(401, 1), nn.ReLU(), (1, 2)], F64, "per-model", 4, False),
     "401-a-sample-last": ([(5, 7), nn.ReLU(), (7, 1), nn.ReLU(), (1, 401)], F64, "per-model", 4, False),
     "tanh": ([(5, 7), nn.Tanh(), (7, 2)], F64, "per-model", 4, False),
@@ -565,10 +568,11 @@ def test_native_kernels_serve(case, input_grad, monkeypatch, request):
     assert calls.forward == (2 if native else 0)
 
 
-@pytest.mark.parametrize("layout", ["sum", "transposed", "shared-by-models"])
+@pytest.mark.parametrize("layout", ["sum", "transposed", "shared-by-models", "negative-view"])
 def test_native_backward_takes_any_gradient_layout(layout, monkeypatch):
     """The gradient by the output as autograd hands it over: y.sum()'s (every stride 0), a transposed one
-    (a feature's samples adjacent) and one shared by the models (model stride 0)."""
+    (a feature's samples adjacent), one shared by the models (model stride 0) and a negative view (its memory
+    holds the values' negatives)."""
     calls = _Calls(monkeypatch)
     model, loops = _build([(5, 7), nn.ReLU(), (7, 3)])
     x = torch.randn(M, 6, 5, dtype=F64)
@@ -582,6 +586,8 @@ def test_native_backward_takes_any_gradient_layout(layout, monkeypatch):
         grad = torch.randn(M, 3, 6, dtype=F64).transpose(1, 2)
         if layout == "shared-by-models":
             grad = torch.randn(6, 3, dtype=F64).expand(M, 6, 3)
+        if layout == "negative-view":
+            grad = torch._neg_view(torch.randn(M, 6, 3, dtype=F64))
         y.backward(grad)
         expected.backward(grad)
     assert calls.backward == (1 if mlp_module.native_kernel else 0)
@@ -590,6 +596,20 @@ def test_native_backward_takes_any_gradient_layout(layout, monkeypatch):
     for m in range(M):
         for name, p in loops[m].named_parameters():
             assert_close(batched[name].grad[m], p.grad, msg=f"{name} gradient of model {m}")
+
+
+@pytest.mark.parametrize("name", ["0.weight", "2.bias"])
+def test_native_kernels_decline_negative_views_of_parameters(name, monkeypatch):
+    """A weight or bias given as a negative view (its memory holds the values' negatives, through
+    torch.func.functional_call) runs in torch's ops, with the loop's results."""
+    calls = _Calls(monkeypatch)
+    model, loops = _build(STRUCTURES["relu"])
+    params = {key: p.detach() for key, p in model.named_parameters()}
+    params[name] = torch._neg_view(-params[name])  # (the same values)
+    x = _input("relu", (M, 4))
+    y = torch.func.functional_call(model, params, (x,))
+    assert_close(y, torch.stack([loops[m](x[m]) for m in range(M)]), msg="output")
+    assert calls.forward == 0
 
 
 def test_native_kernels_off_or_unavailable(monkeypatch):

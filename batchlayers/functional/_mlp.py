@@ -346,7 +346,8 @@ class _Chain(ctypes.Structure):
 
 def _native_kernels(x: Tensor, weights, biases, activations) -> tuple | None:
     """The C kernels ``(forward, backward)`` where they serve this chain, else None: ReLU between the layers,
-    float32 or float64 on the CPU, plain dense tensors (no subclass, outside a ``torch.compile`` trace),
+    float32 or float64 on the CPU, plain dense tensors (no subclass or negative view, outside a
+    ``torch.compile`` trace),
     ``(M, N, in)`` inputs whose rows are contiguous (any model stride: a shared input's 0 too), contiguous
     weights and biases, every size at least 1 and every layer at most :data:`NATIVE_MAX_LAYER_MACS`
     multiply-adds a sample."""
@@ -362,11 +363,15 @@ def _native_kernels(x: Tensor, weights, biases, activations) -> tuple | None:
         )
     if x.dim() != 3 or type(x) not in _PLAIN or x.layout != torch.strided or torch.compiler.is_compiling():
         return None
+    if x.is_neg():  # (a negative view: its memory holds the values' negatives)
+        return None
     num_models, batch, features = x.shape
     if not (num_models and batch and features) or (x.stride(2) != 1 and features != 1):
         return None
     for t in (*weights, *biases):
-        if t is not None and (type(t) not in _PLAIN or t.layout != torch.strided or not t.is_contiguous()):
+        if t is not None and (
+            type(t) not in _PLAIN or t.layout != torch.strided or not t.is_contiguous() or t.is_neg()
+        ):
             return None
     if not all(0 < w.shape[1] * w.shape[2] <= NATIVE_MAX_LAYER_MACS for w in weights):
         return None
@@ -417,6 +422,7 @@ def _native_backward(kernel, grad: Tensor, x: Tensor, weights, biases, kept, nee
     """Every weight's and bias's gradient and x's (where ``needs`` it, else None), from the forward's ``kept``."""
     if grad.layout != torch.strided:
         grad = grad.to_dense()
+    grad = grad.resolve_neg()  # (a negative view: the kernel reads memory)
     if grad.stride(2) != 1 and grad.shape[2] != 1:
         grad = grad.contiguous()
     num_models, batch, features = x.shape
