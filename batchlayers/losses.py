@@ -485,8 +485,8 @@ def _native_two_class_terms(input: Tensor, target: Tensor, divisor: float) -> tu
     ``(B, 2)`` rows are contiguous and int64 targets ``(M, B)`` whose rows are (a shared row too: model stride
     0). ``None`` where it does not apply, or where a target is neither 0 nor 1 or some ``x_1 - x_0`` is not
     finite: the caller's other paths then decide, as without the kernel. The kernel reads memory by address:
-    only dense tensors of the CPU (a target on another device, a meta one's address 0, a sparse one, go to
-    torch's ops and their errors)."""
+    only dense tensors of the CPU (a target on another device, a meta one's address 0, a sparse one, a negative
+    view, go to torch's ops and their errors)."""
     if (
         input.dim() != 3
         or type(input) is not Tensor
@@ -498,7 +498,9 @@ def _native_two_class_terms(input: Tensor, target: Tensor, divisor: float) -> tu
     ):
         return None
     num_models, batch = target.shape
-    if input.stride(2) != 1 or (batch > 1 and (input.stride(1) != 2 or target.stride(1) != 1)) or input.is_neg():
+    if input.stride(2) != 1 or (batch > 1 and (input.stride(1) != 2 or target.stride(1) != 1)):
+        return None
+    if input.is_neg() or target.is_neg():  # (negative views: their memory holds the values' negatives)
         return None
     kernel = _native_kernel("forward", input.dtype)
     if kernel is None:
@@ -530,6 +532,7 @@ def _native_two_class_input_grad(
         or grad.dtype != signed_probability.dtype
         or grad.device != signed_probability.device
         or grad.layout != torch.strided
+        or grad.is_neg()
         or not signed_probability.is_contiguous()
     ):
         return None

@@ -513,6 +513,9 @@ UNREADABLE = [
     ("sparse-target", lambda: logits(M, B, 2), lambda: torch.randint(0, 2, (M, B)).to_sparse()),
     ("sparse-target-one-sample", lambda: logits(M, 1, 2), lambda: torch.randint(0, 2, (M, 1)).to_sparse()),
     ("sparse-logits", lambda: logits(M, B, 2).to_sparse(), lambda: torch.randint(0, 2, (M, B))),
+    # negative views: their memory holds the values' negatives (targets 0 and -1 here, which torch refuses)
+    ("negative-target", lambda: logits(M, B, 2), lambda: torch._neg_view(torch.randint(0, 2, (M, B)))),
+    ("negative-logits", lambda: torch._neg_view(logits(M, B, 2)), lambda: torch.randint(0, 2, (M, B))),
 ]
 
 
@@ -526,7 +529,7 @@ def _outcome(fn):
 @pytest.mark.parametrize("case", UNREADABLE, ids=[c[0] for c in UNREADABLE])
 def test_two_class_native_kernel_never_reads_what_it_cannot(case, monkeypatch) -> None:
     """The kernel reads memory by address: a meta target (address 0: a crash once), a sparse one or sparse
-    logits never reach it, and the call does what it does without the kernel."""
+    logits, and negative views never reach it, and the call does what it does without the kernel."""
     _, make_logits, make_target = case
     torch.manual_seed(0)
     input, target = make_logits(), make_target()
@@ -540,6 +543,22 @@ def test_two_class_native_kernel_never_reads_what_it_cannot(case, monkeypatch) -
         assert with_kernel[1] == without[1]
     else:
         torch.testing.assert_close(with_kernel[1], without[1], rtol=0, atol=0)
+
+
+def test_two_class_native_backward_declines_a_negative_gradient(monkeypatch) -> None:
+    """An output gradient given as a negative view (its memory holds the values' negatives) goes to torch's
+    ops, with torch's cross entropy's input gradient."""
+    torch.manual_seed(0)
+    input, target = logits(M, B, 2), torch.randint(0, 2, (M, B))
+    grad = torch.randn(M, dtype=input.dtype)
+    calls = count_native_kernel_calls(monkeypatch)
+    x = input.clone().requires_grad_()
+    BL.cross_entropy(x, target).backward(torch._neg_view(-grad))  # (the values of grad)
+    assert calls == ["forward"], calls
+    for m in range(M):
+        xm = input[m].clone().requires_grad_()
+        (F.cross_entropy(xm, target[m]) * grad[m]).backward()
+        torch.testing.assert_close(x.grad[m], xm.grad, rtol=1e-10, atol=1e-10)
 
 
 def test_two_class_native_kernel_declines_rows_apart(monkeypatch) -> None:
