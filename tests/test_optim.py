@@ -922,6 +922,21 @@ def test_a_cache_directory_that_cannot_be_made_gives_a_temporary_one(monkeypatch
         _native._load.cache_clear()
 
 
+@pytest.mark.parametrize("negative", ["gradient", "parameter"])
+def test_negative_views_leave_the_native_kernel_out(negative, monkeypatch) -> None:
+    """A gradient or parameter given as a negative view (its memory holds the values' negatives): the native
+    kernel, which reads and writes memory (and stepped by the negated values), leaves it to torch's kernels,
+    which refuse it with their own error."""
+    torch.manual_seed(0)
+    native_calls = count_native_calls(monkeypatch)
+    value, grad = torch.randn(4, 3), torch.randn(4, 3)
+    p = torch.nn.Parameter(torch._neg_view(value) if negative == "parameter" else value)
+    p.grad = torch._neg_view(grad) if negative == "gradient" else grad
+    with pytest.raises(RuntimeError, match="negation"):
+        Adam([p], lr=torch.full((4,), 0.1, dtype=torch.float64), fused=True).step()  # (a rate per model)
+    assert native_calls == [], native_calls
+
+
 def test_no_models_leave_the_native_kernel_out() -> None:
     """An optimizer over parameters of zero models steps (nothing) without the kernel dividing by zero."""
     param = torch.nn.Parameter(torch.randn(0, 3))

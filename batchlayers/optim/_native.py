@@ -61,11 +61,12 @@ enabled = True
 
 _PLAIN = frozenset({Tensor, torch.nn.Parameter})
 _type_of, _dtype_of, _shape_of = type, attrgetter("dtype"), attrgetter("shape")
-_on_cpu, _is_contiguous, _data_ptr, _is_inference = (
+_on_cpu, _is_contiguous, _data_ptr, _is_inference, _is_neg = (
     attrgetter("is_cpu"),
     Tensor.is_contiguous,
     Tensor.data_ptr,
     Tensor.is_inference,
+    Tensor.is_neg,
 )
 
 
@@ -97,6 +98,7 @@ def operands(tensor_lists: Sequence[Sequence[Tensor]]) -> Operands | None:
             or set(map(_dtype_of, tensors)) != {torch.float32}
             or not all(map(_on_cpu, tensors))
             or not all(map(_is_contiguous, tensors))
+            or any(map(_is_neg, tensors))  # (a negative view: its memory holds the values' negatives)
             or list(map(_shape_of, tensors)) != shapes * len(tensor_lists)
         ):
             return None
