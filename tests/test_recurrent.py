@@ -978,3 +978,31 @@ def test_torch_func_transforms_run_the_plain_recurrence(kind, transform):
                 own_dual = forward_ad.make_dual(own[name].clone(), tangent[m])
                 own_out = torch.func.functional_call(module, {**own, name: own_dual}, (x[m],))[0]
                 assert_close(got[m], forward_ad.unpack_dual(own_out).tangent, msg=f"tangent of model {m}")
+
+
+@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+def test_backward_native_kernel_reads_negative_views_by_value(monkeypatch, kind):
+    """Initial states and the gradients by the output and the last states given as negative views (their memory
+    holds the values' negatives): the backward's kernel gets their values, as the loop's torch ops do."""
+    calls = _count_native_steps(monkeypatch)
+    torch.manual_seed(0)
+    batched, make_torch = build(kind, 3)
+    modules = unbatch(batched, make_torch)
+    x = network_input(3, False)
+    states = [_leaf(h) for h in _flatten_state(initial_state(kind, 3, (1, B)))]
+    negative = [torch._neg_view(-h) for h in states]  # (the same values)
+    out, last = batched(x, tuple(negative) if kind == "LSTM" else negative[0])
+    results = [out, *_flatten_state(last)]
+    grads = [torch.randn_like(r) for r in results]
+    torch.autograd.backward(results, [torch._neg_view(-g) for g in grads])
+    assert len(calls) == T
+    for m, module in enumerate(modules):
+        own = [_leaf(h[m]) for h in states]
+        out_m, last_m = module(x[m], tuple(own) if kind == "LSTM" else own[0])
+        results_m = [out_m, *_flatten_state(last_m)]
+        torch.autograd.backward(results_m, [g[m] for g in grads])
+        assert_close(out[m], out_m, msg=f"output of model {m}")
+        for k, (h, h_m) in enumerate(zip(states, own)):
+            assert_close(h.grad[m], h_m.grad, msg=f"initial state {k} gradient of model {m}")
+        for name, p in module.named_parameters():
+            assert_close(batched.get_parameter(name).grad[m], p.grad, msg=f"{name} gradient of model {m}")

@@ -757,7 +757,8 @@ def _gru_native_steps(
     steps, n, batch, gates = ghs.shape
     hidden = gates // 3
     size = ghs.element_size()
-    grad_hs, h0 = _units_contiguous(grad_hs), _units_contiguous(h0)
+    # (a negative view's memory holds the values' negatives: the kernel reads memory)
+    grad_hs, h0 = _units_contiguous(grad_hs.resolve_neg()), _units_contiguous(h0.resolve_neg())
     # Two buffers in turn for z times the gradient by h_t, onto which the product accumulates the gradient by
     # h_{t-1}: step t writes buffers[t % 2] and reads the other (the last step reads grad_last's copy).
     buffers = [ghs.new_empty(n, batch, hidden), ghs.new_empty(n, batch, hidden)]
@@ -811,8 +812,9 @@ def _lstm_native_steps(
     steps, n, batch, gates = acts.shape
     hidden = gates // 4
     size = acts.element_size()
-    grad_hs = _rows_contiguous(grad_hs)
-    grad_h = _rows_contiguous(grad_h_last)
+    # (a negative view's memory holds the values' negatives: the kernel reads memory; clone resolves it)
+    grad_hs = _rows_contiguous(grad_hs.resolve_neg())
+    grad_h = _rows_contiguous(grad_h_last.resolve_neg())
     grad_c = grad_c_last.clone(memory_format=torch.contiguous_format)
     # (acts, g_acts, cs, tanh_cs and grad_pre are this Function's own contiguous buffers)
     hs_ptr, acts_ptr, g_ptr = grad_hs.data_ptr(), acts.data_ptr(), g_acts.data_ptr()
