@@ -13,6 +13,9 @@ gradient as ``grad^T @ input`` directly in the weight's ``(M, out, in)`` layout 
 between the layers (the gradients follow the hidden tensors' layout) and copied once with the bias at the
 chain's end, so the output is contiguous as ``nn.Linear``'s. Results equal the
 unfused layers up to that summation order and the bias's rounding (float64 to ~1e-15).
+
+ReLU chains of small layers on the CPU run in batchlayers' own C kernels instead (``_mlp_native.c``,
+:func:`_native_kernels`): the whole chain in one call forward and one backward.
 """
 
 from __future__ import annotations
@@ -347,10 +350,9 @@ class _Chain(ctypes.Structure):
 def _native_kernels(x: Tensor, weights, biases, activations) -> tuple | None:
     """The C kernels ``(forward, backward)`` where they serve this chain, else None: ReLU between the layers,
     float32 or float64 on the CPU, plain dense tensors (no subclass or negative view, outside a
-    ``torch.compile`` trace),
-    ``(M, N, in)`` inputs whose rows are contiguous (any model stride: a shared input's 0 too), contiguous
-    weights and biases, every size at least 1 and every layer at most :data:`NATIVE_MAX_LAYER_MACS`
-    multiply-adds a sample."""
+    ``torch.compile`` trace), ``(M, N, in)`` inputs whose rows are contiguous (any model stride: a shared
+    input's 0 too), contiguous weights and biases, every size at least 1 and every layer at most
+    :data:`NATIVE_MAX_LAYER_MACS` multiply-adds a sample."""
     if not native_kernel or not x.is_cpu or any(name != "relu" for name, _ in activations):
         return None
     kernels = _KERNELS.get(x.dtype)

@@ -1,4 +1,4 @@
-/* batchlayers' hand-written chain of small linear layers with ReLU between them (see _mlp.py, _native_chain;
+/* batchlayers' hand-written chain of small linear layers with ReLU between them (see _mlp.py, _native_kernels;
  * batchlayers/_native.py compiles this file with the other kernels on first use).
  *
  * For M models, B samples and layers of d_0 -> d_1 -> ... -> d_L features, one call computes the whole forward
@@ -10,8 +10,8 @@
  * over the samples (`weight_gradient`: four at once, their lanes summed together). The input is transposed once
  * in the forward (kept for the backward), the output gradient once in the backward.
  *
- * Results equal torch's up to the summation order of each product (float64 to ~1e-15 relative). No product is
- * fused into an add (-ffp-contract=off): every clone of a function rounds the same way.
+ * Results equal torch's up to the summation order of each product (float64 within 1e-13 of torch's ops, tested).
+ * No product is fused into an add (-ffp-contract=off): every clone of a function rounds the same way.
  */
 #include <stdint.h>
 #include <string.h>
@@ -37,7 +37,7 @@ typedef float half_f32 __attribute__((vector_size(16), aligned(4)));
 #endif
 
 /* The four sums of s0, s1, s2 and s3's lanes into out[0..3]: pairs added across vectors (shuffles), not lane by
- * lane (a scalar sum of each vector cost more than the dot products' loop). */
+ * lane (summed lane by lane, the backward of a 10-20-2 MLP at M=64 took 126 us against 107). */
 INLINE void sum_lanes4_f32(vector_f32 s0, vector_f32 s1, vector_f32 s2, vector_f32 s3, float *out) {
     typedef int32_t index __attribute__((vector_size(32), unused));
     const vector_f32 a = SHUFFLE(s0, s1, index, 0, 8, 2, 10, 4, 12, 6, 14) +
