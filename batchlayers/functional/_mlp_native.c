@@ -158,6 +158,10 @@ typedef struct {
                     s2 += v * *(const V_##SUFFIX *)(x[2] + b);                                                      \
                     s3 += v * *(const V_##SUFFIX *)(x[3] + b);                                                      \
                 }                                                                                                   \
+                if (i + 4 <= k && full == batch) { /* four of grad_w's row: stored from the vector */               \
+                    sum_lanes4_##SUFFIX(s0, s1, s2, s3, grad_w + o * k + i);                                        \
+                    continue;                                                                                       \
+                }                                                                                                   \
                 T t[4];                                                                                             \
                 sum_lanes4_##SUFFIX(s0, s1, s2, s3, t);                                                             \
                 for (int j = 0; j < 4 && i + j < rows; j++) {                                                       \
