@@ -100,11 +100,11 @@ def applies(like: Tensor, *shape: int, min_bytes: int | None = None) -> bool:
     """Whether :func:`empty` keeps a buffer of ``shape`` like ``like`` (else it is ``like.new_empty(shape)``): a
     plain CPU tensor (no subclass: a fake tensor of a tracer, a transform's wrapper) of at least
     :data:`MIN_BYTES` (or ``min_bytes``)."""
-    return (
+    return (  # (the size before the device: most calls are small, and is_cpu is the cheaper test)
         enabled
         and type(like) is Tensor
-        and like.device.type == "cpu"
         and math.prod(shape) * like.element_size() >= (MIN_BYTES if min_bytes is None else min_bytes)
+        and like.is_cpu
     )
 
 
