@@ -528,6 +528,10 @@ NATIVE_CASES = {
     "rows-apart": ([(5, 7), nn.ReLU(), (7, 2)], F64, "rows-apart", 4, True),
     "models-inner": ([(5, 7), nn.ReLU(), (7, 2)], F64, "models-inner", 4, True),
     "features-apart": ([(5, 7), nn.ReLU(), (7, 2)], F64, "features-apart", 4, False),
+    # sizes that coincide (models = samples = features = 3): read by strides, never guessed from sizes
+    "all-three": ([(3, 3), nn.ReLU(), (3, 3)], F64, "per-model", 3, True),
+    "all-three-models-inner": ([(3, 3), nn.ReLU(), (3, 3)], F64, "models-inner", 3, True),
+    "all-three-rows-apart": ([(3, 3), nn.ReLU(), (3, 3)], F64, "rows-apart", 3, True),
     "negative-view": ([(5, 7), nn.ReLU(), (7, 2)], F64, "negative-view", 4, False),
     "401-a-sample-first": ([(401, 1), nn.ReLU(), (1, 2)], F64, "per-model", 4, False),
     "401-a-sample-last": ([(5, 7), nn.ReLU(), (7, 1), nn.ReLU(), (1, 401)], F64, "per-model", 4, False),
