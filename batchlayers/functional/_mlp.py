@@ -353,16 +353,14 @@ def _native_kernels(x: Tensor, weights, biases, activations) -> tuple | None:
     ``torch.compile`` trace), ``(M, N, in)`` inputs whose rows are contiguous (any model stride: a shared
     input's 0 too), contiguous weights and biases, every size at least 1 and every layer at most
     :data:`NATIVE_MAX_LAYER_MACS` multiply-adds a sample."""
-    if not native_kernel or not x.is_cpu or any(name != "relu" for name, _ in activations):
+    if not chain_may_fuse_natively(x, activations):
         return None
     kernels = _KERNELS.get(x.dtype)
     if kernels is None:
-        if x.dtype not in (torch.float32, torch.float64) or _native.library() is None:
+        forward = _native.kernel("chain_forward", x.dtype)  # (None: another dtype, or no library)
+        if forward is None:
             return None
-        kernels = _KERNELS[x.dtype] = (
-            _native.kernel("chain_forward", x.dtype),
-            _native.kernel("chain_backward", x.dtype),
-        )
+        kernels = _KERNELS[x.dtype] = (forward, _native.kernel("chain_backward", x.dtype))
     if x.dim() != 3 or type(x) not in _PLAIN or x.layout != torch.strided or torch.compiler.is_compiling():
         return None
     if x.is_neg():  # (a negative view: its memory holds the values' negatives)
